@@ -1,0 +1,248 @@
+"""A client's command channel: two single-producer/single-consumer rings.
+
+One segment per attached client, created by the daemon::
+
+    0     header (CHANNEL_HEADER): magic, layout version, sizes, offsets, pids
+    256   control words, uint64, each on its own 64-byte cache line (CTL_*)
+    1024  request records   RECORD[req_slots]    client -> daemon
+          response records  RECORD[resp_slots]   daemon -> client
+          request payload   bytes[req_payload]   arrays a request refers to
+          response payload  bytes[resp_payload]  arrays a response refers to
+
+Each ring has one producer and one consumer.  ``head`` and ``tail`` are
+monotonic uint64 counters (slot = counter % slots); only the producer writes
+``head`` and only the consumer writes ``tail``.  Payload bytes live in a
+byte ring beside the records: the producer places a payload contiguously
+(skipping to the start of the ring when it would wrap) and names it in the
+record as (pay_off, pay_len) with ``pay_off`` a monotonic byte counter; the
+consumer, after it is done with a record, sets ``pay_tail`` to that record's
+``pay_off + pay_len``, which frees every byte before it, skipped gap included.
+
+Publication order.  The producer writes the payload and the record, then
+stores ``head``.  On x86-64 (TSO) stores become visible in program order, and
+the consumer's loads of ``head`` then the record are not reordered either, so
+a consumer that sees the new head sees the whole record; the store is also a
+compiler barrier because it is an opaque call (``atomics.store``).  On ARM or
+POWER this needs a release store of ``head`` (stlr) and an acquire load on the
+consumer side (ldar), or a ``dmb ish`` on each side; the seq_cst atomics used
+here give exactly that on those targets, so the code is portable, but only
+x86-64 is tested.
+
+Sleeping.  A consumer that found nothing spins briefly, then sets its
+``*_SLEEPING`` word, re-checks ``head``, and only then waits on a semaphore;
+the producer publishes ``head`` and then reads that word, posting the
+semaphore if it is set.  Both sides use seq_cst store-then-load
+(``atomics.store_then_load``), so at least one of them sees the other and a
+wake-up cannot be lost.
+
+A misbehaving peer can only write its own channel.  Whatever values it puts
+in a record or a control word, ``check_record``/``pending`` bound every
+offset and count before use, so the daemon never reads or writes outside the
+channel's own arrays.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from . import atomics
+from .errors import CapacityError, LayoutError, ProtocolError
+from .segment import Segment
+
+CHANNEL_MAGIC = b"SHMRCHN\x00"
+CHANNEL_VERSION = 1
+
+RECORD = np.dtype([
+    ("op", "<u2"), ("status", "<u2"), ("table", "<u4"), ("seq", "<u8"),
+    ("a0", "<u8"), ("a1", "<u8"), ("a2", "<u8"), ("f0", "<f8"),
+    ("pay_off", "<u8"), ("pay_len", "<u8"),
+])
+assert RECORD.itemsize == 64
+
+CHANNEL_HEADER = np.dtype([
+    ("magic", "S8"), ("layout_version", "<u4"), ("header_size", "<u4"),
+    ("req_slots", "<u4"), ("resp_slots", "<u4"),
+    ("req_payload", "<u8"), ("resp_payload", "<u8"),
+    ("req_off", "<u8"), ("resp_off", "<u8"), ("req_pay_off", "<u8"), ("resp_pay_off", "<u8"),
+    ("client_pid", "<u8"), ("daemon_pid", "<u8"), ("segment_size", "<u8"),
+])
+CTL_OFF = 256
+CTL_WORDS = 96
+REC_OFF = 1024
+# control-word indices; 8 words apart so each sits on its own cache line
+CTL_REQ_HEAD = 0
+CTL_REQ_TAIL = 8
+CTL_REQ_PAY_TAIL = 16
+CTL_RESP_HEAD = 24
+CTL_RESP_TAIL = 32
+CTL_RESP_PAY_TAIL = 40
+CTL_DAEMON_SLEEPING = 48
+CTL_CLIENT_SLEEPING = 56
+
+ALIGN = 64
+
+
+def _align(x: int, a: int = ALIGN) -> int:
+    return (x + a - 1) // a * a
+
+
+class ChannelLayout:
+    def __init__(self, req_slots: int, resp_slots: int, req_payload: int, resp_payload: int):
+        self.req_slots, self.resp_slots = req_slots, resp_slots
+        self.req_payload, self.resp_payload = req_payload, resp_payload
+        self.req_off = REC_OFF
+        self.resp_off = self.req_off + req_slots * RECORD.itemsize
+        self.req_pay_off = _align(self.resp_off + resp_slots * RECORD.itemsize, 4096)
+        self.resp_pay_off = _align(self.req_pay_off + req_payload, 4096)
+        self.size = _align(self.resp_pay_off + resp_payload, 4096)
+
+
+class Ring:
+    """One direction of a channel.  Use it from one thread of the producer
+    process and one thread of the consumer process; never both ends from
+    the same object."""
+
+    def __init__(self, ctl, records, payload, head_w, tail_w, pay_tail_w, sleeping_w):
+        self.ctl = ctl
+        self.records = records
+        self.payload = payload
+        self.slots = records.shape[0]
+        self.pay_size = payload.shape[0]
+        self.head_w, self.tail_w, self.pay_tail_w, self.sleeping_w = head_w, tail_w, pay_tail_w, sleeping_w
+        # private cursor of whichever end this object serves
+        self.head = int(atomics.load(ctl, head_w))
+        self.pay_head = 0
+        self.tail = int(atomics.load(ctl, tail_w))
+
+    # ---- producer side ----
+    def room(self) -> int:
+        """Record slots free, or -1 if the consumer's tail is corrupt."""
+        used = self.head - int(atomics.load(self.ctl, self.tail_w))
+        if used < 0 or used > self.slots:
+            return -1
+        return self.slots - used
+
+    def place_payload(self, nbytes: int):
+        """Claim ``nbytes`` of contiguous payload; returns (pay_off, uint8 view)
+        or None when the consumer has not freed enough yet."""
+        if nbytes == 0:
+            return 0, self.payload[:0]
+        need = _align(nbytes)
+        if need > self.pay_size:
+            raise CapacityError(
+                f"payload of {nbytes} bytes exceeds the channel's {self.pay_size}-byte area")
+        pos = self.pay_head % self.pay_size
+        start = self.pay_head if pos + need <= self.pay_size else self.pay_head + (self.pay_size - pos)
+        pay_tail = int(atomics.load(self.ctl, self.pay_tail_w))
+        if start + need - pay_tail > self.pay_size:
+            return None
+        self.pay_head = start + need
+        p = start % self.pay_size
+        return start, self.payload[p:p + nbytes]
+
+    def put(self, op, table=0, seq=0, a0=0, a1=0, a2=0, f0=0.0, pay_off=0, pay_len=0, status=0):
+        """Write the next record (caller checked room()); not yet visible."""
+        rec = self.records[self.head % self.slots]
+        rec["op"], rec["status"], rec["table"], rec["seq"] = op, status, table, seq
+        rec["a0"], rec["a1"], rec["a2"], rec["f0"] = a0, a1, a2, f0
+        rec["pay_off"], rec["pay_len"] = pay_off, pay_len
+        self.head += 1
+
+    def publish(self) -> bool:
+        """Make every put() record visible; True if the consumer sleeps and
+        must be woken."""
+        return atomics.store_then_load(self.ctl, self.head_w, self.head, self.sleeping_w) != 0
+
+    # ---- consumer side ----
+    def pending(self) -> int:
+        """Records ready to read; raises ProtocolError on a corrupt head."""
+        n = int(atomics.load(self.ctl, self.head_w)) - self.tail
+        if n < 0 or n > self.slots:
+            raise ProtocolError(f"ring head moved to an impossible position ({n} records pending)")
+        return n
+
+    def peek(self, i: int = 0):
+        return self.records[(self.tail + i) % self.slots]
+
+    def payload_of(self, rec) -> np.ndarray:
+        """The payload bytes a record names, bounds-checked."""
+        off, ln = int(rec["pay_off"]), int(rec["pay_len"])
+        if ln == 0:
+            return self.payload[:0]
+        p = off % self.pay_size
+        if ln > self.pay_size or p + ln > self.pay_size:
+            raise ProtocolError(f"record payload ({off}, {ln}) lies outside the payload area")
+        return self.payload[p:p + ln]
+
+    def consume(self, count: int, pay_end: int | None) -> None:
+        """Hand ``count`` records (and payload up to pay_end) back to the producer."""
+        self.tail += count
+        if pay_end is not None:
+            atomics.store(self.ctl, self.pay_tail_w, pay_end)
+        atomics.store(self.ctl, self.tail_w, self.tail)
+
+    def set_sleeping(self) -> bool:
+        """Announce that the consumer will sleep; True if work arrived meanwhile."""
+        return atomics.store_then_load(self.ctl, self.sleeping_w, 1, self.head_w) != self.tail
+
+    def clear_sleeping(self) -> None:
+        atomics.store(self.ctl, self.sleeping_w, 0)
+
+
+class Channel:
+    """The mapped channel segment with its two rings."""
+
+    def __init__(self, seg: Segment, layout: ChannelLayout):
+        self.seg = seg
+        self.layout = layout
+        buf = seg.buf
+        self.header = np.ndarray((), CHANNEL_HEADER, buffer=buf, offset=0)
+        self.ctl = np.ndarray((CTL_WORDS,), np.uint64, buffer=buf, offset=CTL_OFF)
+        lo = layout
+        req_recs = np.ndarray((lo.req_slots,), RECORD, buffer=buf, offset=lo.req_off)
+        resp_recs = np.ndarray((lo.resp_slots,), RECORD, buffer=buf, offset=lo.resp_off)
+        req_pay = np.ndarray((lo.req_payload,), np.uint8, buffer=buf, offset=lo.req_pay_off)
+        resp_pay = np.ndarray((lo.resp_payload,), np.uint8, buffer=buf, offset=lo.resp_pay_off)
+        self.requests = Ring(self.ctl, req_recs, req_pay, CTL_REQ_HEAD, CTL_REQ_TAIL,
+                             CTL_REQ_PAY_TAIL, CTL_DAEMON_SLEEPING)
+        self.responses = Ring(self.ctl, resp_recs, resp_pay, CTL_RESP_HEAD, CTL_RESP_TAIL,
+                              CTL_RESP_PAY_TAIL, CTL_CLIENT_SLEEPING)
+
+    @classmethod
+    def create(cls, name: str, layout: ChannelLayout, client_pid: int, daemon_pid: int,
+               mode: int = 0o600) -> "Channel":
+        seg = Segment.create(name, layout.size, mode)
+        h = np.ndarray((), CHANNEL_HEADER, buffer=seg.buf, offset=0)
+        h["layout_version"], h["header_size"] = CHANNEL_VERSION, REC_OFF
+        h["req_slots"], h["resp_slots"] = layout.req_slots, layout.resp_slots
+        h["req_payload"], h["resp_payload"] = layout.req_payload, layout.resp_payload
+        h["req_off"], h["resp_off"] = layout.req_off, layout.resp_off
+        h["req_pay_off"], h["resp_pay_off"] = layout.req_pay_off, layout.resp_pay_off
+        h["client_pid"], h["daemon_pid"], h["segment_size"] = client_pid, daemon_pid, layout.size
+        h["magic"] = CHANNEL_MAGIC
+        del h
+        return cls(seg, layout)
+
+    @classmethod
+    def attach(cls, name: str) -> "Channel":
+        seg = Segment.attach(name)
+        try:
+            h = np.ndarray((), CHANNEL_HEADER, buffer=seg.buf, offset=0)
+            if bytes(h["magic"]) != CHANNEL_MAGIC:
+                raise LayoutError(f"segment {name} is not a shmreplay channel")
+            if int(h["layout_version"]) != CHANNEL_VERSION:
+                raise LayoutError(f"channel {name} has layout version {int(h['layout_version'])}, "
+                                  f"this build reads {CHANNEL_VERSION}")
+            layout = ChannelLayout(int(h["req_slots"]), int(h["resp_slots"]),
+                                   int(h["req_payload"]), int(h["resp_payload"]))
+            if layout.size != seg.size or layout.req_off != int(h["req_off"]):
+                raise LayoutError(f"channel {name}: header disagrees with its size")
+            del h
+            return cls(seg, layout)
+        except BaseException:
+            seg.close()
+            raise
+
+    def release(self) -> None:
+        self.header = self.ctl = self.requests = self.responses = None
+        self.seg.close()

@@ -1,0 +1,526 @@
+"""The client library: what actor and learner processes import.
+
+A ``Client`` holds one control connection (its lease) and one command
+channel.  It is not thread-safe: use it from one thread at a time (give each
+thread its own ``connect()``).  After ``fork`` the child's first call opens
+a fresh connection and channel; a ``Client`` or ``Table`` can be pickled
+into a ``spawn``ed process, where it reconnects by socket path.
+
+Data path (no payload byte passes through the daemon):
+
+* insert: RESERVE n slots (one round trip), copy each field straight into
+  the ring's rows, COMMIT with priorities (streamed, no reply);
+* sample: SAMPLE (one round trip) returns keys, probabilities and weights;
+  the client gathers rows itself with ``np.take`` and then re-reads each
+  slot's generation stamp; rows whose stamp changed were overwritten while
+  being read and are drawn again, so a batch never holds a torn row.
+
+Errors of streamed commands (COMMIT, UPDATE) come back asynchronously and
+are raised by the next call on the client, or by ``flush()``.
+"""
+
+from __future__ import annotations
+
+import os
+import select
+import socket
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import posix_ipc
+
+from . import atomics
+from . import commands as C
+from .channel import CTL_RESP_HEAD, Channel
+from .config import client_socket_path
+from .errors import (DaemonUnavailable, FieldError, PriorityError, ProtocolError, ReplayError,
+                     ReplayTimeout, error_from_code, error_from_name)
+from .layout import LIVE_SIZE, TableMap
+from .protocol import PROTOCOL_VERSION, FrameDecoder, encode
+from .schema import make_spec, spec_from_wire
+from .sumtree import first_invalid_priority
+
+DEFAULT_TIMEOUT = 30.0
+SPIN_ITERATIONS = 20000  # ~20-40 us of atomic loads before sleeping
+_U32 = np.uint64(C.SLOT_BITS)
+_MASK = np.uint64(C.SLOT_MASK)
+
+
+def connect(path: str | None = None, timeout: float = DEFAULT_TIMEOUT) -> "Client":
+    """Connect to a daemon: ``path``, else $SHMREPLAY_SOCKET, else the default path."""
+    return Client(client_socket_path(path), timeout)
+
+
+@dataclass
+class SampleBatch:
+    """One sampled batch.  ``data[f]`` has shape (n, *field.shape)."""
+
+    data: dict
+    keys: np.ndarray           # uint64: generation << 32 | slot
+    probabilities: np.ndarray  # float64: P(i) when drawn
+    weights: np.ndarray        # float64: importance weights, max 1 over the table
+    redraws: int = 0           # rows drawn again because their slot was overwritten
+
+    @property
+    def indices(self) -> np.ndarray:
+        return (self.keys & _MASK).astype(np.int64)
+
+    def __len__(self) -> int:
+        return self.keys.shape[0]
+
+
+class Client:
+    def __init__(self, path: str, timeout: float = DEFAULT_TIMEOUT):
+        self.path = path
+        self.timeout = float(timeout)
+        self._tables: dict[str, Table] = {}
+        self._sock = None
+        self._open()
+
+    # ---- pickling / fork ----
+    def __reduce__(self):
+        return (Client, (self.path, self.timeout))
+
+    def _check_fork(self) -> None:
+        if self._pid != os.getpid():
+            # the parent's socket and channel belong to the parent's lease
+            self._sock = None
+            self._chan = None
+            self._open()
+
+    # ---- connection ----
+    def _open(self) -> None:
+        self._pid = os.getpid()
+        self._closed = False
+        self._deferred: ReplayError | None = None
+        self._bye: ReplayError | None = None
+        self._seq = 0
+        self._next_id = 1
+        self._decoder = FrameDecoder()
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(self.timeout)
+        try:
+            sock.connect(self.path)
+        except (FileNotFoundError, ConnectionRefusedError) as exc:
+            sock.close()
+            raise DaemonUnavailable(
+                f"no shmreplay daemon at {self.path} ({exc.strerror}); start shmreplayd or "
+                "set $SHMREPLAY_SOCKET") from None
+        except socket.timeout:
+            sock.close()
+            raise ReplayTimeout(f"connecting to {self.path} timed out after {self.timeout} s") from None
+        self._sock = sock
+        self._poll = select.poll()
+        self._poll.register(sock.fileno(), select.POLLIN)
+        try:
+            w = self._request("hello", protocol=PROTOCOL_VERSION, pid=os.getpid())
+            self.daemon_pid = w["daemon_pid"]
+            self.max_batch = int(w["max_batch"])
+            self._chan = Channel.attach(w["channel"])
+            self._sem = posix_ipc.Semaphore(w["channel_sem"])
+            self._doorbell = posix_ipc.Semaphore(w["doorbell"])
+            self._request("ready")
+        except BaseException:
+            sock.close()
+            self._sock = None
+            raise
+        self._req = self._chan.requests
+        self._resp = self._chan.responses
+
+    def close(self) -> None:
+        """Wait until my inserts are applied (bounded), then end the lease."""
+        if self._closed or self._sock is None or self._pid != os.getpid():
+            self._closed = True
+            return
+        try:
+            self.flush()
+        except ReplayError:
+            pass
+        finally:
+            self._closed = True
+            self._sock.close()
+            for sem in (self._sem, self._doorbell):
+                sem.close()
+
+    def __enter__(self) -> "Client":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # ---- control plane ----
+    def _request(self, op: str, **args) -> dict:
+        if self._bye is not None:
+            raise self._bye
+        rid = self._next_id
+        self._next_id += 1
+        try:
+            self._sock.sendall(encode({"op": op, "id": rid, **args}))
+            while True:
+                data = self._sock.recv(1 << 16)
+                if not data:
+                    raise DaemonUnavailable(f"daemon at {self.path} closed the connection")
+                for msg in self._decoder.feed(data):
+                    if msg.get("op") == "bye":
+                        self._bye = error_from_name(msg.get("error"), str(msg.get("message")))
+                        raise self._bye
+                    if msg.get("id") == rid:
+                        if msg.get("ok"):
+                            return msg
+                        raise error_from_name(msg.get("error"), str(msg.get("message")))
+        except socket.timeout:
+            raise ReplayTimeout(f"daemon did not answer {op!r} within {self.timeout} s") from None
+        except (BrokenPipeError, ConnectionResetError) as exc:
+            raise DaemonUnavailable(f"daemon at {self.path} went away: {exc}") from None
+
+    def _live(self) -> None:
+        """Raise DaemonUnavailable (or the daemon's bye reason) if the lease ended."""
+        if self._bye is not None:
+            raise self._bye
+        if not self._poll.poll(0):
+            return
+        try:
+            data = self._sock.recv(1 << 16, socket.MSG_DONTWAIT)
+        except BlockingIOError:
+            return
+        except OSError as exc:
+            raise DaemonUnavailable(f"daemon at {self.path} went away: {exc}") from None
+        if not data:
+            self._bye = DaemonUnavailable(f"daemon at {self.path} closed the connection")
+            raise self._bye
+        for msg in self._decoder.feed(data):
+            if msg.get("op") == "bye":
+                self._bye = error_from_name(msg.get("error"), str(msg.get("message")))
+                raise self._bye
+
+    def create_table(self, name, capacity, fields, sampler="prioritized", alpha=0.6,
+                     exist_ok=False) -> "Table":
+        """Create a table (see schema.make_spec); ``exist_ok`` returns an
+        existing table with the same definition instead of raising."""
+        self._check_fork()
+        spec = make_spec(name, capacity, fields, sampler, alpha)
+        desc = self._request("create_table", spec=spec.to_wire(), exist_ok=bool(exist_ok))["table"]
+        return self._adopt(desc)
+
+    def table(self, name: str) -> "Table":
+        """Attach to an existing table (UnknownTable if there is none)."""
+        self._check_fork()
+        t = self._tables.get(name)
+        if t is not None:
+            return t
+        return self._adopt(self._request("open_table", name=name)["table"])
+
+    def _adopt(self, desc: dict) -> "Table":
+        t = self._tables.get(desc["spec"]["name"])
+        if t is not None and t.id == desc["id"]:
+            return t
+        t = Table(self, desc)
+        self._tables[t.name] = t
+        return t
+
+    def drop_table(self, name: str) -> None:
+        self._check_fork()
+        self._request("drop_table", name=name)
+        self._tables.pop(name, None)
+
+    def list_tables(self) -> list[str]:
+        self._check_fork()
+        return [d["spec"]["name"] for d in self._request("list_tables")["tables"]]
+
+    def stats(self) -> dict:
+        """Daemon-wide and per-table counters (one control round trip)."""
+        self._check_fork()
+        msg = self._request("stats")
+        msg.pop("id", None)
+        msg.pop("ok", None)
+        return msg
+
+    # ---- data plane ----
+    def _send(self, op: int, table: int = 0, a0: int = 0, a1: int = 0, f0: float = 0.0,
+              payload: tuple = ()) -> int:
+        ring = self._req
+        nbytes = sum(p.nbytes for p in payload)
+        deadline = None
+        while True:
+            placed = ring.place_payload(nbytes) if ring.room() > 0 else None
+            if placed is not None:
+                break
+            # the daemon is behind; it frees room without waking us, so poll
+            if deadline is None:
+                deadline = time.monotonic() + self.timeout
+            self._live()
+            if time.monotonic() > deadline:
+                raise ReplayTimeout(f"command ring stayed full for {self.timeout} s")
+            time.sleep(20e-6)
+        off, view = placed
+        pos = 0
+        for p in payload:
+            b = p.view(np.uint8).reshape(-1)
+            view[pos:pos + b.shape[0]] = b
+            pos += b.shape[0]
+        self._seq += 1
+        ring.put(op, table, self._seq, a0, a1, 0, f0, off, nbytes)
+        if ring.publish():
+            self._doorbell.release()
+        return self._seq
+
+    def _wait(self, seq: int, take):
+        """Wait for the reply to ``seq``; ``take(rec, payload)`` copies what it
+        needs before the payload is handed back to the daemon."""
+        ring = self._resp
+        deadline = time.monotonic() + self.timeout
+        while True:
+            while ring.pending():
+                rec = ring.peek(0)
+                pay = ring.payload_of(rec)
+                found = int(rec["seq"]) == seq
+                status = int(rec["status"])
+                try:
+                    if status:
+                        err = error_from_code(status, bytes(pay).decode("utf-8", "replace"))
+                        if found:
+                            raise err
+                        if self._deferred is None:
+                            self._deferred = err
+                    elif found:
+                        return take(rec, pay)
+                finally:
+                    end = int(rec["pay_off"]) + int(rec["pay_len"]) if pay.shape[0] else None
+                    ring.consume(1, end)
+            if seq == 0:
+                return None
+            self._sleep(ring, deadline)
+
+    def _sleep(self, ring, deadline: float) -> None:
+        if atomics.spin_until_changed(ring.ctl, CTL_RESP_HEAD, ring.tail, SPIN_ITERATIONS) != ring.tail:
+            return
+        if ring.set_sleeping():
+            ring.clear_sleeping()
+            return
+        remaining = deadline - time.monotonic()
+        try:
+            self._sem.acquire(max(0.0, min(0.05, remaining)))
+            return
+        except posix_ipc.BusyError:
+            pass
+        finally:
+            ring.clear_sleeping()
+        self._live()
+        if time.monotonic() > deadline:
+            raise ReplayTimeout(f"daemon did not answer within {self.timeout} s")
+
+    def _begin(self) -> None:
+        """Common prologue of data calls: fork check, liveness, deferred errors."""
+        if self._closed:
+            raise ReplayError("client is closed")
+        self._check_fork()
+        if self._resp.pending():
+            self._wait(0, None)
+        if self._deferred is not None:
+            err, self._deferred = self._deferred, None
+            raise err
+
+    def flush(self) -> None:
+        """Return once every command sent so far has been applied."""
+        self._begin()
+        self._wait(self._send(C.FLUSH), lambda rec, pay: None)
+        if self._deferred is not None:
+            err, self._deferred = self._deferred, None
+            raise err
+
+
+class Table:
+    """A handle on one table; cheap, cached per client.  Same threading rule as Client."""
+
+    def __init__(self, client: Client, desc: dict):
+        self._client = client
+        self.id = int(desc["id"])
+        self.spec = spec_from_wire(desc["spec"])
+        self.name = self.spec.name
+        self._map = TableMap.attach(desc["segment"], self.spec)
+        self._views = self._map.fields
+        self._fields = self.spec.fields
+        self._names = frozenset(f.name for f in self._fields)
+
+    def __reduce__(self):
+        return (_reopen, (self._client, self.name))
+
+    def __len__(self) -> int:
+        return int(self._map.live[LIVE_SIZE])
+
+    def __repr__(self) -> str:
+        return f"<shmreplay.Table {self.name!r} {len(self)}/{self.spec.capacity}>"
+
+    @property
+    def capacity(self) -> int:
+        return self.spec.capacity
+
+    # ---- writing ----
+    def _check(self, data, batch: bool) -> tuple[list, int]:
+        if not isinstance(data, dict):
+            raise FieldError(f"table {self.name!r}: data must be a dict of field -> array")
+        if data.keys() != self._names:
+            missing = sorted(self._names - data.keys())
+            unknown = sorted(data.keys() - self._names)
+            parts = ([f"missing field(s) {missing}"] if missing else []) + (
+                [f"unknown field(s) {unknown}"] if unknown else [])
+            raise FieldError(f"table {self.name!r}: {', '.join(parts)}; "
+                             f"its fields are {sorted(self._names)}")
+        arrays, n = [], None
+        for f in self._fields:
+            v = data[f.name]
+            a = v if isinstance(v, np.ndarray) else np.asarray(v)
+            if a.dtype != f.dtype and not np.can_cast(a.dtype, f.dtype, "same_kind"):
+                raise FieldError(f"table {self.name!r}, field {f.name!r}: dtype {a.dtype} "
+                                 f"cannot be stored as {f.dtype}")
+            if batch:
+                if a.shape[1:] != f.shape or a.ndim != len(f.shape) + 1:
+                    raise FieldError(f"table {self.name!r}, field {f.name!r}: shape {a.shape}, "
+                                     f"expected (n, {', '.join(map(str, f.shape))})".replace(", )", ")"))
+                if n is None:
+                    n = a.shape[0]
+                elif a.shape[0] != n:
+                    raise FieldError(f"table {self.name!r}: field {f.name!r} has {a.shape[0]} "
+                                     f"items, earlier fields have {n}")
+            elif a.shape != f.shape:
+                raise FieldError(f"table {self.name!r}, field {f.name!r}: shape {a.shape}, "
+                                 f"expected {f.shape}")
+            arrays.append(a)
+        return arrays, (n if batch else 1)
+
+    def insert(self, priority=None, **fields) -> None:
+        """Insert one item; ``priority=None`` means the max priority seen so far."""
+        arrays, _ = self._check(fields, batch=False)
+        prios = None if priority is None else _priorities([priority], 1)
+        self._client._begin()
+        self._write(arrays, 1, prios, single=True)
+
+    def insert_batch(self, data: dict, priorities=None) -> None:
+        """Insert n items; every field's leading dimension is n."""
+        arrays, n = self._check(data, batch=True)
+        prios = None if priorities is None else _priorities(priorities, n)
+        if n == 0:
+            return
+        self._client._begin()
+        step = self._client.max_batch
+        for lo in range(0, n, step):
+            hi = min(n, lo + step)
+            self._write([a[lo:hi] for a in arrays], hi - lo,
+                        None if prios is None else prios[lo:hi], single=False)
+
+    def _write(self, arrays: list, n: int, prios, single: bool) -> None:
+        cl = self._client
+        seq = cl._send(C.RESERVE, self.id, a0=n)
+        rid, contiguous, slots = cl._wait(seq, _take_reservation)
+        try:
+            for f, a in zip(self._fields, arrays):
+                view = self._views[f.name]
+                if single:
+                    view[slots[0]] = a
+                elif contiguous:
+                    view[slots[0]:slots[0] + n] = a
+                else:
+                    view[slots] = a
+        except BaseException:
+            cl._send(C.ABORT, self.id, a0=rid)
+            raise
+        cl._send(C.COMMIT, self.id, a0=rid, a1=n, payload=() if prios is None else (prios,))
+
+    def flush(self) -> None:
+        """Return when all my inserts (on any table of this client) are sampleable."""
+        self._client.flush()
+
+    # ---- reading ----
+    def sample(self, batch_size: int, beta: float = 0.4, out: SampleBatch | None = None) -> SampleBatch:
+        """Draw ``batch_size`` items.  With ``out=`` (an earlier batch of the
+        same size) the rows are gathered into its arrays instead of new ones."""
+        n = int(batch_size)
+        if not 1 <= n <= self._client.max_batch:
+            raise ReplayError(f"batch_size {batch_size} outside 1..{self._client.max_batch}")
+        beta = float(beta)
+        if not (0.0 <= beta < np.inf):
+            raise ReplayError(f"beta must be finite and >= 0, got {beta}")
+        cl = self._client
+        cl._begin()
+        if out is None:
+            out = SampleBatch({f.name: np.empty((n, *f.shape), f.dtype) for f in self._fields},
+                              np.empty(n, np.uint64), np.empty(n), np.empty(n))
+        elif len(out) != n:
+            raise ReplayError(f"out= holds {len(out)} rows, batch_size is {n}")
+        self._draw(out, np.arange(n), beta)
+        out.redraws = 0
+        gens = self._map.gens
+        deadline = time.monotonic() + cl.timeout
+        while True:
+            # read the stamps only after the rows: if a writer got a slot
+            # during the gather, its reservation bumped the stamp first
+            bad = np.flatnonzero(gens[out.keys & _MASK].astype(np.uint64) != (out.keys >> _U32))
+            if bad.shape[0] == 0:
+                return out
+            if time.monotonic() > deadline:
+                raise ReplayTimeout(f"could not draw {n} stable rows within {cl.timeout} s")
+            out.redraws += bad.shape[0]
+            self._draw(out, bad, beta)
+
+    def _draw(self, out: SampleBatch, rows: np.ndarray, beta: float) -> None:
+        cl = self._client
+        k = rows.shape[0]
+        seq = cl._send(C.SAMPLE, self.id, a0=k, f0=beta)
+
+        def take(rec, pay):
+            kk = int(rec["a0"])
+            if kk != k or pay.shape[0] != 24 * k:
+                raise ProtocolError(f"SAMPLE reply carries {kk} items / {pay.shape[0]} bytes")
+            out.keys[rows] = pay[:8 * k].view(np.uint64)
+            out.probabilities[rows] = pay[8 * k:16 * k].view(np.float64)
+            out.weights[rows] = pay[16 * k:].view(np.float64)
+
+        cl._wait(seq, take)
+        slots = (out.keys[rows] & _MASK).astype(np.intp)
+        whole = k == out.keys.shape[0]
+        for f in self._fields:
+            if whole:
+                np.take(self._views[f.name], slots, axis=0, out=out.data[f.name], mode="clip")
+            else:
+                out.data[f.name][rows] = self._views[f.name][slots]
+
+    def update_priorities(self, keys, priorities) -> None:
+        """Set new priorities for sampled keys; keys whose slot has been
+        overwritten since are ignored (and counted in the table's stats)."""
+        keys = np.ascontiguousarray(keys, dtype=np.uint64)
+        if keys.ndim != 1:
+            raise PriorityError(f"keys must be 1-D, got shape {keys.shape}")
+        n = keys.shape[0]
+        prios = _priorities(priorities, n)
+        cl = self._client
+        cl._begin()
+        cl._live()
+        step = cl.max_batch
+        for lo in range(0, n, step):
+            hi = min(n, lo + step)
+            cl._send(C.UPDATE, self.id, a0=hi - lo, payload=(keys[lo:hi], prios[lo:hi]))
+
+
+def _take_reservation(rec, pay):
+    n = int(rec["a2"])
+    if pay.shape[0] != 4 * n:
+        raise ProtocolError(f"RESERVE reply of {n} slots carries {pay.shape[0]} bytes")
+    return int(rec["a0"]), bool(rec["a1"]), pay.view(np.uint32).astype(np.intp)
+
+
+def _priorities(values, n: int) -> np.ndarray:
+    try:
+        p = np.ascontiguousarray(values, dtype=np.float64).reshape(-1)
+    except (TypeError, ValueError) as exc:
+        raise PriorityError(f"priorities are not numbers: {exc}") from None
+    if p.shape[0] != n:
+        raise PriorityError(f"expected {n} priorities, got {p.shape[0]}")
+    bad = first_invalid_priority(p)
+    if bad >= 0:
+        raise PriorityError(f"priority[{bad}] = {p[bad]!r} is not a finite number >= 0")
+    return p
+
+
+def _reopen(client: Client, name: str) -> Table:
+    return client.table(name)

@@ -1,0 +1,302 @@
+"""The daemon's data plane: one thread that owns every table and channel.
+
+All table state is touched by this thread only, so tables need no locks.
+The control plane (asyncio thread) reaches it in two ways:
+
+* ``submit(fn, *args)`` queues a call to run on the engine thread between
+  bursts and returns a ``concurrent.futures.Future`` (table create/drop,
+  client attach/detach, stats);
+* it rings the doorbell semaphore so a sleeping engine notices the call.
+
+Loop: run queued calls; serve every channel (up to BURST records each, for
+fairness, then one publish of the responses); if nothing was found, spin for
+``spin_us`` re-checking the ring heads, then announce sleep in every channel
+and wait on the doorbell (clients post it when they see the announcement).
+An idle engine therefore sleeps in ``sem_wait`` and uses no CPU.
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import logging
+import queue
+import threading
+import time
+
+import numpy as np
+import posix_ipc
+
+from . import commands as C
+from .channel import Channel
+from .errors import CapacityError, ProtocolError, ReplayError, UnknownTable
+from .table import Table
+
+log = logging.getLogger("shmreplayd.engine")
+
+BURST = 64
+MAX_OUTBOX = 1024  # responses a client may leave unread before it is cut off
+
+
+class ClientState:
+    def __init__(self, cid: int, pid: int, channel: Channel, sem: posix_ipc.Semaphore):
+        self.id = cid
+        self.pid = pid
+        self.channel = channel
+        self.req = channel.requests
+        self.resp = channel.responses
+        self.sem = sem
+        self.outbox: collections.deque = collections.deque()
+        self.commands = 0
+
+
+class Engine:
+    def __init__(self, doorbell: posix_ipc.Semaphore, spin_us: float = 50.0,
+                 idle_timeout: float = 1.0, on_client_error=None):
+        self.doorbell = doorbell
+        self.spin_s = spin_us * 1e-6
+        self.idle_timeout = idle_timeout
+        self.on_client_error = on_client_error or (lambda cid, exc: None)
+        self.tables: dict[int, Table] = {}
+        self.by_name: dict[str, Table] = {}
+        self.clients: dict[int, ClientState] = {}
+        self.dropped: dict[int, ClientState] = {}  # cut off, awaiting unmap by the control plane
+        self.calls: queue.SimpleQueue = queue.SimpleQueue()
+        self.stopping = False
+        self.thread: threading.Thread | None = None
+        self.stats = {"commands": 0, "wakeups": 0, "sleeps": 0, "disconnects": 0}
+
+    # ---- control-plane entry points (any thread) ----
+    def start(self) -> None:
+        self.thread = threading.Thread(target=self._run, name="shmreplay-engine", daemon=True)
+        self.thread.start()
+
+    def submit(self, fn, *args) -> concurrent.futures.Future:
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        self.calls.put((fn, args, fut))
+        self.doorbell.release()
+        return fut
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self.stopping = True
+        self.doorbell.release()
+        if self.thread is not None:
+            self.thread.join(timeout)
+
+    # ---- engine thread ----
+    def _run(self) -> None:
+        try:
+            while not self.stopping:
+                worked = self._run_calls()
+                worked = self._serve_all() or worked
+                if worked or self._spin():
+                    continue
+                self._sleep()
+            self._run_calls()
+        except BaseException:  # the engine dying silently would hang every client
+            log.exception("engine thread crashed")
+            raise
+
+    def _run_calls(self) -> bool:
+        ran = False
+        while True:
+            try:
+                fn, args, fut = self.calls.get_nowait()
+            except queue.Empty:
+                return ran
+            ran = True
+            if not fut.set_running_or_notify_cancel():
+                continue
+            try:
+                fut.set_result(fn(*args))
+            except BaseException as exc:  # handed to the caller, not swallowed
+                fut.set_exception(exc)
+
+    def _serve_all(self) -> bool:
+        worked = False
+        for cl in list(self.clients.values()):
+            try:
+                worked = self._serve(cl) or worked
+            except ProtocolError as exc:
+                log.warning("client %d (pid %d): %s; disconnecting it", cl.id, cl.pid, exc)
+                self._drop(cl)
+                self.on_client_error(cl.id, exc)
+        return worked
+
+    def _serve(self, cl: ClientState, limit: int = BURST) -> bool:
+        n = min(cl.req.pending(), limit)
+        pay_end = None
+        for i in range(n):
+            rec = cl.req.peek(i)
+            end = self._handle(cl, rec)
+            if end is not None:
+                pay_end = end
+        if n:
+            cl.req.consume(n, pay_end)
+            cl.commands += n
+            self.stats["commands"] += n
+        self._flush(cl)
+        return n > 0
+
+    def _handle(self, cl: ClientState, rec) -> int | None:
+        """Apply one request; returns the end of its payload (or None)."""
+        op, seq = int(rec["op"]), int(rec["seq"])
+        pay = cl.req.payload_of(rec)   # bounds-checked; ProtocolError disconnects
+        end = int(rec["pay_off"]) + int(rec["pay_len"]) if pay.shape[0] else None
+        if op not in C.NAMES:
+            raise ProtocolError(f"unknown command op {op} in the request ring")
+        try:
+            if op == C.FLUSH:
+                self._respond(cl, op, seq)
+                return end
+            table = self.tables.get(int(rec["table"]))
+            if table is None:
+                raise UnknownTable(f"no table with id {int(rec['table'])} (dropped?)")
+            if op == C.RESERVE:
+                n = _count(rec["a0"], "RESERVE")
+                rid, slots, contiguous = table.reserve(cl.id, n)
+                self._respond(cl, op, seq, a0=rid, a1=int(contiguous), a2=n,
+                              payload=(slots.astype(np.uint32),))
+            elif op == C.COMMIT:
+                n = _count(rec["a1"], "COMMIT")
+                prios = _f64(pay, n, "COMMIT") if pay.shape[0] else None
+                table.commit(cl.id, int(rec["a0"]), prios)
+            elif op == C.ABORT:
+                table.abort(cl.id, int(rec["a0"]))
+            elif op == C.SAMPLE:
+                n = _count(rec["a0"], "SAMPLE")
+                keys, probs, weights = table.sample(n, float(rec["f0"]))
+                self._respond(cl, op, seq, a0=n, payload=(keys, probs, weights))
+            elif op == C.UPDATE:
+                n = _count(rec["a0"], "UPDATE")
+                if pay.shape[0] != 16 * n:
+                    raise ProtocolError(f"UPDATE of {n} keys carries {pay.shape[0]} payload bytes")
+                keys = pay[:8 * n].view(np.uint64)
+                table.update_priorities(keys, pay[8 * n:].view(np.float64))
+        except ProtocolError:
+            raise
+        except ReplayError as exc:
+            self._respond(cl, op, seq, status=exc.code, payload=(str(exc).encode(),))
+        return end
+
+    def _respond(self, cl: ClientState, op: int, seq: int, status: int = 0,
+                 a0: int = 0, a1: int = 0, a2: int = 0, payload=()) -> None:
+        cl.outbox.append((op, seq, status, a0, a1, a2, payload))
+        if len(cl.outbox) > MAX_OUTBOX:
+            raise ProtocolError(f"client left {MAX_OUTBOX} responses unread")
+
+    def _flush(self, cl: ClientState) -> None:
+        ring = cl.resp
+        wrote = 0
+        room = ring.room()
+        if room < 0:
+            raise ProtocolError("response ring tail moved to an impossible position")
+        while cl.outbox and room > 0:
+            op, seq, status, a0, a1, a2, payload = cl.outbox[0]
+            parts = [np.frombuffer(p, np.uint8) if isinstance(p, bytes) else p.view(np.uint8)
+                     for p in payload]
+            nbytes = sum(p.shape[0] for p in parts)
+            placed = ring.place_payload(nbytes)
+            if placed is None:
+                break
+            off, view = placed
+            pos = 0
+            for p in parts:
+                view[pos:pos + p.shape[0]] = p
+                pos += p.shape[0]
+            ring.put(op, 0, seq, a0, a1, a2, 0.0, off, nbytes, status)
+            cl.outbox.popleft()
+            room -= 1
+            wrote += 1
+        if wrote and ring.publish():
+            cl.sem.release()
+
+    def _spin(self) -> bool:
+        if not self.clients or self.spin_s <= 0:
+            return False
+        deadline = time.perf_counter() + self.spin_s
+        rings = [cl.req for cl in self.clients.values()]
+        while time.perf_counter() < deadline:
+            for r in rings:
+                if r.pending():
+                    return True
+            if not self.calls.empty():
+                return True
+        return False
+
+    def _sleep(self) -> None:
+        rings = [cl.req for cl in self.clients.values()]
+        try:
+            if any([r.set_sleeping() for r in rings]) or not self.calls.empty():
+                return
+            self.stats["sleeps"] += 1
+            try:
+                self.doorbell.acquire(self.idle_timeout)
+                self.stats["wakeups"] += 1
+            except posix_ipc.BusyError:
+                pass
+        finally:
+            for r in rings:
+                r.clear_sleeping()
+
+    # ---- calls the control plane submits (run on this thread) ----
+    def add_table(self, table: Table) -> None:
+        self.tables[table.id] = table
+        self.by_name[table.spec.name] = table
+
+    def find_table(self, name: str) -> dict | None:
+        t = self.by_name.get(name)
+        return t.describe() if t is not None else None
+
+    def drop_table(self, name: str) -> Table:
+        t = self.by_name.pop(name, None)
+        if t is None:
+            raise UnknownTable(f"no table named {name!r}")
+        del self.tables[t.id]
+        return t
+
+    def add_client(self, cl: ClientState) -> None:
+        self.clients[cl.id] = cl
+
+    def detach_client(self, cid: int) -> ClientState | None:
+        """The client's lease ended: apply what its ring still holds, then
+        reclaim its reservations.  Returns its state for the caller to unmap."""
+        cl = self.clients.get(cid)
+        if cl is not None:
+            try:
+                while self._serve(cl, limit=cl.req.slots):
+                    pass
+            except ProtocolError as exc:
+                log.warning("client %d: %s while draining its ring", cid, exc)
+            self._drop(cl)
+        return self.dropped.pop(cid, None)
+
+    def _drop(self, cl: ClientState) -> None:
+        if self.clients.pop(cl.id, None) is None:
+            return
+        self.dropped[cl.id] = cl
+        cl.outbox.clear()
+        self.stats["disconnects"] += 1
+        reclaimed = sum(t.release_owner(cl.id) for t in self.tables.values())
+        if reclaimed:
+            log.info("client %d (pid %d): reclaimed %d reserved slots", cl.id, cl.pid, reclaimed)
+
+    def snapshot(self) -> dict:
+        return {
+            "engine": dict(self.stats),
+            "clients": len(self.clients),
+            "tables": {t.spec.name: t.snapshot_stats() for t in self.tables.values()},
+        }
+
+
+def _count(value, what: str) -> int:
+    n = int(value)
+    if not 1 <= n <= C.MAX_BATCH:
+        raise CapacityError(f"{what} of {n} items: allowed 1..{C.MAX_BATCH}")
+    return n
+
+
+def _f64(pay: np.ndarray, n: int, what: str) -> np.ndarray:
+    if pay.shape[0] != 8 * n:
+        raise ProtocolError(f"{what} of {n} items carries {pay.shape[0]} payload bytes")
+    return pay.view(np.float64)

@@ -1,0 +1,110 @@
+"""Exception hierarchy.
+
+Every error a client can see is a ``ReplayError``.  Each class carries a
+stable ``code`` so that the daemon can send it over either wire (control
+frames carry the class name, command-ring responses carry the integer code)
+and the client can raise the same class on its side.
+"""
+
+from __future__ import annotations
+
+
+class ReplayError(Exception):
+    """Base class of every shmreplay error."""
+
+    code = 1
+
+
+class ProtocolError(ReplayError):
+    """A peer sent a frame or record that breaks the protocol."""
+
+    code = 2
+
+
+class DaemonUnavailable(ReplayError):
+    """The daemon is not running, went away, or refused the connection."""
+
+    code = 3
+
+
+class ReplayTimeout(ReplayError, TimeoutError):
+    """A wait for the daemon ran past its timeout."""
+
+    code = 4
+
+
+class UnknownTable(ReplayError, KeyError):
+    """No table with that name (or id) exists."""
+
+    code = 5
+
+    def __str__(self) -> str:  # KeyError would repr() the message
+        return str(self.args[0]) if self.args else ""
+
+
+class TableExists(ReplayError):
+    """A table with that name exists already (with a different schema)."""
+
+    code = 6
+
+
+class SchemaError(ReplayError, ValueError):
+    """A table definition is invalid (bad name, dtype, shape, capacity ...)."""
+
+    code = 7
+
+
+class FieldError(ReplayError, ValueError):
+    """Data does not fit the table: missing or unknown field, wrong dtype or shape."""
+
+    code = 8
+
+
+class PriorityError(ReplayError, ValueError):
+    """A priority is NaN, infinite or negative, or the count does not match."""
+
+    code = 9
+
+
+class CapacityError(ReplayError):
+    """The request cannot fit: table full of reservations, batch too large."""
+
+    code = 10
+
+
+class ShmFull(ReplayError, OSError):
+    """Shared memory (/dev/shm) has no room for the requested segment."""
+
+    code = 11
+
+
+class LayoutError(ReplayError):
+    """A segment's magic, layout version or schema is not what was expected."""
+
+    code = 12
+
+
+class EmptyTable(ReplayError):
+    """Sampling a table that holds nothing sampleable yet."""
+
+    code = 13
+
+
+_BY_CODE = {
+    cls.code: cls
+    for cls in (
+        ReplayError, ProtocolError, DaemonUnavailable, ReplayTimeout, UnknownTable,
+        TableExists, SchemaError, FieldError, PriorityError, CapacityError, ShmFull,
+        LayoutError, EmptyTable,
+    )
+}
+_BY_NAME = {cls.__name__: cls for cls in _BY_CODE.values()}
+
+
+def error_from_code(code: int, message: str) -> ReplayError:
+    """Rebuild a daemon-side error on the client (unknown codes -> ReplayError)."""
+    return _BY_CODE.get(int(code), ReplayError)(message)
+
+
+def error_from_name(name: str, message: str) -> ReplayError:
+    return _BY_NAME.get(str(name), ReplayError)(message)

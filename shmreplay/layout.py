@@ -1,0 +1,178 @@
+"""Byte layout of a table segment (docs/layout.md draws it).
+
+::
+
+    0      fixed header (HEADER dtype, 80 bytes): magic, layout version,
+           header size, capacity, creator pid, creation time, segment size,
+           offsets of the per-slot arrays, schema length
+    128    live words, uint64, one per cache line (written by the daemon only)
+    256    schema: msgpack of TableSpec.to_wire() plus the field offsets
+    H      gens     uint32[capacity]   generation stamp of each slot
+           prios    float64[capacity]  raw priority of each committed slot
+           state    uint8[capacity]    FREE / RESERVED / COMMITTED
+           field 0  dtype[capacity, *shape]   (each array starts on a 4 KiB page)
+           field 1  ...
+
+``H`` is 256 + len(schema) rounded up to 4 KiB.  Every offset follows from
+the schema, and the header also stores them so a reader can check both
+agree; a change to this map must bump LAYOUT_VERSION.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import msgpack
+import numpy as np
+
+from .errors import LayoutError
+from .schema import TableSpec, spec_from_wire
+from .segment import Segment
+
+MAGIC = b"SHMRTBL\x00"
+LAYOUT_VERSION = 1
+PAGE = 4096
+
+HEADER = np.dtype([
+    ("magic", "S8"), ("layout_version", "<u4"), ("header_size", "<u4"),
+    ("capacity", "<u8"), ("creator_pid", "<u8"), ("created_ns", "<u8"),
+    ("segment_size", "<u8"), ("gens_off", "<u8"), ("prios_off", "<u8"),
+    ("state_off", "<u8"), ("schema_len", "<u4"), ("reserved", "<u4"),
+])
+LIVE_OFF = 128
+LIVE_WORDS = 16
+LIVE_SIZE = 0      # committed items (what len(table) reports)
+LIVE_INSERTS = 8   # items committed since creation
+SCHEMA_OFF = 256
+
+FREE, RESERVED, COMMITTED = 0, 1, 2
+
+
+def _align(x: int, a: int) -> int:
+    return (x + a - 1) // a * a
+
+
+class TableLayout:
+    """Offsets of every array of a table segment, derived from its spec."""
+
+    def __init__(self, spec: TableSpec):
+        self.spec = spec
+        # the offsets depend on the header size, which depends on the schema
+        # length, which includes the offsets: iterate to the fixed point
+        offsets = _offsets(spec, PAGE)
+        while True:
+            self.schema_bytes = msgpack.packb(
+                {"spec": spec.to_wire(), "offsets": offsets}, use_bin_type=True)
+            self.header_size = _align(SCHEMA_OFF + len(self.schema_bytes), PAGE)
+            if self.header_size == offsets[0]:
+                break
+            offsets = _offsets(spec, self.header_size)
+        self.offsets = offsets
+        self.gens_off, self.prios_off, self.state_off = offsets[:3]
+        self.field_offs = dict(zip((f.name for f in spec.fields), offsets[3:-1]))
+        self.size = offsets[-1]
+
+
+def _offsets(spec: TableSpec, header_size: int) -> list[int]:
+    c = spec.capacity
+    pos = header_size
+    out = [pos]                       # gens
+    pos = _align(pos + 4 * c, 64)
+    out.append(pos)                   # prios
+    pos = _align(pos + 8 * c, 64)
+    out.append(pos)                   # state
+    pos = _align(pos + c, PAGE)
+    for f in spec.fields:
+        out.append(pos)
+        pos = _align(pos + c * f.item_bytes, PAGE)
+    out.append(pos)                   # segment size
+    return out
+
+
+class TableMap:
+    """numpy views over a mapped table segment.
+
+    The daemon's engine thread is the only writer of gens, prios, state and
+    live words; clients write field rows of slots they reserved and read
+    everything.  Views are created once; hot paths index them directly.
+    """
+
+    def __init__(self, seg: Segment, layout: TableLayout):
+        self.seg = seg
+        self.layout = layout
+        self.spec = layout.spec
+        buf = seg.buf
+        c = self.spec.capacity
+        self.header = np.ndarray((), HEADER, buffer=buf, offset=0)
+        self.live = np.ndarray((LIVE_WORDS,), np.uint64, buffer=buf, offset=LIVE_OFF)
+        self.gens = np.ndarray((c,), np.uint32, buffer=buf, offset=layout.gens_off)
+        self.prios = np.ndarray((c,), np.float64, buffer=buf, offset=layout.prios_off)
+        self.state = np.ndarray((c,), np.uint8, buffer=buf, offset=layout.state_off)
+        self.fields = {
+            f.name: np.ndarray((c, *f.shape), f.dtype, buffer=buf, offset=layout.field_offs[f.name])
+            for f in self.spec.fields
+        }
+
+    @classmethod
+    def create(cls, name: str, spec: TableSpec, mode: int = 0o600) -> "TableMap":
+        layout = TableLayout(spec)
+        seg = Segment.create(name, layout.size, mode)
+        tm = cls(seg, layout)
+        h = tm.header
+        h["layout_version"] = LAYOUT_VERSION
+        h["header_size"] = layout.header_size
+        h["capacity"] = spec.capacity
+        h["creator_pid"] = os.getpid()
+        h["created_ns"] = time.time_ns()
+        h["segment_size"] = layout.size
+        h["gens_off"], h["prios_off"], h["state_off"] = layout.gens_off, layout.prios_off, layout.state_off
+        h["schema_len"] = len(layout.schema_bytes)
+        seg.buf[SCHEMA_OFF:SCHEMA_OFF + len(layout.schema_bytes)] = layout.schema_bytes
+        # magic last: a reader that sees it sees a complete header
+        h["magic"] = MAGIC
+        return tm
+
+    @classmethod
+    def attach(cls, name: str, expected: TableSpec | None = None) -> "TableMap":
+        seg = Segment.attach(name)
+        try:
+            spec = read_spec(seg)
+            if expected is not None and spec != expected:
+                raise LayoutError(f"segment {name} holds table {spec}, expected {expected}")
+            layout = TableLayout(spec)
+            if layout.size != seg.size:
+                raise LayoutError(f"segment {name} is {seg.size} bytes, layout says {layout.size}")
+            return cls(seg, layout)
+        except BaseException:
+            seg.close()
+            raise
+
+    def release(self) -> None:
+        """Drop the views and unmap (views handed to users keep it mapped)."""
+        self.header = self.live = self.gens = self.prios = self.state = None
+        self.fields = {}
+        self.seg.close()
+
+
+def read_spec(seg: Segment) -> TableSpec:
+    if seg.size < SCHEMA_OFF:
+        raise LayoutError(f"segment {seg.name} is too small ({seg.size} bytes) to be a table")
+    h = np.ndarray((), HEADER, buffer=seg.buf, offset=0)
+    if bytes(h["magic"]) != MAGIC:
+        raise LayoutError(f"segment {seg.name} is not a shmreplay table (magic {bytes(h['magic'])!r})")
+    if int(h["layout_version"]) != LAYOUT_VERSION:
+        raise LayoutError(
+            f"segment {seg.name} has layout version {int(h['layout_version'])}, "
+            f"this build reads version {LAYOUT_VERSION}")
+    n = int(h["schema_len"])
+    if not 0 < n <= seg.size - SCHEMA_OFF:
+        raise LayoutError(f"segment {seg.name} has a corrupt schema length {n}")
+    try:
+        doc = msgpack.unpackb(bytes(seg.buf[SCHEMA_OFF:SCHEMA_OFF + n]), raw=False)
+        spec = spec_from_wire(doc["spec"])
+    except Exception as exc:  # any decoding failure means a corrupt header
+        raise LayoutError(f"segment {seg.name} has an unreadable schema: {exc}") from exc
+    if TableLayout(spec).offsets != doc.get("offsets"):
+        raise LayoutError(f"segment {seg.name}: stored offsets disagree with its schema")
+    return spec

@@ -1,0 +1,127 @@
+"""Samplers: which committed slots a sample returns, and with what probability.
+
+A sampler sees slot indices and priorities, never data (TorchRL's split).
+Interface, called by the owning ``Table`` from the engine thread only, never
+concurrently:
+
+* ``set(slots, priorities)``  slots become (or stay) sampleable with these priorities
+* ``remove(slots)``           slots leave the sampler
+* ``sample(u01)``             -> (slots, probabilities, importance weights(beta) fn inputs)
+* ``mass``                    > 0 iff something can be sampled
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from . import sumtree
+
+
+class PrioritizedSampler:
+    """P(i) = p_i^alpha / sum_j p_j^alpha, stratified over the batch.
+
+    Importance weights are ``(P(i) / P_min) ** -beta``, i.e. normalised so
+    the item with the smallest positive priority has weight 1 (the PER
+    paper's ``w_i / max_j w_j``).  A zero priority is never sampled.
+    """
+
+    name = "prioritized"
+
+    def __init__(self, capacity: int, alpha: float):
+        self.capacity = capacity
+        self.alpha = float(alpha)
+        self.sums, self.mins = sumtree.new_trees(capacity)
+
+    def _values(self, priorities: np.ndarray) -> np.ndarray:
+        out = np.empty(priorities.shape[0], dtype=np.float64)
+        sumtree.tree_values(priorities, self.alpha, out)
+        return out
+
+    def set(self, slots: np.ndarray, priorities: np.ndarray) -> None:
+        sumtree.tree_update(self.sums, self.mins, slots, self._values(priorities))
+
+    def remove(self, slots: np.ndarray) -> None:
+        sumtree.tree_update(self.sums, self.mins, slots, np.zeros(slots.shape[0]))
+
+    @property
+    def mass(self) -> float:
+        return float(self.sums[1])
+
+    def sample(self, u01: np.ndarray, beta: float):
+        n = u01.shape[0]
+        slots = np.empty(n, dtype=np.int64)
+        values = np.empty(n, dtype=np.float64)
+        sumtree.tree_sample_stratified(self.sums, u01, slots, values)
+        probs = values / self.sums[1]
+        weights = (values / self.mins[1]) ** -beta
+        return slots, probs, weights
+
+    def check(self) -> bool:
+        """True if the drift bound holds (sumtree.tree_check)."""
+        return bool(sumtree.tree_check(self.sums, self.mins)[2])
+
+    def rebuild(self, slots: np.ndarray, priorities: np.ndarray) -> None:
+        """Rebuild both trees from the authoritative (slot, priority) pairs."""
+        leaves = np.zeros(self.capacity)
+        leaves[slots] = self._values(priorities)
+        sumtree.tree_rebuild(self.sums, self.mins, leaves)
+
+
+class UniformSampler:
+    """Every committed item equally likely, draws independent (with replacement).
+
+    Members sit in a dense array with a position index, so add, remove and
+    draw are O(1) per item.  Priorities are stored but do not matter.
+    """
+
+    name = "uniform"
+
+    def __init__(self, capacity: int):
+        self.members = np.zeros(capacity, dtype=np.int64)
+        self.pos = np.full(capacity, -1, dtype=np.int64)
+        self.count = 0
+
+    def set(self, slots: np.ndarray, priorities: np.ndarray) -> None:
+        new = np.unique(slots[self.pos[slots] < 0])
+        k = new.shape[0]
+        self.members[self.count:self.count + k] = new
+        self.pos[new] = np.arange(self.count, self.count + k)
+        self.count += k
+
+    def remove(self, slots: np.ndarray) -> None:
+        members, pos = self.members, self.pos
+        for s in slots.tolist():
+            i = pos[s]
+            if i < 0:
+                continue
+            last = members[self.count - 1]
+            members[i] = last
+            pos[last] = i
+            pos[s] = -1
+            self.count -= 1
+
+    @property
+    def mass(self) -> float:
+        return float(self.count)
+
+    def sample(self, u01: np.ndarray, beta: float):
+        n = u01.shape[0]
+        picks = np.minimum((u01 * self.count).astype(np.int64), self.count - 1)
+        slots = self.members[picks]
+        return slots, np.full(n, 1.0 / self.count), np.ones(n)
+
+    def check(self) -> bool:
+        return True
+
+    def rebuild(self, slots: np.ndarray, priorities: np.ndarray) -> None:
+        self.pos[:] = -1
+        self.count = 0
+        self.set(slots, priorities)
+
+
+def make_sampler(kind: str, capacity: int, alpha: float):
+    if kind == "prioritized":
+        return PrioritizedSampler(capacity, alpha)
+    if kind == "uniform":
+        return UniformSampler(capacity)
+    raise ValueError(kind)

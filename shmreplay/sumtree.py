@@ -1,0 +1,178 @@
+"""Sum and min trees over float64, as numba kernels.
+
+Layout (flat, 1-based, as in TorchRL's segment_tree.h)::
+
+    index:   1            root
+             2   3        level 1
+             4 5 6 7      level 2
+             ...
+             P .. 2P-1    leaves; leaf i of the table is node P + i
+
+``P`` is the capacity rounded up to a power of two; leaves past the capacity
+stay 0 in the sum tree and +inf in the min tree.  A leaf's value is the
+*tree value* ``priority ** alpha`` (0 for an empty slot or a zero priority);
+the min tree holds +inf for zero leaves, so its root is the smallest
+*positive* value, which is what importance weights are normalised by.
+
+Numerics (defended here, not by callers):
+
+* Every internal node is recomputed as ``fl(left + right)`` from its children
+  on each update, never adjusted by a delta, so nodes cannot drift apart from
+  their children.  The root then differs from the exact sum of the leaves by
+  at most ``depth * 2**-53 * sum`` (the pairwise-summation bound).
+  ``tree_check`` compares the root with a compensated (Neumaier) sum of the
+  leaves and reports whether that bound, times a safety factor of 4, holds;
+  the table rebuilds the tree when it does not (a bug or a stray write).
+* A zero leaf is never sampled: the descent only enters a child whose value
+  is > 0, so even a target that rounding pushed past a boundary lands on a
+  positive leaf.
+
+All functions are pure functions of their array arguments; randomness comes
+in as an array of uniforms in [0, 1).  ``sumtree_reference`` holds a plain
+numpy twin of each, with the same names, that the tests compare against.
+Callers: the daemon's engine thread only; not safe to call concurrently on
+the same arrays.
+"""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+
+from .numbaconf import JIT
+
+DRIFT_SAFETY = 4.0
+
+
+def tree_size(capacity: int) -> int:
+    """Number of leaves ``P`` (a power of two >= capacity)."""
+    return 1 << max(0, int(capacity - 1).bit_length())
+
+
+def new_trees(capacity: int) -> tuple[np.ndarray, np.ndarray]:
+    p = tree_size(capacity)
+    sums = np.zeros(2 * p, dtype=np.float64)
+    mins = np.full(2 * p, np.inf, dtype=np.float64)
+    return sums, mins
+
+
+@numba.njit(**JIT)
+def tree_rebuild(sums, mins, values):
+    """Set every leaf from ``values`` (length <= P) and recompute all nodes."""
+    p = sums.shape[0] // 2
+    for i in range(p):
+        v = values[i] if i < values.shape[0] else 0.0
+        sums[p + i] = v
+        mins[p + i] = v if v > 0.0 else np.inf
+    for j in range(p - 1, 0, -1):
+        sums[j] = sums[2 * j] + sums[2 * j + 1]
+        mins[j] = min(mins[2 * j], mins[2 * j + 1])
+
+
+@numba.njit(**JIT)
+def tree_update(sums, mins, idx, values):
+    """Set leaves ``idx[k] = values[k]`` in order; later duplicates win.
+
+    Each touched path is recomputed from its children, so the result does
+    not depend on how duplicates are ordered except through "last wins".
+    """
+    p = sums.shape[0] // 2
+    for k in range(idx.shape[0]):
+        j = p + idx[k]
+        v = values[k]
+        sums[j] = v
+        mins[j] = v if v > 0.0 else np.inf
+        j >>= 1
+        while j >= 1:
+            sums[j] = sums[2 * j] + sums[2 * j + 1]
+            mins[j] = min(mins[2 * j], mins[2 * j + 1])
+            j >>= 1
+
+
+@numba.njit(**JIT)
+def tree_sample_stratified(sums, u01, out_idx, out_value):
+    """Draw ``len(u01)`` leaves, one per equal-mass stratum of the total.
+
+    Target ``k`` is ``(k + u01[k]) / n * total``.  All descents advance level
+    by level (better memory parallelism than one descent at a time).  Writes
+    the leaf index and the leaf's value.  The root must be > 0.
+    """
+    n = u01.shape[0]
+    if n == 0:
+        return
+    p = sums.shape[0] // 2
+    total = sums[1]
+    width = total / n
+    for k in range(n):
+        out_value[k] = (k + u01[k]) * width  # reuse as the running target
+        out_idx[k] = 1
+    while out_idx[0] < p:
+        for k in range(n):
+            node = out_idx[k]
+            u = out_value[k]
+            left = sums[2 * node]
+            right = sums[2 * node + 1]
+            if left > 0.0 and (u < left or not right > 0.0):
+                out_idx[k] = 2 * node
+            else:
+                out_idx[k] = 2 * node + 1
+                out_value[k] = u - left
+    for k in range(n):
+        leaf = out_idx[k]
+        out_value[k] = sums[leaf]
+        out_idx[k] = leaf - p
+
+
+@numba.njit(**JIT)
+def tree_check(sums, mins):
+    """Return (root, exact_sum, ok) where ok says the drift bound holds.
+
+    ``exact_sum`` is a Neumaier-compensated sum of the leaves (error ~1 ulp).
+    The bound is ``DRIFT_SAFETY * depth * 2**-53 * exact_sum`` plus one
+    subnormal; the min root must equal the smallest positive leaf exactly.
+    """
+    p = sums.shape[0] // 2
+    s = 0.0
+    c = 0.0
+    m = np.inf
+    for i in range(p, 2 * p):
+        v = sums[i]
+        t = s + v
+        if abs(s) >= abs(v):
+            c += (s - t) + v
+        else:
+            c += (v - t) + s
+        s = t
+        if v > 0.0 and v < m:
+            m = v
+    exact = s + c
+    depth = 1
+    q = p
+    while q > 1:
+        q >>= 1
+        depth += 1
+    bound = DRIFT_SAFETY * depth * 1.1102230246251565e-16 * abs(exact) + 5e-324
+    ok = abs(sums[1] - exact) <= bound and mins[1] == m
+    return sums[1], exact, ok
+
+
+@numba.njit(**JIT)
+def tree_values(priorities, alpha, out):
+    """Tree value of each priority: ``p ** alpha``, and 0 for p == 0.
+
+    ``0 ** 0`` is 1 in IEEE arithmetic; a zero priority must still mean
+    probability zero (Reverb does the same), so it is special-cased.
+    """
+    for k in range(priorities.shape[0]):
+        v = priorities[k]
+        out[k] = v ** alpha if v > 0.0 else 0.0
+
+
+@numba.njit(**JIT)
+def first_invalid_priority(priorities):
+    """Index of the first NaN, infinite or negative priority, or -1."""
+    for k in range(priorities.shape[0]):
+        v = priorities[k]
+        if not (v >= 0.0 and v < np.inf):
+            return k
+    return -1

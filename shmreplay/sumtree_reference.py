@@ -1,0 +1,85 @@
+"""Plain-numpy twins of the kernels in ``sumtree``, with the same names.
+
+Slow and obviously correct: updates rebuild the whole tree level by level
+from the leaves; sampling advances all descents with vectorised numpy.  The
+tests assert the numba kernels produce identical arrays (each internal node
+is ``fl(left + right)`` in both, so equality is exact, not approximate).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from .sumtree import DRIFT_SAFETY, new_trees, tree_size  # noqa: F401  (same public names)
+
+
+def _rebuild_internal(sums: np.ndarray, mins: np.ndarray) -> None:
+    p = sums.shape[0] // 2
+    width = p
+    while width > 1:
+        lo = width // 2
+        children = np.arange(width, 2 * width)
+        sums[lo:width] = sums[children[0::2]] + sums[children[1::2]]
+        mins[lo:width] = np.minimum(mins[children[0::2]], mins[children[1::2]])
+        width = lo
+
+
+def tree_rebuild(sums, mins, values):
+    p = sums.shape[0] // 2
+    leaves = np.zeros(p)
+    leaves[: len(values)] = values
+    sums[p:] = leaves
+    mins[p:] = np.where(leaves > 0, leaves, np.inf)
+    _rebuild_internal(sums, mins)
+
+
+def tree_update(sums, mins, idx, values):
+    p = sums.shape[0] // 2
+    idx = np.asarray(idx, dtype=np.int64)
+    values = np.asarray(values, dtype=np.float64)
+    # numpy fancy assignment with duplicates: the last occurrence wins
+    sums[p + idx] = values
+    mins[p + idx] = np.where(values > 0, values, np.inf)
+    _rebuild_internal(sums, mins)
+
+
+def tree_sample_stratified(sums, u01, out_idx, out_value):
+    n = len(u01)
+    if n == 0:
+        return
+    p = sums.shape[0] // 2
+    target = (np.arange(n) + np.asarray(u01)) * (sums[1] / n)
+    node = np.ones(n, dtype=np.int64)
+    while node[0] < p:
+        left = sums[2 * node]
+        right = sums[2 * node + 1]
+        go_left = (left > 0) & ((target < left) | ~(right > 0))
+        target = np.where(go_left, target, target - left)
+        node = np.where(go_left, 2 * node, 2 * node + 1)
+    out_value[:] = sums[node]
+    out_idx[:] = node - p
+
+
+def tree_check(sums, mins):
+    p = sums.shape[0] // 2
+    leaves = sums[p:]
+    exact = math.fsum(leaves)
+    depth = int(math.log2(p)) + 1
+    bound = DRIFT_SAFETY * depth * 2.0**-53 * abs(exact) + 5e-324
+    positive = leaves[leaves > 0]
+    m = positive.min() if positive.size else np.inf
+    return sums[1], exact, bool(abs(sums[1] - exact) <= bound and mins[1] == m)
+
+
+def tree_values(priorities, alpha, out):
+    pr = np.asarray(priorities, dtype=np.float64)
+    with np.errstate(divide="ignore"):
+        out[:] = np.where(pr > 0, np.power(np.where(pr > 0, pr, 1.0), alpha), 0.0)
+
+
+def first_invalid_priority(priorities):
+    pr = np.asarray(priorities, dtype=np.float64)
+    bad = np.flatnonzero(~((pr >= 0) & (pr < np.inf)))
+    return int(bad[0]) if bad.size else -1

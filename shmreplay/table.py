@@ -1,0 +1,226 @@
+"""A replay table as the daemon sees it: slot life cycle, sampler, stats.
+
+Slot life cycle (state array in the segment)::
+
+    FREE --reserve--> RESERVED --commit--> COMMITTED --evict/reserve--> RESERVED
+      ^                  |  abort, or the writer's lease ends              |
+      +------------------+-------------------------------------------------+
+
+The generation stamp of a slot is bumped when it is reserved, before the
+writer learns the slot index.  A key is ``gen << 32 | slot``; a reader that
+sampled a key and then finds a different stamp knows the row was (or is
+being) overwritten.  Slots are handed out from a free list first, then by
+evicting the oldest committed item (the default remover, oldest-first); the
+commit-order queue holds keys, so items removed out of order simply fail the
+key check when they come up for eviction.
+
+Engine thread only: no method may be called concurrently with another.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+
+from .commands import SLOT_BITS, SLOT_MASK
+from .errors import CapacityError, EmptyTable, PriorityError, ProtocolError, ReplayError
+from .layout import COMMITTED, FREE, LIVE_INSERTS, LIVE_SIZE, RESERVED, TableMap
+from .schema import TableSpec
+from .selectors import make_sampler
+from .slotqueue import SlotQueue
+from .sumtree import first_invalid_priority
+
+log = logging.getLogger("shmreplayd.table")
+
+
+def check_priorities(priorities: np.ndarray, n: int, what: str) -> None:
+    if priorities.shape != (n,):
+        raise PriorityError(f"{what}: expected {n} priorities, got shape {priorities.shape}")
+    bad = first_invalid_priority(priorities)
+    if bad >= 0:
+        raise PriorityError(
+            f"{what}: priority[{bad}] = {priorities[bad]!r} is not a finite number >= 0")
+
+
+class Table:
+    def __init__(self, table_id: int, spec: TableSpec, tmap: TableMap, seed=None):
+        self.id = table_id
+        self.spec = spec
+        self.map = tmap
+        self.segment_name = tmap.seg.name
+        c = spec.capacity
+        self.sampler = make_sampler(spec.sampler, c, spec.alpha)
+        self.free = SlotQueue(c)
+        self.free.push(np.arange(c, dtype=np.int64))
+        self.order = SlotQueue(c, dtype=np.uint64)
+        self.reservations: dict[int, tuple[int, np.ndarray]] = {}
+        self.next_rid = 1
+        self.max_priority = 1.0
+        self.rng = np.random.default_rng(seed)
+        self.updates_since_check = 0
+        self.stats = {"inserts": 0, "samples": 0, "sample_calls": 0, "evictions": 0,
+                      "stale_priority_updates": 0, "priority_updates": 0,
+                      "reclaimed_reservations": 0, "tree_rebuilds": 0}
+
+    @property
+    def size(self) -> int:
+        return int(self.map.live[LIVE_SIZE])
+
+    def _set_size(self, delta: int) -> None:
+        self.map.live[LIVE_SIZE] = self.size + delta
+
+    def _keys(self, slots: np.ndarray) -> np.ndarray:
+        return (self.map.gens[slots].astype(np.uint64) << np.uint64(SLOT_BITS)) | slots.astype(np.uint64)
+
+    # ---- writers ----
+    def reserve(self, owner: int, n: int) -> tuple[int, np.ndarray, bool]:
+        c = self.spec.capacity
+        if not 1 <= n <= c:
+            raise CapacityError(f"table {self.spec.name!r}: cannot reserve {n} slots (capacity {c})")
+        if len(self.free) + self.size < n:
+            raise CapacityError(
+                f"table {self.spec.name!r}: only {len(self.free) + self.size} of {c} slots are "
+                f"free or evictable; the rest are reserved by writers that have not committed")
+        slots = self.free.pop(n)
+        if slots.shape[0] < n:
+            slots = np.concatenate((slots, self._evict(n - slots.shape[0])))
+        m = self.map
+        m.state[slots] = RESERVED
+        m.prios[slots] = 0.0
+        m.gens[slots] += np.uint32(1)  # wraps at 2**32 by design
+        rid = self.next_rid
+        self.next_rid += 1
+        self.reservations[rid] = (owner, slots)
+        contiguous = bool(n == 1 or (slots[-1] - slots[0] == n - 1 and np.all(np.diff(slots) == 1)))
+        return rid, slots, contiguous
+
+    def _evict(self, n: int) -> np.ndarray:
+        out = []
+        got = 0
+        m = self.map
+        while got < n:
+            keys = self.order.pop(n - got)
+            if keys.shape[0] == 0:  # cannot happen while size >= n; defend anyway
+                raise CapacityError(f"table {self.spec.name!r}: eviction queue ran dry")
+            slots = (keys & np.uint64(SLOT_MASK)).astype(np.int64)
+            live = (m.state[slots] == COMMITTED) & (
+                m.gens[slots].astype(np.uint64) == (keys >> np.uint64(SLOT_BITS)))
+            slots = slots[live]
+            out.append(slots)
+            got += slots.shape[0]
+        slots = np.concatenate(out)
+        self.sampler.remove(slots)
+        self._set_size(-slots.shape[0])
+        self.stats["evictions"] += slots.shape[0]
+        return slots
+
+    def _take(self, owner: int, rid: int) -> np.ndarray:
+        entry = self.reservations.get(rid)
+        if entry is None or entry[0] != owner:
+            raise ProtocolError(f"table {self.spec.name!r}: reservation {rid} is not yours or not open")
+        del self.reservations[rid]
+        return entry[1]
+
+    def commit(self, owner: int, rid: int, priorities: np.ndarray | None) -> None:
+        entry = self.reservations.get(rid)
+        n = entry[1].shape[0] if entry is not None else 0
+        if priorities is not None:
+            try:
+                check_priorities(priorities, n, f"commit to table {self.spec.name!r}")
+            except PriorityError:
+                self.abort(owner, rid)
+                raise
+        slots = self._take(owner, rid)
+        if priorities is None:
+            priorities = np.full(n, self.max_priority)
+        elif n:
+            self.max_priority = max(self.max_priority, float(priorities.max()))
+        m = self.map
+        m.prios[slots] = priorities
+        m.state[slots] = COMMITTED
+        self.sampler.set(slots, priorities)
+        self.order.push(self._keys(slots))
+        self._set_size(n)
+        m.live[LIVE_INSERTS] += np.uint64(n)
+        self.stats["inserts"] += n
+        self._count_updates(n)
+
+    def abort(self, owner: int, rid: int) -> None:
+        slots = self._take(owner, rid)
+        self.map.state[slots] = FREE
+        self.free.push(slots)
+
+    def release_owner(self, owner: int) -> int:
+        """Free every slot an owner reserved but never committed (its lease ended)."""
+        rids = [rid for rid, (o, _) in self.reservations.items() if o == owner]
+        n = 0
+        for rid in rids:
+            n += self.reservations[rid][1].shape[0]
+            self.abort(owner, rid)
+        self.stats["reclaimed_reservations"] += n
+        return n
+
+    # ---- readers ----
+    def sample(self, n: int, beta: float):
+        if not np.isfinite(beta) or beta < 0:
+            raise ReplayError(f"beta must be finite and >= 0, got {beta}")
+        if not self.sampler.mass > 0:
+            raise EmptyTable(f"table {self.spec.name!r} has no sampleable items "
+                             f"({self.size} committed)")
+        slots, probs, weights = self.sampler.sample(self.rng.random(n), beta)
+        self.stats["samples"] += n
+        self.stats["sample_calls"] += 1
+        return self._keys(slots), probs, weights
+
+    def update_priorities(self, keys: np.ndarray, priorities: np.ndarray) -> int:
+        n = keys.shape[0]
+        check_priorities(priorities, n, f"update_priorities on table {self.spec.name!r}")
+        slots = (keys & np.uint64(SLOT_MASK)).astype(np.int64)
+        if n and int(slots.max()) >= self.spec.capacity:
+            raise ProtocolError(
+                f"update_priorities on table {self.spec.name!r}: key names slot {int(slots.max())} "
+                f"beyond capacity {self.spec.capacity}")
+        m = self.map
+        live = (m.state[slots] == COMMITTED) & (
+            m.gens[slots].astype(np.uint64) == (keys >> np.uint64(SLOT_BITS)))
+        slots, priorities = slots[live], priorities[live]
+        stale = n - slots.shape[0]
+        if slots.shape[0]:
+            m.prios[slots] = priorities
+            self.sampler.set(slots, priorities)
+            self.max_priority = max(self.max_priority, float(priorities.max()))
+        self.stats["stale_priority_updates"] += stale
+        self.stats["priority_updates"] += n - stale
+        self._count_updates(n)
+        return stale
+
+    # ---- numerics ----
+    def _count_updates(self, n: int) -> None:
+        # check the drift bound once per `capacity` leaf writes: O(1) amortised
+        self.updates_since_check += n
+        if self.updates_since_check >= self.spec.capacity:
+            self.updates_since_check = 0
+            self.verify_tree()
+
+    def verify_tree(self) -> bool:
+        """Check the sampler against its drift bound; rebuild from the segment if it fails."""
+        if self.sampler.check():
+            return True
+        log.warning("table %s: sum tree outside its drift bound; rebuilding", self.spec.name)
+        self.rebuild_sampler()
+        self.stats["tree_rebuilds"] += 1
+        return False
+
+    def rebuild_sampler(self) -> None:
+        slots = np.flatnonzero(self.map.state == COMMITTED)
+        self.sampler.rebuild(slots, self.map.prios[slots])
+
+    def describe(self) -> dict:
+        return {"id": self.id, "segment": self.segment_name, "spec": self.spec.to_wire(),
+                "segment_size": self.map.layout.size}
+
+    def snapshot_stats(self) -> dict:
+        return {**self.stats, "size": self.size, "capacity": self.spec.capacity,
+                "reserved": sum(s.shape[0] for _, s in self.reservations.values()),
+                "max_priority": self.max_priority, "sampler": self.spec.sampler}

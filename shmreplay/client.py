@@ -37,9 +37,9 @@ from .config import client_socket_path
 from .errors import (DaemonUnavailable, FieldError, PriorityError, ProtocolError, ReplayError,
                      ReplayTimeout, error_from_code, error_from_name)
 from .layout import LIVE_SIZE, TableMap
+from .priorities import as_priorities
 from .protocol import PROTOCOL_VERSION, FrameDecoder, encode
 from .schema import make_spec, spec_from_wire
-from .sumtree import first_invalid_priority
 
 DEFAULT_TIMEOUT = 30.0
 SPIN_ITERATIONS = 20000  # ~20-40 us of atomic loads before sleeping
@@ -356,6 +356,9 @@ class Table:
     def capacity(self) -> int:
         return self.spec.capacity
 
+    def _priorities(self, values, n: int, what: str) -> np.ndarray:
+        return as_priorities(values, n, f"{what} on table {self.name!r}", self.spec.alpha)
+
     # ---- writing ----
     def _check(self, data, batch: bool) -> tuple[list, int]:
         if not isinstance(data, dict):
@@ -392,14 +395,14 @@ class Table:
     def insert(self, priority=None, **fields) -> None:
         """Insert one item; ``priority=None`` means the max priority seen so far."""
         arrays, _ = self._check(fields, batch=False)
-        prios = None if priority is None else _priorities([priority], 1)
+        prios = None if priority is None else self._priorities([priority], 1, "insert")
         self._client._begin()
         self._write(arrays, 1, prios, single=True)
 
     def insert_batch(self, data: dict, priorities=None) -> None:
         """Insert n items; every field's leading dimension is n."""
         arrays, n = self._check(data, batch=True)
-        prios = None if priorities is None else _priorities(priorities, n)
+        prios = None if priorities is None else self._priorities(priorities, n, "insert_batch")
         if n == 0:
             return
         self._client._begin()
@@ -492,7 +495,7 @@ class Table:
         if keys.ndim != 1:
             raise PriorityError(f"keys must be 1-D, got shape {keys.shape}")
         n = keys.shape[0]
-        prios = _priorities(priorities, n)
+        prios = self._priorities(priorities, n, "update_priorities")
         cl = self._client
         cl._begin()
         cl._live()
@@ -507,19 +510,6 @@ def _take_reservation(rec, pay):
     if pay.shape[0] != 4 * n:
         raise ProtocolError(f"RESERVE reply of {n} slots carries {pay.shape[0]} bytes")
     return int(rec["a0"]), bool(rec["a1"]), pay.view(np.uint32).astype(np.intp)
-
-
-def _priorities(values, n: int) -> np.ndarray:
-    try:
-        p = np.ascontiguousarray(values, dtype=np.float64).reshape(-1)
-    except (TypeError, ValueError) as exc:
-        raise PriorityError(f"priorities are not numbers: {exc}") from None
-    if p.shape[0] != n:
-        raise PriorityError(f"expected {n} priorities, got {p.shape[0]}")
-    bad = first_invalid_priority(p)
-    if bad >= 0:
-        raise PriorityError(f"priority[{bad}] = {p[bad]!r} is not a finite number >= 0")
-    return p
 
 
 def _reopen(client: Client, name: str) -> Table:

@@ -22,7 +22,7 @@ from .schema import TableSpec, make_spec
 
 ENV_SOCKET = "SHMREPLAY_SOCKET"
 _INSTANCE = re.compile(r"^[A-Za-z0-9_-]{1,32}$")
-DAEMON_KEYS = {"socket", "instance", "segment_mode", "spin_us", "idle_timeout_s", "log_level"}
+DAEMON_KEYS = {"socket", "instance", "segment_mode", "spin_us", "idle_timeout_s", "log_level", "seed"}
 TABLE_KEYS = {"name", "capacity", "fields", "sampler", "alpha"}
 
 
@@ -42,6 +42,7 @@ class DaemonConfig:
     spin_us: float = 50.0
     idle_timeout_s: float = 1.0
     log_level: str = "info"
+    seed: int | None = None  # seeds every table's sampler (seed + table id): reproducible runs
     tables: list[TableSpec] = field(default_factory=list)
 
     def socket_path(self, override: str | None = None) -> str:
@@ -95,6 +96,10 @@ def parse_config(doc: dict, where: str = "config") -> DaemonConfig:
     cfg.spin_us = float(d.get("spin_us", cfg.spin_us))
     cfg.idle_timeout_s = float(d.get("idle_timeout_s", cfg.idle_timeout_s))
     cfg.log_level = str(d.get("log_level", cfg.log_level))
+    if "seed" in d:
+        if not isinstance(d["seed"], int) or d["seed"] < 0:
+            raise SchemaError(f"{where}: seed must be an int >= 0, got {d['seed']!r}")
+        cfg.seed = d["seed"]
     names = set()
     for i, t in enumerate(doc.get("tables", [])):
         if not isinstance(t, dict):

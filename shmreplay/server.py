@@ -108,7 +108,8 @@ class ControlServer:
         name = self.cfg.table_segment(spec.name)
         t0 = time.monotonic()
         tmap = await self.loop.run_in_executor(None, TableMap.create, name, spec, self.cfg.segment_mode)
-        table = Table(self.next_table_id, spec, tmap)
+        seed = None if self.cfg.seed is None else self.cfg.seed + self.next_table_id
+        table = Table(self.next_table_id, spec, tmap, seed)
         self.next_table_id += 1
         await self.call(self.engine.add_table, table)
         log.info("table %s: %d x %d bytes in %s (%.1f MiB, reserved in %.2f s)", spec.name,

@@ -75,7 +75,7 @@ def tree_check(sums, mins):
 
 def tree_values(priorities, alpha, out):
     pr = np.asarray(priorities, dtype=np.float64)
-    with np.errstate(divide="ignore"):
+    with np.errstate(divide="ignore", over="ignore"):
         out[:] = np.where(pr > 0, np.power(np.where(pr > 0, pr, 1.0), alpha), 0.0)
 
 

@@ -25,22 +25,13 @@ import numpy as np
 
 from .commands import SLOT_BITS, SLOT_MASK
 from .errors import CapacityError, EmptyTable, PriorityError, ProtocolError, ReplayError
+from .priorities import check_priorities
 from .layout import COMMITTED, FREE, LIVE_INSERTS, LIVE_SIZE, RESERVED, TableMap
 from .schema import TableSpec
 from .selectors import make_sampler
 from .slotqueue import SlotQueue
-from .sumtree import first_invalid_priority
 
 log = logging.getLogger("shmreplayd.table")
-
-
-def check_priorities(priorities: np.ndarray, n: int, what: str) -> None:
-    if priorities.shape != (n,):
-        raise PriorityError(f"{what}: expected {n} priorities, got shape {priorities.shape}")
-    bad = first_invalid_priority(priorities)
-    if bad >= 0:
-        raise PriorityError(
-            f"{what}: priority[{bad}] = {priorities[bad]!r} is not a finite number >= 0")
 
 
 class Table:
@@ -127,7 +118,7 @@ class Table:
         n = entry[1].shape[0] if entry is not None else 0
         if priorities is not None:
             try:
-                check_priorities(priorities, n, f"commit to table {self.spec.name!r}")
+                check_priorities(priorities, n, f"commit to table {self.spec.name!r}", self.spec.alpha)
             except PriorityError:
                 self.abort(owner, rid)
                 raise
@@ -175,7 +166,8 @@ class Table:
 
     def update_priorities(self, keys: np.ndarray, priorities: np.ndarray) -> int:
         n = keys.shape[0]
-        check_priorities(priorities, n, f"update_priorities on table {self.spec.name!r}")
+        check_priorities(priorities, n, f"update_priorities on table {self.spec.name!r}",
+                         self.spec.alpha)
         slots = (keys & np.uint64(SLOT_MASK)).astype(np.int64)
         if n and int(slots.max()) >= self.spec.capacity:
             raise ProtocolError(

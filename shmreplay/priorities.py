@@ -1,0 +1,40 @@
+"""Priority validation, shared by the client (to fail fast, in the caller's
+stack) and the daemon (which trusts no client)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .errors import PriorityError
+from .sumtree import first_invalid_priority
+
+# the tree's total must stay finite even with 2**32 leaves at the maximum
+MAX_TREE_VALUE = 1e290
+
+
+def check_priorities(priorities: np.ndarray, n: int, what: str, alpha: float = 1.0) -> None:
+    """Raise PriorityError unless there are n finite priorities >= 0 whose
+    tree values ``p ** alpha`` stay below MAX_TREE_VALUE."""
+    if priorities.shape != (n,):
+        raise PriorityError(f"{what}: expected {n} priorities, got shape {priorities.shape}")
+    bad = first_invalid_priority(priorities)
+    if bad >= 0:
+        raise PriorityError(
+            f"{what}: priority[{bad}] = {priorities[bad]!r} is not a finite number >= 0")
+    if n:
+        top = float(priorities.max())
+        with np.errstate(over="ignore"):
+            value = float(np.power(top, alpha))
+        if value > MAX_TREE_VALUE:
+            raise PriorityError(f"{what}: priority {top!r} ** alpha {alpha} = {value!r} exceeds "
+                                f"the sum tree's limit {MAX_TREE_VALUE:g}")
+
+
+def as_priorities(values, n: int, what: str, alpha: float) -> np.ndarray:
+    """Convert user input to a contiguous float64 array and check it."""
+    try:
+        p = np.ascontiguousarray(values, dtype=np.float64).reshape(-1)
+    except (TypeError, ValueError) as exc:
+        raise PriorityError(f"{what}: priorities are not numbers: {exc}") from None
+    check_priorities(p, n, what, alpha)
+    return p

@@ -1,0 +1,158 @@
+"""Fixtures: real daemons in subprocesses, and the leak checks.
+
+Every daemon a test starts gets its own socket and an instance name
+beginning with ``test``, so every shared-memory object it makes is named
+``/dev/shm/[sem.]shmreplay.test...``.  Each daemon fixture checks at
+teardown that the daemon exited 0 and left none of its objects behind; the
+session fixture checks the same for the whole suite.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+import shmreplay
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_counter = itertools.count()
+
+
+def shm_entries(marker: str = "shmreplay.test") -> set[str]:
+    return {n for n in os.listdir("/dev/shm") if marker in n}
+
+
+def remove_entries(instance: str) -> None:
+    """Clean up after a daemon the test SIGKILLed on purpose."""
+    for n in shm_entries(f"shmreplay.{instance}."):
+        os.unlink(os.path.join("/dev/shm", n))
+
+
+@pytest.fixture(scope="session", autouse=True)
+def no_leaked_shared_memory():
+    before = shm_entries()
+    yield
+    leaked = shm_entries() - before
+    assert not leaked, f"the suite left shared memory behind: {sorted(leaked)}"
+
+
+def toml_value(v) -> str:
+    if isinstance(v, str):
+        return json.dumps(v)
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, (list, tuple)):
+        return "[" + ", ".join(toml_value(x) for x in v) + "]"
+    return repr(v)
+
+
+def write_config(path, tables=(), **daemon) -> str:
+    lines = ["[daemon]"] + [f"{k} = {toml_value(v)}" for k, v in daemon.items()]
+    for t in tables:
+        lines.append("[[tables]]")
+        for k, v in t.items():
+            if k != "fields":
+                lines.append(f"{k} = {toml_value(v)}")
+        lines.append("[tables.fields]")
+        for fname, (dtype, shape) in t["fields"].items():
+            lines.append(f"{fname} = {{ dtype = {toml_value(dtype)}, shape = {toml_value(list(shape))} }}")
+    with open(path, "w") as f:
+        f.write("\n".join(lines) + "\n")
+    return str(path)
+
+
+class DaemonProcess:
+    def __init__(self, tmp_path, tables=(), **daemon_opts):
+        n = next(_counter)
+        self.instance = f"test{os.getpid()}x{n}"
+        self.socket = str(tmp_path / f"d{n}.sock")
+        self.config = write_config(tmp_path / f"d{n}.toml", tables, instance=self.instance,
+                                   socket=self.socket, **daemon_opts)
+        self.log_path = tmp_path / f"d{n}.log"
+        self._log = open(self.log_path, "wb")
+        self.proc = subprocess.Popen([sys.executable, "-m", "shmreplay.daemon", "--config", self.config],
+                                     stdout=self._log, stderr=subprocess.STDOUT)
+        self.wait_ready()
+
+    def wait_ready(self, timeout: float = 120.0) -> None:
+        deadline = time.monotonic() + timeout
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"daemon exited with {self.proc.returncode}:\n{self.log()}")
+            try:
+                shmreplay.connect(self.socket, timeout=5).close()
+                return
+            except shmreplay.DaemonUnavailable:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.05)
+
+    def connect(self, timeout: float = 20.0) -> shmreplay.Client:
+        return shmreplay.connect(self.socket, timeout=timeout)
+
+    def log(self) -> str:
+        if not self._log.closed:
+            self._log.flush()
+        return self.log_path.read_text(errors="replace")
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def stop(self, timeout: float = 30.0) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        code = self.proc.wait(timeout)
+        self._log.close()
+        return code
+
+    def kill(self) -> None:
+        self.proc.kill()
+        self.proc.wait(10)
+        remove_entries(self.instance)
+        try:
+            os.unlink(self.socket)
+        except FileNotFoundError:
+            pass
+
+
+@pytest.fixture
+def start_daemon(tmp_path):
+    started: list[DaemonProcess] = []
+
+    def start(tables=(), **opts) -> DaemonProcess:
+        d = DaemonProcess(tmp_path, tables, **opts)
+        started.append(d)
+        return d
+
+    yield start
+    for d in started:
+        killed = d.proc.poll() is not None and d.proc.returncode < 0
+        code = d.stop()
+        left = shm_entries(f"shmreplay.{d.instance}.")
+        if killed:
+            remove_entries(d.instance)
+            continue
+        assert code == 0, f"daemon exited with {code}:\n{d.log()}"
+        assert not left, f"daemon left {sorted(left)} in /dev/shm"
+
+
+@pytest.fixture
+def daemon(start_daemon):
+    return start_daemon(seed=1234)
+
+
+SMALL_FIELDS = {"obs": ("uint8", (4, 8, 8)), "action": ("int64", ()), "reward": ("float32", ())}
+
+
+@pytest.fixture
+def client(daemon):
+    with daemon.connect() as c:
+        yield c

@@ -1,0 +1,191 @@
+"""The client API against a real daemon: tables, insert, sample, priorities."""
+
+import numpy as np
+import pytest
+
+import shmreplay
+from conftest import SMALL_FIELDS
+
+
+def rows(start, n):
+    """Items whose every field is derived from the action id, so any row
+    can be checked on its own."""
+    a = np.arange(start, start + n, dtype=np.int64)
+    obs = (a[:, None, None, None] + np.zeros((1, 4, 8, 8), dtype=np.int64)) % 256
+    return {"obs": obs.astype(np.uint8), "action": a, "reward": (a * 0.5).astype(np.float32)}
+
+
+def assert_rows_consistent(data):
+    a = data["action"]
+    np.testing.assert_array_equal(data["obs"], np.broadcast_to((a % 256).astype(np.uint8)[:, None, None, None], data["obs"].shape))
+    np.testing.assert_array_equal(data["reward"], (a * 0.5).astype(np.float32))
+
+
+def test_create_insert_flush_sample_round_trip(client):
+    t = client.create_table("dqn", capacity=1000, fields=SMALL_FIELDS)
+    assert len(t) == 0
+    t.insert_batch(rows(0, 300))
+    t.insert(obs=np.full((4, 8, 8), 44, np.uint8), action=300, reward=150.0)
+    t.flush()
+    assert len(t) == 301
+    b = t.sample(256, beta=0.4)
+    assert b.data["obs"].shape == (256, 4, 8, 8) and b.data["obs"].dtype == np.uint8
+    assert b.data["action"].shape == (256,)
+    assert b.keys.dtype == np.uint64 and b.weights.shape == (256,) and b.probabilities.shape == (256,)
+    b.data["obs"][b.data["action"] == 300] = 300 % 256  # the single insert used value 44
+    ok = b.data["action"] != 300
+    assert_rows_consistent({k: v[ok] for k, v in b.data.items()})
+    assert set(b.data["action"].tolist()) <= set(range(301))
+    np.testing.assert_array_equal(b.indices, b.keys & 0xFFFFFFFF)
+
+
+def test_table_attaches_by_name_from_another_client(daemon, client):
+    client.create_table("shared", capacity=100, fields=SMALL_FIELDS)
+    client.table("shared").insert_batch(rows(0, 10))
+    client.flush()
+    with daemon.connect() as other:
+        t = other.table("shared")
+        assert len(t) == 10
+        assert_rows_consistent(t.sample(32).data)
+        assert other.list_tables() == ["shared"]
+
+
+def test_ring_overwrites_the_oldest_items_when_full(client):
+    t = client.create_table("ring", capacity=64, fields=SMALL_FIELDS, sampler="uniform")
+    for start in range(0, 640, 16):
+        t.insert_batch(rows(start, 16))
+    t.flush()
+    assert len(t) == 64
+    seen = set(t.sample(4096).data["action"].tolist())
+    assert seen == set(range(640 - 64, 640)), "the 64 newest items, and only they, remain"
+    st = client.stats()["tables"]["ring"]
+    assert st["inserts"] == 640 and st["evictions"] == 640 - 64
+
+
+def test_create_table_exist_ok_returns_same_table_and_rejects_other_schema(client):
+    t1 = client.create_table("x", capacity=10, fields=SMALL_FIELDS)
+    with pytest.raises(shmreplay.TableExists):
+        client.create_table("x", capacity=10, fields=SMALL_FIELDS)
+    t2 = client.create_table("x", capacity=10, fields=SMALL_FIELDS, exist_ok=True)
+    assert t2.id == t1.id
+    with pytest.raises(shmreplay.TableExists, match="different schema"):
+        client.create_table("x", capacity=11, fields=SMALL_FIELDS, exist_ok=True)
+
+
+def test_several_tables_per_daemon(client):
+    a = client.create_table("a", capacity=50, fields=SMALL_FIELDS)
+    b = client.create_table("b", capacity=50, fields={"x": ("float64", (3,))}, sampler="uniform")
+    a.insert_batch(rows(0, 5))
+    b.insert_batch({"x": np.ones((7, 3))})
+    client.flush()
+    assert (len(a), len(b)) == (5, 7)
+    np.testing.assert_array_equal(b.sample(4).data["x"], np.ones((4, 3)))
+    assert sorted(client.list_tables()) == ["a", "b"]
+
+
+def test_drop_table_makes_it_unknown(client):
+    t = client.create_table("gone", capacity=10, fields=SMALL_FIELDS)
+    t.insert_batch(rows(0, 3))
+    client.drop_table("gone")
+    with pytest.raises(shmreplay.UnknownTable):
+        client.table("gone")
+    with pytest.raises(shmreplay.UnknownTable, match="no table with id"):
+        t.sample(1)  # the old handle's commands now name a missing table
+
+
+def test_update_priorities_changes_the_distribution(client):
+    t = client.create_table("p", capacity=100, fields=SMALL_FIELDS, alpha=1.0)
+    t.insert_batch(rows(0, 100), priorities=np.ones(100))
+    b = t.sample(100)
+    keys_of = dict(zip(b.data["action"].tolist(), b.keys.tolist()))
+    hot = keys_of[next(iter(keys_of))]
+    # zero every sampled key but one, raise that one
+    new = np.where(b.keys == hot, 1000.0, 0.0)
+    t.update_priorities(b.keys, new)
+    t.flush()
+    again = t.sample(256)
+    frac = np.mean(again.keys == hot)
+    total = 1000.0 + (100 - len(set(b.keys.tolist())))  # untouched items keep priority 1
+    assert frac == pytest.approx(1000.0 / total, abs=0.08)
+
+
+def test_update_with_keys_of_overwritten_slots_is_ignored_and_counted(client):
+    t = client.create_table("stale", capacity=10, fields=SMALL_FIELDS)
+    t.insert_batch(rows(0, 10))
+    old = t.sample(10)
+    t.insert_batch(rows(10, 10))  # overwrites all ten slots
+    t.update_priorities(old.keys, np.full(10, 5.0))
+    t.flush()
+    st = client.stats()["tables"]["stale"]
+    assert st["stale_priority_updates"] == 10 and st["priority_updates"] == 0
+    assert st["max_priority"] == 1.0, "stale updates must not change anything"
+
+
+def test_default_priority_is_the_max_seen_so_far(client):
+    t = client.create_table("mx", capacity=10, fields=SMALL_FIELDS, alpha=1.0)
+    t.insert_batch(rows(0, 1), priorities=[7.0])
+    t.insert_batch(rows(1, 1))  # no priority: gets 7.0
+    t.flush()
+    b = t.sample(64)
+    np.testing.assert_allclose(b.probabilities, 0.5)
+    np.testing.assert_allclose(b.weights, 1.0)
+
+
+def test_sample_into_preallocated_batch_reuses_its_arrays(client):
+    t = client.create_table("pre", capacity=100, fields=SMALL_FIELDS)
+    t.insert_batch(rows(0, 100))
+    b = t.sample(32)
+    obs = b.data["obs"]
+    b2 = t.sample(32, out=b)
+    assert b2 is b and b2.data["obs"] is obs
+    assert_rows_consistent(b2.data)
+    with pytest.raises(shmreplay.ReplayError, match="out= holds 32 rows"):
+        t.sample(16, out=b)
+
+
+def test_insert_batch_larger_than_one_command_is_split(client):
+    n = client.max_batch + 1000
+    t = client.create_table("big", capacity=n, fields={"v": ("int32", ())}, sampler="uniform")
+    t.insert_batch({"v": np.arange(n, dtype=np.int32)})
+    t.flush()
+    assert len(t) == n
+    got = t.sample(4096).data["v"]
+    assert got.min() >= 0 and got.max() < n
+
+
+def test_values_are_cast_when_numpy_same_kind_allows(client):
+    t = client.create_table("cast", capacity=10, fields={"f": ("float32", (2,)), "i": ("int16", ())})
+    t.insert(f=[1.5, 2.5], i=3)                       # Python floats/ints
+    t.insert(f=np.array([1.0, 2.0]), i=np.int64(4))   # float64 -> float32, int64 -> int16
+    t.flush()
+    assert len(t) == 2
+
+
+def test_stats_and_cli_status(daemon, client):
+    import subprocess
+    import sys
+    t = client.create_table("s", capacity=10, fields=SMALL_FIELDS)
+    t.insert_batch(rows(0, 4))
+    t.flush()
+    st = client.stats()
+    assert st["protocol"] == 1 and st["daemon_pid"] == daemon.pid
+    assert st["tables"]["s"]["size"] == 4
+    out = subprocess.run([sys.executable, "-m", "shmreplay.cli", "--socket", daemon.socket, "status"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert "table s: 4/10 items" in out.stdout
+
+
+def test_connect_uses_env_socket(daemon, monkeypatch):
+    monkeypatch.setenv("SHMREPLAY_SOCKET", daemon.socket)
+    with shmreplay.connect() as c:
+        assert c.path == daemon.socket
+        assert c.stats()["daemon_pid"] == daemon.pid
+
+
+def test_default_socket_path_is_shared_by_daemon_and_client(monkeypatch):
+    from shmreplay.config import DaemonConfig, client_socket_path
+    monkeypatch.delenv("SHMREPLAY_SOCKET", raising=False)
+    assert DaemonConfig().socket_path() == client_socket_path()
+    monkeypatch.setenv("SHMREPLAY_SOCKET", "/tmp/elsewhere.sock")
+    assert DaemonConfig().socket_path() == client_socket_path() == "/tmp/elsewhere.sock"

@@ -1,0 +1,99 @@
+"""The SPSC command ring over a real shared-memory segment, across processes."""
+
+import multiprocessing as mp
+import os
+import time
+
+import numpy as np
+import pytest
+
+from shmreplay.channel import CTL_REQ_HEAD, Channel, ChannelLayout
+from shmreplay.errors import ProtocolError
+
+LAYOUT = ChannelLayout(req_slots=16, resp_slots=16, req_payload=8192, resp_payload=8192)
+N_RECORDS = 20000
+
+
+def payload_for(seq: int) -> np.ndarray:
+    size = (seq * 7919) % 3000  # 0..2999 bytes: forces skips at the ring's end
+    return ((np.arange(size) + seq) % 251).astype(np.uint8)
+
+
+def produce(name: str) -> None:
+    ch = Channel.attach(name)
+    ring = ch.requests
+    for seq in range(1, N_RECORDS + 1):
+        p = payload_for(seq)
+        while True:
+            placed = ring.place_payload(p.shape[0]) if ring.room() > 0 else None
+            if placed is not None:
+                break
+            time.sleep(0)
+        off, view = placed
+        view[:] = p
+        ring.put(op=1, seq=seq, a0=int(p.sum()), pay_off=off, pay_len=p.shape[0])
+        if seq % 3 == 0 or seq == N_RECORDS:  # publish in batches, as clients do
+            ring.publish()
+    os._exit(0)
+
+
+@pytest.fixture
+def channel():
+    name = f"/shmreplay.test{os.getpid()}.chan"
+    ch = Channel.create(name, LAYOUT, os.getpid(), os.getpid())
+    yield ch
+    ch.seg.unlink()
+
+
+def test_records_and_payloads_arrive_in_order_and_intact_across_processes(channel):
+    proc = mp.get_context("fork").Process(target=produce, args=(channel.seg.name,))
+    proc.start()
+    ring = channel.requests
+    seen = 0
+    deadline = time.monotonic() + 120
+    while seen < N_RECORDS:
+        assert time.monotonic() < deadline, f"only {seen} records arrived"
+        k = ring.pending()
+        if not k:
+            time.sleep(0)
+            continue
+        end = None
+        for i in range(k):
+            rec = ring.peek(i)
+            seq = seen + i + 1
+            assert int(rec["seq"]) == seq
+            got = ring.payload_of(rec)
+            np.testing.assert_array_equal(got, payload_for(seq))
+            assert int(rec["a0"]) == int(got.sum())
+            if got.shape[0]:
+                end = int(rec["pay_off"]) + int(rec["pay_len"])
+        ring.consume(k, end)
+        seen += k
+    proc.join(30)
+    assert proc.exitcode == 0
+
+
+def test_a_corrupt_head_is_a_protocol_error(channel):
+    channel.ctl[CTL_REQ_HEAD] = 10**9  # a hostile peer scribbles on its control word
+    with pytest.raises(ProtocolError, match="impossible position"):
+        channel.requests.pending()
+
+
+def test_a_payload_outside_the_area_is_a_protocol_error(channel):
+    ring = channel.requests
+    ring.put(op=1, seq=1, pay_off=8000, pay_len=1000)  # runs past the end of the area
+    ring.publish()
+    with pytest.raises(ProtocolError, match="outside the payload area"):
+        ring.payload_of(ring.peek(0))
+
+
+def test_producer_sees_no_room_until_consumer_frees_it(channel):
+    ring = channel.requests
+    for seq in range(LAYOUT.req_slots):
+        assert ring.room() > 0
+        ring.put(op=1, seq=seq)
+    ring.publish()
+    assert ring.room() == 0
+    assert ring.pending() == LAYOUT.req_slots
+    ring.consume(4, None)
+    assert ring.room() == 4

@@ -1,0 +1,155 @@
+"""The daemon process: config, shutdown, idle cost, timeouts, fork and spawn."""
+
+import multiprocessing as mp
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+import shmreplay
+from conftest import SMALL_FIELDS, shm_entries, write_config
+
+TABLE = {"name": "cfg", "capacity": 100, "sampler": "uniform", "alpha": 0.6,
+         "fields": {"obs": ("uint8", (4, 8, 8)), "action": ("int64", ()), "reward": ("float32", ())}}
+
+
+def row(i):
+    return {"obs": np.full((4, 8, 8), i % 256, np.uint8), "action": i, "reward": float(i)}
+
+
+def cpu_seconds(pid: int) -> float:
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def test_tables_from_config_exist_at_start(start_daemon):
+    d = start_daemon(tables=[TABLE])
+    with d.connect() as c:
+        t = c.table("cfg")
+        assert t.spec.sampler == "uniform" and t.capacity == 100
+        assert t.spec.field("obs").shape == (4, 8, 8)
+
+
+def test_sigterm_unlinks_every_segment_and_semaphore(start_daemon):
+    d = start_daemon(tables=[TABLE])
+    c = d.connect()
+    c.table("cfg").insert(**row(1))
+    c.create_table("extra", capacity=10, fields=SMALL_FIELDS)
+    mine = shm_entries(f"shmreplay.{d.instance}.")
+    assert any(".t.cfg" in n for n in mine) and any(".bell" in n for n in mine)
+    assert d.stop() == 0
+    assert shm_entries(f"shmreplay.{d.instance}.") == set()
+    assert not os.path.exists(d.socket)
+    assert "signal received; shutting down" in d.log()
+    c.close()
+
+
+def test_channel_names_are_unlinked_once_the_client_attached(start_daemon):
+    d = start_daemon()
+    before = shm_entries(f"shmreplay.{d.instance}.")
+    with d.connect():
+        assert shm_entries(f"shmreplay.{d.instance}.") == before, "channel objects must not stay named"
+
+
+def test_idle_daemon_uses_almost_no_cpu(start_daemon):
+    d = start_daemon(tables=[TABLE])
+    with d.connect() as c:  # an attached, idle client: the engine must still sleep
+        c.table("cfg").insert(**row(1))
+        c.flush()
+        time.sleep(0.5)
+        before = cpu_seconds(d.pid)
+        time.sleep(3.0)
+        used = cpu_seconds(d.pid) - before
+    assert used < 0.15, f"idle daemon used {used:.2f} s of CPU in 3 s"
+
+
+def test_every_wait_has_a_timeout(start_daemon):
+    d = start_daemon(tables=[TABLE])
+    c = d.connect(timeout=1.0)
+    t = c.table("cfg")
+    t.insert(**row(1))
+    c.flush()
+    os.kill(d.pid, signal.SIGSTOP)
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(shmreplay.ReplayTimeout, match="within 1.0 s"):
+            t.sample(1)
+        assert time.monotonic() - t0 < 3.0
+        with pytest.raises(shmreplay.ReplayTimeout):
+            c.stats()
+    finally:
+        os.kill(d.pid, signal.SIGCONT)
+    c.close()
+
+
+def test_bad_config_exits_with_a_message(tmp_path):
+    path = tmp_path / "bad.toml"
+    path.write_text('[daemon]\ninstance = "x"\nspin_usec = 3\n')
+    out = subprocess.run([sys.executable, "-m", "shmreplay.daemon", "--config", str(path)],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "unknown [daemon] keys ['spin_usec']" in out.stderr
+    cfg = write_config(tmp_path / "bad2.toml", tables=[dict(TABLE, capacity=-5)], instance="x")
+    out = subprocess.run([sys.executable, "-m", "shmreplay.daemon", "--config", cfg],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "capacity -5 outside" in out.stderr
+
+
+def test_second_daemon_on_the_same_socket_is_refused(start_daemon, tmp_path):
+    d = start_daemon()
+    cfg = write_config(tmp_path / "second.toml", instance="testsecond", socket=d.socket)
+    out = subprocess.run([sys.executable, "-m", "shmreplay.daemon", "--config", cfg],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 1 and "another daemon is serving" in out.stderr
+    assert not shm_entries("shmreplay.testsecond.")
+
+
+def test_client_reattaches_after_fork(start_daemon):
+    d = start_daemon(tables=[TABLE])
+    c = d.connect()
+    t = c.table("cfg")
+    t.insert(**row(1))
+    c.flush()
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # child: same objects, new lease
+        code = 1
+        try:
+            t.insert(**row(2))
+            t.flush()
+            code = 0 if len(t) == 2 and c._pid == os.getpid() else 3
+        finally:
+            os.write(w, bytes([code]))
+            os._exit(code)
+    os.close(w)
+    assert os.read(r, 1) == b"\x00"
+    os.waitpid(pid, 0)
+    t.insert(**row(3))  # the parent's lease is untouched
+    c.flush()
+    assert len(t) == 3
+    c.close()
+
+
+def spawned_writer(table, n):
+    for i in range(n):
+        table.insert(**row(100 + i))
+    table.flush()
+
+
+def test_client_and_table_work_in_spawned_processes(start_daemon):
+    d = start_daemon(tables=[TABLE])
+    with d.connect() as c:
+        t = c.table("cfg")
+        ctx = mp.get_context("spawn")
+        procs = [ctx.Process(target=spawned_writer, args=(t, 10)) for _ in range(2)]
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join(60)
+            assert p.exitcode == 0
+        assert len(t) == 20
+        assert set(t.sample(200).data["action"].tolist()) <= set(range(100, 110))

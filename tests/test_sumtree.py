@@ -1,0 +1,162 @@
+"""The numba sum/min-tree kernels against their plain-numpy twins."""
+
+import math
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from hypothesis.extra.numpy import arrays
+
+from shmreplay import sumtree as fast
+from shmreplay import sumtree_reference as ref
+
+priorities = st.one_of(
+    st.just(0.0),
+    st.floats(min_value=1e-300, max_value=1e300, allow_nan=False, allow_infinity=False),
+    st.floats(min_value=0.0, max_value=10.0),
+)
+
+
+@st.composite
+def tree_and_updates(draw):
+    capacity = draw(st.integers(1, 300))
+    initial = draw(arrays(np.float64, capacity, elements=priorities))
+    k = draw(st.integers(0, 3 * capacity))
+    idx = draw(arrays(np.int64, k, elements=st.integers(0, capacity - 1)))
+    vals = draw(arrays(np.float64, k, elements=priorities))
+    return capacity, initial, idx, vals
+
+
+def build(mod, capacity, values):
+    sums, mins = fast.new_trees(capacity)
+    mod.tree_rebuild(sums, mins, values)
+    return sums, mins
+
+
+@settings(max_examples=300, deadline=None)
+@given(tree_and_updates())
+def test_update_with_duplicates_matches_reference(case):
+    capacity, initial, idx, vals = case
+    a = build(fast, capacity, initial)
+    b = build(ref, capacity, initial)
+    np.testing.assert_array_equal(a[0], b[0])
+    np.testing.assert_array_equal(a[1], b[1])
+    fast.tree_update(a[0], a[1], idx, vals)
+    ref.tree_update(b[0], b[1], idx, vals)
+    np.testing.assert_array_equal(a[0], b[0])  # bit-identical, not approximately
+    np.testing.assert_array_equal(a[1], b[1])
+    # last write wins for duplicates
+    expect = initial.copy()
+    for i, v in zip(idx, vals):
+        expect[i] = v
+    p = a[0].shape[0] // 2
+    np.testing.assert_array_equal(a[0][p:p + capacity], expect)
+
+
+@settings(max_examples=300, deadline=None)
+@given(tree_and_updates(), st.integers(1, 64), st.integers(0, 2**32 - 1))
+def test_stratified_sample_matches_reference_and_never_draws_zero(case, n, seed):
+    capacity, initial, idx, vals = case
+    sums, mins = build(fast, capacity, initial)
+    fast.tree_update(sums, mins, idx, vals)
+    if not sums[1] > 0 or not np.isfinite(sums[1]):
+        return
+    u = np.random.default_rng(seed).random(n)
+    i1, v1 = np.empty(n, np.int64), np.empty(n)
+    i2, v2 = np.empty(n, np.int64), np.empty(n)
+    fast.tree_sample_stratified(sums, u, i1, v1)
+    ref.tree_sample_stratified(sums, u, i2, v2)
+    np.testing.assert_array_equal(i1, i2)
+    np.testing.assert_array_equal(v1, v2)
+    p = sums.shape[0] // 2
+    assert np.all(i1 < capacity)
+    assert np.all(sums[p + i1] > 0), "a zero-priority leaf was sampled"
+    np.testing.assert_array_equal(v1, sums[p + i1])
+    assert np.all(np.diff(i1) >= 0), "strata are in increasing order of mass"
+
+
+def test_stratified_sample_hits_the_leaf_that_owns_each_target():
+    rng = np.random.default_rng(0)
+    vals = rng.random(1000) * (rng.random(1000) < 0.7)  # 30% zeros
+    sums, mins = build(fast, 1000, vals)
+    n = 512
+    u = rng.random(n)
+    idx, got = np.empty(n, np.int64), np.empty(n)
+    fast.tree_sample_stratified(sums, u, idx, got)
+    cum = np.cumsum(vals)
+    targets = (np.arange(n) + u) * (sums[1] / n)
+    expect = np.searchsorted(cum, targets, side="right")
+    # identical except where the target sits within rounding of a boundary
+    differ = idx != expect
+    near = np.abs(cum[np.minimum(expect, 999)] - targets) < 1e-9 * sums[1]
+    assert np.all(~differ | near)
+
+
+def test_min_tree_ignores_zero_leaves():
+    sums, mins = build(fast, 5, np.array([0.0, 3.0, 0.0, 0.5, 2.0]))
+    assert mins[1] == 0.5
+    fast.tree_update(sums, mins, np.array([3]), np.array([0.0]))
+    assert mins[1] == 2.0
+    fast.tree_update(sums, mins, np.array([1, 4]), np.array([0.0, 0.0]))
+    assert mins[1] == np.inf and sums[1] == 0.0
+
+
+@settings(max_examples=200, deadline=None)
+@given(arrays(np.float64, st.integers(0, 50), elements=st.floats(allow_nan=True, allow_infinity=True)))
+def test_first_invalid_priority_matches_reference(p):
+    assert fast.first_invalid_priority(p) == ref.first_invalid_priority(p)
+
+
+@settings(max_examples=200, deadline=None)
+@given(arrays(np.float64, st.integers(0, 50), elements=priorities),
+       st.floats(min_value=0.0, max_value=2.0))
+def test_tree_values_match_reference_and_zero_stays_zero(p, alpha):
+    a, b = np.empty_like(p), np.empty_like(p)
+    fast.tree_values(p, alpha, a)
+    ref.tree_values(p, alpha, b)
+    np.testing.assert_allclose(a, b, rtol=1e-15)
+    assert np.all(a[p == 0] == 0.0), "0 ** alpha must be 0 even for alpha == 0"
+
+
+def test_rejects_nan_negative_and_infinite():
+    for bad in (np.nan, -1e-9, np.inf, -np.inf):
+        p = np.array([1.0, 2.0, bad, 3.0])
+        assert fast.first_invalid_priority(p) == 2
+    assert fast.first_invalid_priority(np.array([0.0, 1.0])) == -1
+
+
+@settings(max_examples=100, deadline=None)
+@given(tree_and_updates())
+def test_check_holds_on_a_healthy_tree_and_agrees_with_reference(case):
+    capacity, initial, idx, vals = case
+    sums, mins = build(fast, capacity, initial)
+    fast.tree_update(sums, mins, idx, vals)
+    r1 = fast.tree_check(sums, mins)
+    r2 = ref.tree_check(sums, mins)
+    assert r1[2] and r2[2]
+    assert r1[0] == r2[0]
+    assert math.isclose(r1[1], r2[1], rel_tol=1e-12, abs_tol=1e-300)
+
+
+def test_check_detects_drift_and_rebuild_repairs_it():
+    rng = np.random.default_rng(1)
+    vals = rng.random(1 << 12)
+    sums, mins = build(fast, vals.shape[0], vals)
+    good = sums.copy()
+    sums[1] *= 1 + 1e-9       # a drifted root
+    assert not fast.tree_check(sums, mins)[2]
+    sums[:] = good
+    sums[3] += 1e-6           # a drifted inner node (root no longer its children's sum)
+    sums[1] = sums[2] + sums[3]
+    assert not fast.tree_check(sums, mins)[2]
+    p = sums.shape[0] // 2
+    fast.tree_rebuild(sums, mins, sums[p:].copy())
+    assert fast.tree_check(sums, mins)[2]
+    np.testing.assert_array_equal(sums, good)
+
+
+@pytest.mark.parametrize("capacity", [1, 2, 3, 1000, 1 << 16])
+def test_tree_size_is_the_next_power_of_two(capacity):
+    p = fast.tree_size(capacity)
+    assert p >= capacity and p & (p - 1) == 0 and (p == 1 or p // 2 < capacity)

@@ -153,3 +153,26 @@ def test_client_and_table_work_in_spawned_processes(start_daemon):
             assert p.exitcode == 0
         assert len(t) == 20
         assert set(t.sample(200).data["action"].tolist()) <= set(range(100, 110))
+
+
+def test_tells_systemd_when_ready_and_when_stopping(tmp_path):
+    import socket as so
+    addr = str(tmp_path / "notify.sock")
+    sink = so.socket(so.AF_UNIX, so.SOCK_DGRAM)
+    sink.bind(addr)
+    sink.settimeout(120)
+    cfg = write_config(tmp_path / "n.toml", instance=f"testnotify{os.getpid()}",
+                       socket=str(tmp_path / "n.sock"))
+    proc = subprocess.Popen([sys.executable, "-m", "shmreplay.daemon", "--config", cfg],
+                            env=dict(os.environ, NOTIFY_SOCKET=addr), stderr=subprocess.DEVNULL)
+    try:
+        assert sink.recv(256) == b"READY=1"
+        with shmreplay.connect(str(tmp_path / "n.sock")) as c:  # READY means serving
+            assert c.stats()["daemon_pid"] == proc.pid
+        proc.send_signal(signal.SIGTERM)
+        assert sink.recv(256) == b"STOPPING=1"
+        assert proc.wait(60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        sink.close()

@@ -142,6 +142,8 @@ class Client:
             self._sock.close()
             for sem in (self._sem, self._doorbell):
                 sem.close()
+            self._req = self._resp = None
+            self._chan.release()
 
     def __enter__(self) -> "Client":
         return self
@@ -378,9 +380,10 @@ class Table:
                 raise FieldError(f"table {self.name!r}, field {f.name!r}: dtype {a.dtype} "
                                  f"cannot be stored as {f.dtype}")
             if batch:
-                if a.shape[1:] != f.shape or a.ndim != len(f.shape) + 1:
+                if a.ndim != len(f.shape) + 1 or a.shape[1:] != f.shape:
+                    expect = "(n" + "".join(f", {d}" for d in f.shape) + ")"
                     raise FieldError(f"table {self.name!r}, field {f.name!r}: shape {a.shape}, "
-                                     f"expected (n, {', '.join(map(str, f.shape))})".replace(", )", ")"))
+                                     f"expected {expect}")
                 if n is None:
                     n = a.shape[0]
                 elif a.shape[0] != n:

@@ -84,6 +84,12 @@ class Daemon:
         self.doorbell: posix_ipc.Semaphore | None = None
         self.engine: Engine | None = None
         self.control: ControlServer | None = None
+        self.stop_event: asyncio.Event | None = None
+        self.failed = False
+
+    def _engine_crashed(self) -> None:  # engine thread
+        self.failed = True
+        self.control.loop.call_soon_threadsafe(self.stop_event.set)
 
     async def startup(self) -> None:
         log.info("shmreplayd %s starting (pid %d)", __version__, os.getpid())
@@ -93,6 +99,7 @@ class Daemon:
         self.engine = Engine(self.doorbell, self.cfg.spin_us, self.cfg.idle_timeout_s)
         self.control = ControlServer(self.cfg, self.engine)
         self.engine.on_client_error = self.control.on_client_error
+        self.engine.on_crash = self._engine_crashed
         self.engine.start()
         self.control.loop = asyncio.get_running_loop()
         for spec in self.cfg.tables:
@@ -115,14 +122,14 @@ class Daemon:
         log.info("stopped")
 
     async def run(self) -> None:
-        stop = asyncio.Event()
+        stop = self.stop_event = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
         try:
             await self.startup()
             await stop.wait()
-            log.info("signal received; shutting down")
+            log.info("engine failed; shutting down" if self.failed else "signal received; shutting down")
         finally:
             for sig in (signal.SIGTERM, signal.SIGINT):
                 loop.remove_signal_handler(sig)
@@ -146,12 +153,13 @@ def main(argv=None) -> int:
     logging.basicConfig(level=(args.log_level or cfg.log_level).upper(), stream=sys.stderr,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
     logging.getLogger("numba").setLevel(logging.WARNING)  # its debug output is compiler IR
+    daemon = Daemon(cfg, cfg.socket_path(args.socket))
     try:
-        uvloop.run(Daemon(cfg, cfg.socket_path(args.socket)).run())
+        uvloop.run(daemon.run())
     except ReplayError as exc:
         log.error("%s", exc)
         return 1
-    return 0
+    return 1 if daemon.failed else 0
 
 
 if __name__ == "__main__":

@@ -52,29 +52,40 @@ class ClientState:
 
 class Engine:
     def __init__(self, doorbell: posix_ipc.Semaphore, spin_us: float = 50.0,
-                 idle_timeout: float = 1.0, on_client_error=None):
+                 idle_timeout: float = 1.0, on_client_error=None, on_crash=None):
         self.doorbell = doorbell
         self.spin_s = spin_us * 1e-6
         self.idle_timeout = idle_timeout
         self.on_client_error = on_client_error or (lambda cid, exc: None)
+        self.on_crash = on_crash or (lambda: None)
         self.tables: dict[int, Table] = {}
         self.by_name: dict[str, Table] = {}
         self.clients: dict[int, ClientState] = {}
         self.dropped: dict[int, ClientState] = {}  # cut off, awaiting unmap by the control plane
         self.calls: queue.SimpleQueue = queue.SimpleQueue()
         self.stopping = False
+        self.running = False  # True while the thread serves; guarded by lock
+        self.lock = threading.Lock()
         self.thread: threading.Thread | None = None
         self.stats = {"commands": 0, "wakeups": 0, "sleeps": 0, "disconnects": 0}
 
     # ---- control-plane entry points (any thread) ----
     def start(self) -> None:
+        self.running = True
         self.thread = threading.Thread(target=self._run, name="shmreplay-engine", daemon=True)
         self.thread.start()
 
     def submit(self, fn, *args) -> concurrent.futures.Future:
         fut: concurrent.futures.Future = concurrent.futures.Future()
+        with self.lock:
+            if self.running:
+                self.calls.put((fn, args, fut))
+                self.doorbell.release()
+                return fut
+        # no engine thread (not started, stopped or crashed): the caller is
+        # now the only one touching engine state, so run the call here
         self.calls.put((fn, args, fut))
-        self.doorbell.release()
+        self._run_calls()
         return fut
 
     def stop(self, timeout: float = 10.0) -> None:
@@ -92,10 +103,13 @@ class Engine:
                 if worked or self._spin():
                     continue
                 self._sleep()
-            self._run_calls()
         except BaseException:  # the engine dying silently would hang every client
-            log.exception("engine thread crashed")
-            raise
+            log.exception("engine thread crashed; the daemon will exit")
+            self.on_crash()
+        finally:
+            with self.lock:  # after this, submit() runs calls in the caller's thread
+                self.running = False
+                self._run_calls()
 
     def _run_calls(self) -> bool:
         ran = False
@@ -121,6 +135,10 @@ class Engine:
                 log.warning("client %d (pid %d): %s; disconnecting it", cl.id, cl.pid, exc)
                 self._drop(cl)
                 self.on_client_error(cl.id, exc)
+            except Exception as exc:  # a bug one client's input reached: cut off that client only
+                log.exception("client %d (pid %d): unexpected error; disconnecting it", cl.id, cl.pid)
+                self._drop(cl)
+                self.on_client_error(cl.id, ProtocolError(f"daemon could not apply a command: {exc!r}"))
         return worked
 
     def _serve(self, cl: ClientState, limit: int = BURST) -> bool:

@@ -39,7 +39,8 @@ class Segment:
         if free is not None and size > free:
             raise ShmFull(
                 f"/dev/shm has {free / 2**20:.1f} MiB free but segment {name} needs "
-                f"{size / 2**20:.1f} MiB; shrink the table or enlarge /dev/shm"
+                f"{size / 2**20:.1f} MiB; free space in /dev/shm or enlarge it "
+                "(mount -o remount,size=... /dev/shm)"
             )
         try:
             shm = posix_ipc.SharedMemory(name, posix_ipc.O_CREX, mode=mode, size=0)

@@ -252,17 +252,27 @@ def test_malformed_frames_close_only_that_connection(daemon, client, payload, ma
 def test_garbage_records_disconnect_only_the_offender(daemon, client):
     t = client.create_table("t", capacity=50, fields=SMALL_FIELDS)
     t.insert_batch(good_batch(range(5)))
+    # the offenders' own table: a valid RESERVE on the innocent table would
+    # legitimately evict its oldest items (any client may write any table)
+    fuzz = client.create_table("fuzz", capacity=50, fields=SMALL_FIELDS)
+    fuzz.insert_batch(good_batch(range(50)))
     rng = np.random.default_rng(3)
-    for round_ in range(20):
+    rounds = 40
+    for round_ in range(rounds):
         bad = daemon.connect(timeout=10)
-        bt = bad.table("t")
+        bt = bad.table("fuzz")
         ring = bad._req
         n = int(rng.integers(1, 40))
         raw = rng.integers(0, 256, size=(n, 64), dtype=np.uint8)
-        if round_ % 2:  # valid op codes with random arguments reach deeper
-            raw[:, 0] = rng.integers(1, 7, size=n)
-            raw[:, 1] = 0
-        ring.records[:n].view(np.uint8).reshape(n, 64)[:] = raw
+        recs = ring.records[:n]
+        recs.view(np.uint8).reshape(n, 64)[:] = raw
+        if round_ % 2:  # valid ops with small, plausible arguments reach the tables
+            recs["op"] = rng.integers(1, 7, size=n)
+            recs["table"] = rng.choice([0, fuzz.id, 99], size=n)
+            for f in ("a0", "a1", "a2"):
+                recs[f] = rng.integers(0, 70, size=n)
+            recs["pay_off"] = rng.integers(0, 1 << 20, size=n)
+            recs["pay_len"] = rng.choice([0, 8, 16, 64, 1 << 30], size=n)
         ring.head += n
         if ring.publish():
             bad._doorbell.release()
@@ -274,7 +284,7 @@ def test_garbage_records_disconnect_only_the_offender(daemon, client):
         bad.close()
         t.insert(**good_row(round_))
     t.flush()
-    assert len(t) == 25
+    assert len(t) == 5 + rounds
     assert_rows_ok(t.sample(64).data)
     assert daemon.proc.poll() is None
     assert "disconnecting it" in daemon.log()
@@ -351,3 +361,29 @@ def test_client_killed_mid_write_loses_nothing_of_others(daemon, client):
     t.insert_batch(good_batch(range(20, 40)))
     t.flush()
     assert len(t) == 40
+
+
+def test_full_dev_shm_fails_create_and_attach_clearly_and_harms_no_one():
+    """A real full /dev/shm: a 48 MiB tmpfs in a private mount namespace."""
+    import json
+    import shutil
+    import subprocess
+    import sys
+    if shutil.which("unshare") is None:
+        pytest.skip("needs unshare(1) to mount a small /dev/shm privately")
+    here = os.path.dirname(os.path.abspath(__file__))
+    script = (f"mount -t tmpfs -o size=48m tmpfs /dev/shm && "
+              f"exec {sys.executable} {os.path.join(here, 'shm_full_scenario.py')}")
+    probe = subprocess.run(["unshare", "--mount", "--propagation", "private", "sh", "-c",
+                            "mount -t tmpfs -o size=1m tmpfs /dev/shm"], capture_output=True)
+    if probe.returncode != 0:
+        pytest.skip(f"cannot mount a private /dev/shm here: {probe.stderr.decode().strip()}")
+    run = subprocess.run(["unshare", "--mount", "--propagation", "private", "sh", "-c", script],
+                         capture_output=True, text=True, timeout=300,
+                         env=dict(os.environ, PYTHONPATH=os.path.dirname(here)))
+    assert run.returncode == 0, run.stderr
+    out = json.loads(run.stdout.strip().splitlines()[-1])
+    assert "/dev/shm has" in out["create"] and "MiB free but segment" in out["create"]
+    assert "/dev/shm has" in out["attach"] and ".c" in out["attach"]
+    assert out["still_serving"] and out["recovered"]
+    assert out["daemon_exit"] == 0 and out["left"] == []

@@ -1,0 +1,42 @@
+"""The engine thread's failure path, in-process with a real semaphore."""
+
+import os
+import threading
+
+import posix_ipc
+
+from shmreplay.engine import Engine
+
+
+class BreakableBell:
+    """A real doorbell semaphore whose waits start failing on demand (the
+    fault injected: the engine's sleep raising)."""
+
+    def __init__(self):
+        self.sem = posix_ipc.Semaphore(f"/shmreplay.test{os.getpid()}.bell", posix_ipc.O_CREX, 0o600, 0)
+        self.sem.unlink()
+        self.broken = False
+
+    def release(self):
+        self.sem.release()
+
+    def acquire(self, timeout):
+        if self.broken:
+            raise OSError("doorbell lost")
+        self.sem.acquire(timeout)
+
+
+def test_a_crashed_engine_reports_it_and_later_calls_still_complete():
+    bell = BreakableBell()
+    crashed = threading.Event()
+    eng = Engine(bell, spin_us=0, idle_timeout=0.05, on_crash=crashed.set)
+    eng.start()
+    assert eng.submit(lambda: 41 + 1).result(5) == 42   # served by the engine thread
+    assert eng.submit(threading.get_ident).result(5) == eng.thread.ident
+    bell.broken = True
+    assert crashed.wait(5), "the crash must be reported (the daemon then exits non-zero)"
+    eng.thread.join(5)
+    assert not eng.thread.is_alive()
+    # shutdown still has to end leases and drop tables: calls must not hang
+    assert eng.submit(lambda: "after").result(1) == "after"
+    bell.sem.close()

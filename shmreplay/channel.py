@@ -161,6 +161,11 @@ class Ring:
             raise ProtocolError(f"ring head moved to an impossible position ({n} records pending)")
         return n
 
+    def has_pending(self) -> bool:
+        """Cheap check for new records that never raises (a corrupt head
+        counts as pending, so that pending() reports it where it is handled)."""
+        return int(atomics.load(self.ctl, self.head_w)) != self.tail
+
     def peek(self, i: int = 0):
         return self.records[(self.tail + i) % self.slots]
 

@@ -236,7 +236,7 @@ class Engine:
         rings = [cl.req for cl in self.clients.values()]
         while time.perf_counter() < deadline:
             for r in rings:
-                if r.pending():
+                if r.has_pending():  # never raises: errors surface in _serve_all
                     return True
             if not self.calls.empty():
                 return True

@@ -387,3 +387,26 @@ def test_full_dev_shm_fails_create_and_attach_clearly_and_harms_no_one():
     assert "/dev/shm has" in out["attach"] and ".c" in out["attach"]
     assert out["still_serving"] and out["recovered"]
     assert out["daemon_exit"] == 0 and out["left"] == []
+
+
+def test_scribbled_control_words_disconnect_only_the_offender(start_daemon):
+    from shmreplay import atomics
+    from shmreplay.channel import CTL_REQ_HEAD, CTL_RESP_TAIL
+    # a 1 s spin makes the scribble land while the engine spins re-reading heads
+    daemon = start_daemon(spin_us=1_000_000)
+    client = daemon.connect()
+    t = client.create_table("t", capacity=10, fields=SMALL_FIELDS)
+    for word in (CTL_REQ_HEAD, CTL_RESP_TAIL):
+        bad = daemon.connect(timeout=10)
+        bt = bad.table("t")
+        atomics.store(bad._chan.ctl, word, np.uint64(2**63 + 12345))
+        bad._doorbell.release()
+        with pytest.raises(shmreplay.ProtocolError, match="impossible position"):
+            for _ in range(100):  # the offender learns it from its next waits
+                bad._live()
+                bt.sample(1) if len(t) else time.sleep(0.05)
+        bad.close()
+        t.insert(**good_row(len(t)))
+        t.flush()
+    assert len(t) == 2 and daemon.proc.poll() is None
+    client.close()

@@ -164,9 +164,7 @@ class Client:
                 if not data:
                     raise DaemonUnavailable(f"daemon at {self.path} closed the connection")
                 for msg in self._decoder.feed(data):
-                    if msg.get("op") == "bye":
-                        self._bye = error_from_name(msg.get("error"), str(msg.get("message")))
-                        raise self._bye
+                    self._check_bye(msg)
                     if msg.get("id") == rid:
                         if msg.get("ok"):
                             return msg
@@ -192,9 +190,13 @@ class Client:
             self._bye = DaemonUnavailable(f"daemon at {self.path} closed the connection")
             raise self._bye
         for msg in self._decoder.feed(data):
-            if msg.get("op") == "bye":
-                self._bye = error_from_name(msg.get("error"), str(msg.get("message")))
-                raise self._bye
+            self._check_bye(msg)
+
+    def _check_bye(self, msg: dict) -> None:
+        """The daemon's last word before it closes the lease (protocol rule 4)."""
+        if msg.get("op") == "bye":
+            self._bye = error_from_name(msg.get("error"), str(msg.get("message")))
+            raise self._bye
 
     def create_table(self, name, capacity, fields, sampler="prioritized", alpha=0.6,
                      exist_ok=False) -> "Table":

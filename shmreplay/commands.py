@@ -37,9 +37,6 @@ FLUSH = 6
 NAMES = {RESERVE: "RESERVE", COMMIT: "COMMIT", ABORT: "ABORT", SAMPLE: "SAMPLE",
          UPDATE: "UPDATE", FLUSH: "FLUSH"}
 
-# ops the daemon answers even on success
-REPLIES = frozenset({RESERVE, SAMPLE, FLUSH})
-
 SLOT_BITS = 32
 SLOT_MASK = (1 << SLOT_BITS) - 1
 

@@ -47,7 +47,6 @@ class ClientState:
         self.resp = channel.responses
         self.sem = sem
         self.outbox: collections.deque = collections.deque()
-        self.commands = 0
 
 
 class Engine:
@@ -151,7 +150,6 @@ class Engine:
                 pay_end = end
         if n:
             cl.req.consume(n, pay_end)
-            cl.commands += n
             self.stats["commands"] += n
         self._flush(cl)
         return n > 0

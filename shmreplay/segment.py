@@ -27,11 +27,10 @@ SHM_DIR = "/dev/shm"
 class Segment:
     """A mapped shared-memory object.  Not thread-safe; close() once."""
 
-    def __init__(self, name: str, mm: mmap.mmap, size: int, owner: bool):
+    def __init__(self, name: str, mm: mmap.mmap, size: int):
         self.name = name
         self.buf = mm
         self.size = size
-        self.owner = owner
 
     @classmethod
     def create(cls, name: str, size: int, mode: int = 0o600) -> "Segment":
@@ -65,7 +64,7 @@ class Segment:
             _unlink_quiet(name)
             raise
         shm.close_fd()
-        return cls(name, mm, size, owner=True)
+        return cls(name, mm, size)
 
     @classmethod
     def attach(cls, name: str, expected_size: int | None = None) -> "Segment":
@@ -80,7 +79,7 @@ class Segment:
             mm = mmap.mmap(shm.fd, size)
         finally:
             shm.close_fd()
-        return cls(name, mm, size, owner=False)
+        return cls(name, mm, size)
 
     def close(self) -> bool:
         """Unmap.  Returns False if numpy views still hold the buffer; the

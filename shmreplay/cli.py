@@ -32,7 +32,13 @@ def main(argv=None) -> int:
     st = sub.add_parser("status", help="daemon and table status")
     st.add_argument("--json", action="store_true")
     sub.add_parser("tables", help="list table names")
+    sub.add_parser("bench", help="quick benchmark against the peers installed (< 1 min)")
     args = ap.parse_args(argv)
+    if args.cmd == "bench":
+        from .bench import runner  # starts its own daemons; needs none running
+        report = runner.run(quick=True, log=lambda s: print(s, flush=True))
+        print("\n" + runner.table(report))
+        return 0
     try:
         with connect(args.socket, timeout=10.0) as client:
             if args.cmd == "status":

@@ -440,17 +440,30 @@ class Table:
         self._client.flush()
 
     # ---- reading ----
-    def sample(self, batch_size: int, beta: float = 0.4, out: SampleBatch | None = None) -> SampleBatch:
-        """Draw ``batch_size`` items.  With ``out=`` (an earlier batch of the
-        same size) the rows are gathered into its arrays instead of new ones."""
+    def _check_draw(self, batch_size, beta) -> tuple[int, float]:
         n = int(batch_size)
         if not 1 <= n <= self._client.max_batch:
             raise ReplayError(f"batch_size {batch_size} outside 1..{self._client.max_batch}")
         beta = float(beta)
         if not (0.0 <= beta < np.inf):
             raise ReplayError(f"beta must be finite and >= 0, got {beta}")
+        self._client._begin()
+        return n, beta
+
+    def sample_indices(self, batch_size: int, beta: float = 0.4):
+        """Draw without gathering: (keys, probabilities, weights).  For a
+        learner that reads rows itself (``indices = keys & 0xFFFFFFFF``); it
+        must then check the generation stamps as ``sample`` does."""
+        n, beta = self._check_draw(batch_size, beta)
+        keys, probs, weights = np.empty(n, np.uint64), np.empty(n), np.empty(n)
+        self._request_draw(slice(None), n, beta, keys, probs, weights)
+        return keys, probs, weights
+
+    def sample(self, batch_size: int, beta: float = 0.4, out: SampleBatch | None = None) -> SampleBatch:
+        """Draw ``batch_size`` items.  With ``out=`` (an earlier batch of the
+        same size) the rows are gathered into its arrays instead of new ones."""
+        n, beta = self._check_draw(batch_size, beta)
         cl = self._client
-        cl._begin()
         if out is None:
             out = SampleBatch({f.name: np.empty((n, *f.shape), f.dtype) for f in self._fields},
                               np.empty(n, np.uint64), np.empty(n), np.empty(n))
@@ -471,20 +484,24 @@ class Table:
             out.redraws += bad.shape[0]
             self._draw(out, bad, beta)
 
-    def _draw(self, out: SampleBatch, rows: np.ndarray, beta: float) -> None:
+    def _request_draw(self, rows, k: int, beta: float, keys, probs, weights) -> None:
+        """One SAMPLE round trip; the reply lands in keys/probs/weights[rows]."""
         cl = self._client
-        k = rows.shape[0]
         seq = cl._send(C.SAMPLE, self.id, a0=k, f0=beta)
 
         def take(rec, pay):
             kk = int(rec["a0"])
             if kk != k or pay.shape[0] != 24 * k:
                 raise ProtocolError(f"SAMPLE reply carries {kk} items / {pay.shape[0]} bytes")
-            out.keys[rows] = pay[:8 * k].view(np.uint64)
-            out.probabilities[rows] = pay[8 * k:16 * k].view(np.float64)
-            out.weights[rows] = pay[16 * k:].view(np.float64)
+            keys[rows] = pay[:8 * k].view(np.uint64)
+            probs[rows] = pay[8 * k:16 * k].view(np.float64)
+            weights[rows] = pay[16 * k:].view(np.float64)
 
         cl._wait(seq, take)
+
+    def _draw(self, out: SampleBatch, rows: np.ndarray, beta: float) -> None:
+        k = rows.shape[0]
+        self._request_draw(rows, k, beta, out.keys, out.probabilities, out.weights)
         slots = (out.keys[rows] & _MASK).astype(np.intp)
         whole = k == out.keys.shape[0]
         for f in self._fields:

@@ -1,0 +1,79 @@
+#!/usr/bin/env python3
+"""The benchmark suite: shmreplay vs cpprb (and any other peer installed) on
+the three workloads of shared/WORKLOADS.md, numpy's ceilings in the same run.
+
+    pip install -e ".[bench]"
+    python benchmarks/run.py [--quick] [--workload dqn-atari] [--out FILE]
+
+Prints a table of ratios, checks them against the targets of issue 3 and
+writes everything as JSON (default benchmarks/results/<time>.json).  Not part
+of the test suite: speed is reported, never asserted in tests.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from shmreplay.bench import runner  # noqa: E402
+
+TARGETS = """targets (issue 3): single-client cells >= 2x best peer; multiprocess cells >= 3x;
+dqn-atari and r2d2-seq gather >= 70% of numpy's gather ceiling; sample round trip median
+< 100 us with 1M items, batch 256; daemon < 10% of a core at 1,000 inserts/s, ~0% idle."""
+
+
+def check_targets(report: dict) -> list[str]:
+    res = {(r["workload"], r["cell"], r["peer"]): r for r in report["results"] if "error" not in r}
+    out = []
+    for (w, c, p), r in sorted(res.items()):
+        if p != "shmreplay" or c in ("rtt", "daemon_cpu"):
+            continue
+        need = 3.0 if c.startswith("mp") else 2.0
+        for m in ("items_per_s", "batches_per_s", "inserts_per_s"):
+            others = [x[m] for (w2, c2, p2), x in res.items() if (w2, c2) == (w, c) and p2 != p and m in x]
+            if m in r and others:
+                ratio = r[m] / max(others)
+                out.append(f"{'PASS' if ratio >= need else 'MISS'} {w} {c} {m}: {ratio:.2f}x (need {need}x)")
+        if c == "sample" and w in ("dqn-atari", "r2d2-seq") and (w, "gather", "numpy") in res:
+            frac = r["GB_per_s"] / res[(w, "gather", "numpy")]["GB_per_s"]
+            out.append(f"{'PASS' if frac >= 0.7 else 'MISS'} {w} gather: {frac:.0%} of numpy's ceiling "
+                       "(sample+update, need 70%)")
+    if ("sac-mujoco", "rtt", "shmreplay") in res:
+        us = res[("sac-mujoco", "rtt", "shmreplay")]["median_us"]
+        out.append(f"{'PASS' if us < 100 else 'MISS'} sample round trip median {us:.0f} us (need < 100)")
+    if ("sac-mujoco", "daemon_cpu", "shmreplay") in res:
+        r = res[("sac-mujoco", "daemon_cpu", "shmreplay")]
+        f, idle = r["core_fraction_at_1k_inserts"], r["core_fraction_idle"]
+        out.append(f"{'PASS' if f < 0.10 and idle < 0.01 else 'MISS'} daemon {f:.1%} of a core at "
+                   f"{r['inserts_per_s']:.0f} inserts/s, {idle:.2%} idle")
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="the `shmreplay bench` subset")
+    ap.add_argument("--workload", action="append", help="only these workloads")
+    ap.add_argument("--seconds", type=float, help="per single-client cell (default 3)")
+    ap.add_argument("--mp-seconds", type=float, help="per multiprocess cell (default 10)")
+    ap.add_argument("--out", help="JSON file (default benchmarks/results/<time>.json)")
+    a = ap.parse_args(argv)
+    report = runner.run(a.quick, a.seconds, a.mp_seconds, a.workload, log=lambda s: print(s, flush=True))
+    print("\n" + runner.table(report) + "\n\n" + TARGETS)
+    report["targets"] = check_targets(report)
+    print("\n".join(report["targets"]))
+    out = a.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
+                                time.strftime("%Y%m%d-%H%M%S") + ".json")
+    os.makedirs(os.path.dirname(out), exist_ok=True)
+    with open(out, "w") as f:
+        json.dump(report, f, indent=1)
+    print(f"\nwrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

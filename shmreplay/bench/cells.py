@@ -1,0 +1,171 @@
+"""One benchmark cell per process: ``python -m shmreplay.bench.cells CELL PEER WORKLOAD``.
+
+Prints one JSON line.  Cells:
+
+    insert1, insert64   single client, items/s (and MB/s)
+    sample              prioritized sample (alpha 0.6, beta 0.4) with data and
+                        weights, then update_priorities; batches/s (and GB/s)
+    mp2, mp4            2 or 4 actor processes inserting chunks of 16 while one
+                        learner samples and updates; inserts/s and batches/s
+    gather              numpy ceiling: np.take(ring, idx, out=, mode="clip")
+    copy                numpy ceiling: np.copyto of 1 GiB
+    rtt                 shmreplay only: SAMPLE round trip (command sent -> keys,
+                        probabilities and weights in the client), 1M items
+    daemon_cpu          shmreplay only: daemon CPU while one actor inserts
+                        1,000 items/s, and while idle
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+import numpy as np
+
+from . import peers
+from .workloads import WORKLOADS, Workload
+
+
+def _timed(fn, seconds: float, per_call: int = 1) -> float:
+    fn()  # warm-up
+    n, t0 = 0, time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
+        fn()
+        n += per_call
+    return n / (time.perf_counter() - t0)
+
+
+def _fill(peer, w: Workload) -> None:
+    chunk = max(1, min(4096, (64 << 20) // w.item_bytes))
+    rows = w.rows(chunk, seed=5)
+    left = w.capacity
+    while left > 0:
+        k = min(chunk, left)
+        peer.insert(rows if k == chunk else {f: v[:k] for f, v in rows.items()}, k)
+        left -= k
+    peer.settle()
+
+
+def cell_insert(peer, w: Workload, chunk: int, seconds: float) -> dict:
+    peer.open(w)
+    try:
+        rows = w.rows(chunk)
+        rate = _timed(lambda: peer.insert(rows, chunk), seconds, chunk)
+        peer.settle()
+    finally:
+        peer.close()
+    return {"items_per_s": rate, "MB_per_s": rate * w.item_bytes / 1e6}
+
+
+def cell_sample(peer, w: Workload, seconds: float) -> dict:
+    peer.open(w)
+    try:
+        _fill(peer, w)
+        rate = _timed(peer.sample_update, seconds)
+    finally:
+        peer.close()
+    return {"batches_per_s": rate, "GB_per_s": rate * w.batch * w.item_bytes / 1e9}
+
+
+def cell_mp(peer, w: Workload, actors: int, seconds: float) -> dict:
+    peer.open(w)
+    try:
+        return peer.mp_run(actors, 16, seconds)
+    finally:
+        peer.close()
+
+
+def cell_gather(w: Workload, seconds: float) -> dict:
+    """WORKLOADS.md's ceiling: one np.take of a batch of whole rows."""
+    ring = np.ones((w.capacity, w.item_bytes), dtype=np.uint8)
+    out = np.empty((w.batch, w.item_bytes), dtype=np.uint8)
+    rng = np.random.default_rng(0)
+    rate = _timed(lambda: np.take(ring, rng.integers(0, w.capacity, size=w.batch), axis=0,
+                                  out=out, mode="clip"), seconds)
+    return {"batches_per_s": rate, "GB_per_s": rate * w.batch * w.item_bytes / 1e9}
+
+
+def cell_copy(seconds: float) -> dict:
+    src = np.ones(1 << 30, dtype=np.uint8)
+    dst = np.ones(1 << 30, dtype=np.uint8)
+    rate = _timed(lambda: np.copyto(dst, src), seconds)
+    return {"GB_per_s": rate * (1 << 30) / 1e9}
+
+
+def cell_rtt(w: Workload, calls: int = 3000) -> dict:
+    peer = peers.ShmreplayPeer()
+    peer.open(w)
+    try:
+        _fill(peer, w)
+        t = peer.table
+        lat = np.empty(calls)
+        for i in range(calls):
+            t0 = time.perf_counter()
+            t.sample_indices(w.batch, beta=peers.BETA)
+            lat[i] = time.perf_counter() - t0
+    finally:
+        peer.close()
+    return {"median_us": float(np.median(lat) * 1e6), "p99_us": float(np.percentile(lat, 99) * 1e6),
+            "items": w.capacity}
+
+
+def cell_daemon_cpu(w: Workload, seconds: float) -> dict:
+    peer = peers.ShmreplayPeer()
+    peer.open(w)
+    try:
+        rows = w.rows(1)
+        t = peer.table
+        c0, t0 = peer.daemon.cpu_seconds(), time.perf_counter()
+        n = 0
+        while time.perf_counter() - t0 < seconds:  # paced at 1,000 items/s
+            peer.insert(rows, 1)
+            n += 1
+            ahead = n / 1000.0 - (time.perf_counter() - t0)
+            if ahead > 0:
+                time.sleep(ahead)
+        t.flush()
+        busy = (peer.daemon.cpu_seconds() - c0) / (time.perf_counter() - t0)
+        rate = n / (time.perf_counter() - t0)
+        c0, t0 = peer.daemon.cpu_seconds(), time.perf_counter()
+        time.sleep(seconds)
+        idle = (peer.daemon.cpu_seconds() - c0) / (time.perf_counter() - t0)
+    finally:
+        peer.close()
+    return {"core_fraction_at_1k_inserts": busy, "inserts_per_s": rate, "core_fraction_idle": idle}
+
+
+def run(cell: str, peer_name: str, wkey: str, seconds: float) -> dict:
+    w = WORKLOADS[wkey]
+    if cell in ("insert1", "insert64"):
+        return cell_insert(peers.make(peer_name), w, int(cell[6:]), seconds)
+    if cell == "sample":
+        return cell_sample(peers.make(peer_name), w, seconds)
+    if cell in ("mp2", "mp4"):
+        return cell_mp(peers.make(peer_name), w, int(cell[2:]), seconds)
+    if cell == "gather":
+        return cell_gather(w, seconds)
+    if cell == "copy":
+        return cell_copy(seconds)
+    if cell == "rtt":
+        return cell_rtt(w)
+    if cell == "daemon_cpu":
+        return cell_daemon_cpu(w, seconds)
+    raise SystemExit(f"unknown cell {cell!r}")
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("cell")
+    ap.add_argument("peer")
+    ap.add_argument("workload")
+    ap.add_argument("--seconds", type=float, default=3.0)
+    a = ap.parse_args(argv)
+    result = run(a.cell, a.peer, a.workload, a.seconds)
+    print(json.dumps({"cell": a.cell, "peer": a.peer, "workload": a.workload, **result}), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -12,10 +12,13 @@ op         request                               response
 RESERVE    a0 = n                                a0 = reservation id, a1 = 1 if the slots
                                                  are one ascending run, a2 = n;
                                                  payload uint32[n] slot indices
-COMMIT     a0 = reservation id, a1 = n;          no reply
+COMMIT     a0 = reservation id, a1 = n,          no reply
+           a2 = offset: commits slots
+           [a2, a2 + n) of the reservation, which
+           must follow the last part committed;
            payload float64[n] priorities, or
            empty for "max priority seen so far"
-ABORT      a0 = reservation id                   no reply
+ABORT      a0 = reservation id                   no reply; frees the slots not committed
 SAMPLE     a0 = n, f0 = beta                     a0 = n; payload uint64[n] keys,
                                                  float64[n] probabilities, float64[n] weights
 UPDATE     a0 = n; payload uint64[n] keys,       no reply (stale keys are counted)

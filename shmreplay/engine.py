@@ -176,7 +176,7 @@ class Engine:
             elif op == C.COMMIT:
                 n = _count(rec["a1"], "COMMIT")
                 prios = _f64(pay, n, "COMMIT") if pay.shape[0] else None
-                table.commit(cl.id, int(rec["a0"]), prios)
+                table.commit(cl.id, int(rec["a0"]), prios, offset=int(rec["a2"]), n=n)
             elif op == C.ABORT:
                 table.abort(cl.id, int(rec["a0"]))
             elif op == C.SAMPLE:

@@ -45,12 +45,12 @@ class Table:
         self.free = SlotQueue(c)
         self.free.push(np.arange(c, dtype=np.int64))
         self.order = SlotQueue(c, dtype=np.uint64)
-        self.reservations: dict[int, tuple[int, np.ndarray]] = {}
+        self.reservations: dict[int, list] = {}
         self.next_rid = 1
         self.max_priority = 1.0
         self.rng = np.random.default_rng(seed)
         self.updates_since_check = 0
-        self.stats = {"inserts": 0, "samples": 0, "sample_calls": 0, "evictions": 0,
+        self.stats = {"inserts": 0, "reservations": 0, "samples": 0, "sample_calls": 0, "evictions": 0,
                       "stale_priority_updates": 0, "priority_updates": 0,
                       "reclaimed_reservations": 0, "tree_rebuilds": 0}
 
@@ -82,7 +82,8 @@ class Table:
         m.gens[slots] += np.uint32(1)  # wraps at 2**32 by design
         rid = self.next_rid
         self.next_rid += 1
-        self.reservations[rid] = (owner, slots)
+        self.stats["reservations"] += 1
+        self.reservations[rid] = [owner, slots, 0]  # owner, slots, how many committed
         contiguous = bool(n == 1 or (slots[-1] - slots[0] == n - 1 and np.all(np.diff(slots) == 1)))
         return rid, slots, contiguous
 
@@ -106,49 +107,61 @@ class Table:
         self.stats["evictions"] += slots.shape[0]
         return slots
 
-    def _take(self, owner: int, rid: int) -> np.ndarray:
+    def _entry(self, owner: int, rid: int) -> list:
         entry = self.reservations.get(rid)
         if entry is None or entry[0] != owner:
             raise ProtocolError(f"table {self.spec.name!r}: reservation {rid} is not yours or not open")
-        del self.reservations[rid]
-        return entry[1]
+        return entry
 
-    def commit(self, owner: int, rid: int, priorities: np.ndarray | None) -> None:
-        entry = self.reservations.get(rid)
-        n = entry[1].shape[0] if entry is not None else 0
+    def commit(self, owner: int, rid: int, priorities: np.ndarray | None,
+               offset: int = 0, n: int | None = None) -> None:
+        """Commit slots ``[offset, offset + n)`` of a reservation.  A writer
+        may commit a reservation (its lease) in several parts, in order."""
+        entry = self._entry(owner, rid)
+        _, slots, done = entry
+        if n is None:
+            n = slots.shape[0] - done
+        if offset != done or n < 1 or done + n > slots.shape[0]:
+            raise ProtocolError(
+                f"table {self.spec.name!r}: commit of [{offset}, {offset + n}) of reservation {rid} "
+                f"is out of order (next is {done} of {slots.shape[0]})")
         if priorities is not None:
             try:
                 check_priorities(priorities, n, f"commit to table {self.spec.name!r}", self.spec.alpha)
             except PriorityError:
                 self.abort(owner, rid)
                 raise
-        slots = self._take(owner, rid)
+        part = slots[done:done + n]
+        entry[2] = done + n
+        if entry[2] == slots.shape[0]:
+            del self.reservations[rid]
         if priorities is None:
             priorities = np.full(n, self.max_priority)
-        elif n:
+        else:
             self.max_priority = max(self.max_priority, float(priorities.max()))
         m = self.map
-        m.prios[slots] = priorities
-        m.state[slots] = COMMITTED
-        self.sampler.set(slots, priorities)
-        self.order.push(self._keys(slots))
+        m.prios[part] = priorities
+        m.state[part] = COMMITTED
+        self.sampler.set(part, priorities)
+        self.order.push(self._keys(part))
         self._set_size(n)
         m.live[LIVE_INSERTS] += np.uint64(n)
         self.stats["inserts"] += n
         self._count_updates(n)
 
-    def abort(self, owner: int, rid: int) -> None:
-        slots = self._take(owner, rid)
-        self.map.state[slots] = FREE
-        self.free.push(slots)
+    def abort(self, owner: int, rid: int) -> int:
+        """Free the slots of a reservation not committed yet; returns how many."""
+        _, slots, done = self._entry(owner, rid)
+        del self.reservations[rid]
+        rest = slots[done:]
+        self.map.state[rest] = FREE
+        self.free.push(rest)
+        return rest.shape[0]
 
     def release_owner(self, owner: int) -> int:
         """Free every slot an owner reserved but never committed (its lease ended)."""
-        rids = [rid for rid, (o, _) in self.reservations.items() if o == owner]
-        n = 0
-        for rid in rids:
-            n += self.reservations[rid][1].shape[0]
-            self.abort(owner, rid)
+        rids = [rid for rid, entry in self.reservations.items() if entry[0] == owner]
+        n = sum(self.abort(owner, rid) for rid in rids)
         self.stats["reclaimed_reservations"] += n
         return n
 
@@ -214,5 +227,5 @@ class Table:
 
     def snapshot_stats(self) -> dict:
         return {**self.stats, "size": self.size, "capacity": self.spec.capacity,
-                "reserved": sum(s.shape[0] for _, s in self.reservations.values()),
+                "reserved": sum(s.shape[0] - done for _, s, done in self.reservations.values()),
                 "max_priority": self.max_priority, "sampler": self.spec.sampler}

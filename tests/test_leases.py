@@ -1,0 +1,94 @@
+"""Slot leases: writers reserve slots ahead and commit them in parts, so
+inserts do not wait for the daemon."""
+
+import os
+import signal
+import time
+
+import numpy as np
+
+import shmreplay
+
+FIELDS = {"v": ("int64", ()), "w": ("float32", (3,))}
+
+
+def stats(c, name="big"):
+    return c.stats()["tables"][name]
+
+
+def test_single_inserts_share_a_few_reservations(client):
+    t = client.create_table("big", capacity=100_000, fields=FIELDS)
+    lease = t._lease_size
+    assert lease == 100_000 // 256
+    for i in range(2000):
+        t.insert(v=i, w=np.full(3, i, np.float32))
+    t.flush()
+    st = stats(client)
+    assert st["inserts"] == 2000 and len(t) == 2000
+    assert st["reservations"] <= 2000 // lease + 2, "one RESERVE per lease, not per insert"
+    assert st["reserved"] == 0, "flush hands unused leased slots back"
+    vals = t.sample(1000).data
+    np.testing.assert_array_equal(vals["w"][:, 0], vals["v"].astype(np.float32))
+
+
+def test_batches_span_lease_boundaries_in_order(client):
+    t = client.create_table("big", capacity=10_000, fields=FIELDS, sampler="uniform")
+    n = 0
+    for k in [7, 30, 1, 39, 39, 39, 5, 100, 3]:  # lease of 39 slots: parts straddle leases
+        v = np.arange(n, n + k)
+        t.insert_batch({"v": v, "w": np.repeat(v[:, None], 3, axis=1).astype(np.float32)})
+        n += k
+    t.flush()
+    assert len(t) == n and stats(client)["reserved"] == 0
+    d = t.sample(4096).data
+    np.testing.assert_array_equal(d["w"][:, 2], d["v"].astype(np.float32))
+    assert set(d["v"].tolist()) == set(range(n))
+
+
+def test_leases_do_not_cross_a_fork(client):
+    t = client.create_table("big", capacity=10_000, fields=FIELDS)
+    t.insert(v=1, w=np.ones(3, np.float32))  # the parent now holds a lease
+    assert t._lease is not None
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            t.insert(v=2, w=np.ones(3, np.float32))
+            t.flush()
+            code = 0
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    t.insert(v=3, w=np.ones(3, np.float32))
+    t.flush()
+    assert len(t) == 3
+
+
+def hold_a_lease(sock, ready):
+    c = shmreplay.connect(sock)
+    t = c.table("big")
+    t.insert(v=1, w=np.ones(3, np.float32))
+    ready.set()
+    time.sleep(60)
+
+
+def test_a_killed_writers_lease_is_reclaimed(daemon, client):
+    import multiprocessing as mp
+    t = client.create_table("big", capacity=10_000, fields=FIELDS)
+    ctx = mp.get_context("spawn")
+    ready = ctx.Event()
+    p = ctx.Process(target=hold_a_lease, args=(daemon.socket, ready))
+    p.start()
+    assert ready.wait(60)
+    deadline = time.monotonic() + 10
+    while stats(client)["inserts"] < 1:  # its commit is streamed
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    assert stats(client)["reserved"] > 0
+    os.kill(p.pid, signal.SIGKILL)
+    p.join(10)
+    while stats(client)["reserved"]:
+        assert time.monotonic() < deadline, "the dead writer's lease was never reclaimed"
+        time.sleep(0.05)
+    assert len(t) == 1

@@ -42,7 +42,12 @@ from .protocol import PROTOCOL_VERSION, FrameDecoder, encode
 from .schema import make_spec, spec_from_wire
 
 DEFAULT_TIMEOUT = 30.0
-SPIN_ITERATIONS = 20000  # ~20-40 us of atomic loads before sleeping
+# Spin budget (atomic loads, ~1 ns each) before sleeping on the semaphore.
+# Adaptive: doubled when a reply arrived within the spin, halved when the
+# client had to sleep.  On an idle box replies come in tens of microseconds
+# and spinning saves a ~35 us wake-up; on a saturated one the daemon waits
+# for a CPU and spinning only takes that CPU from it and from actors.
+SPIN_MIN, SPIN_MAX = 1_000, 200_000
 _U32 = np.uint64(C.SLOT_BITS)
 _MASK = np.uint64(C.SLOT_MASK)
 
@@ -98,6 +103,7 @@ class Client:
         self._seq = 0
         self._next_id = 1
         self._decoder = FrameDecoder()
+        self._spin = SPIN_MIN * 16
         self._pending: set[int] = set()   # replies to keep if they arrive while waiting for another
         self._stash: dict[int, tuple] = {}
         for t in self._tables.values():  # leases belonged to the old connection
@@ -304,8 +310,11 @@ class Client:
             self._sleep(ring, deadline)
 
     def _sleep(self, ring, deadline: float) -> None:
-        if atomics.spin_until_changed(ring.ctl, CTL_RESP_HEAD, ring.tail, SPIN_ITERATIONS) != ring.tail:
+        spins = self._spin
+        if atomics.spin_until_changed(ring.ctl, CTL_RESP_HEAD, ring.tail, spins) != ring.tail:
+            self._spin = min(SPIN_MAX, spins * 2)
             return
+        self._spin = max(SPIN_MIN, spins // 2)
         if ring.set_sleeping():
             ring.clear_sleeping()
             return
@@ -355,6 +364,7 @@ class Table:
         self._map = TableMap.attach(desc["segment"], self.spec)
         self._views = self._map.fields
         self._fields = self.spec.fields
+        self._view_list = [self._views[f.name] for f in self._fields]
         self._names = frozenset(f.name for f in self._fields)
         # a writer fills a lease of reserved slots across calls and asks for
         # the next one before it runs out, so inserts need no round trip;
@@ -443,25 +453,30 @@ class Table:
                 lease = self._lease = self._new_lease(n - lo)
             rid, slots, pos, contiguous = lease
             k = min(n - lo, slots.shape[0] - pos)
+            whole = lo == 0 and k == n  # the usual case: no need to slice the input
             try:
-                for f, a in zip(self._fields, arrays):
-                    view = self._views[f.name]
-                    if single:
-                        view[slots[pos]] = a
-                    elif contiguous:
-                        view[slots[pos]:slots[pos] + k] = a[lo:lo + k]
-                    else:
-                        view[slots[pos:pos + k]] = a[lo:lo + k]
+                if single or contiguous:
+                    s0 = int(slots[pos])
+                    for view, a in zip(self._view_list, arrays):
+                        if single:
+                            view[s0] = a
+                        else:
+                            view[s0:s0 + k] = a if whole else a[lo:lo + k]
+                else:
+                    part = slots[pos:pos + k]
+                    for view, a in zip(self._view_list, arrays):
+                        view[part] = a if whole else a[lo:lo + k]
             except BaseException:
                 self._release_lease()  # the rows of this part may be half written
                 raise
             lease[2] = pos + k
             cl._send(C.COMMIT, self.id, a0=rid, a1=k, a2=pos,
-                     payload=() if prios is None else (prios[lo:lo + k],))
+                     payload=() if prios is None else (prios if whole else prios[lo:lo + k],))
             lo += k
         lease = self._lease
+        # ask for the next lease at half time, so its reply is there when needed
         if (self._next_seq is None and 0 < n <= self._lease_size
-                and lease[1].shape[0] - lease[2] < n):
+                and lease[1].shape[0] - lease[2] < max(n, self._lease_size // 2)):
             self._next_seq = cl._send(C.RESERVE, self.id, a0=self._lease_size)
             cl._pending.add(self._next_seq)
 
@@ -494,6 +509,17 @@ class Table:
         self._client.flush()
 
     # ---- reading ----
+    def iterate(self, batch_size: int, beta: float = 0.4, prefetch: int = 2):
+        """Prefetching batches for a learner loop (see ``iterator.BatchIterator``)::
+
+            with table.iterate(256, beta=0.4) as batches:
+                for b in batches:
+                    ...train...
+                    table.update_priorities(b.keys, new_priorities)
+        """
+        from .iterator import BatchIterator
+        return BatchIterator(self, batch_size, beta, prefetch)
+
     def _check_draw(self, batch_size, beta) -> tuple[int, float]:
         n = int(batch_size)
         if not 1 <= n <= self._client.max_batch:
@@ -517,13 +543,17 @@ class Table:
         """Draw ``batch_size`` items.  With ``out=`` (an earlier batch of the
         same size) the rows are gathered into its arrays instead of new ones."""
         n, beta = self._check_draw(batch_size, beta)
+        return self._complete(n, beta, out, None)
+
+    def _complete(self, n: int, beta: float, out: SampleBatch | None, seq: int | None) -> SampleBatch:
+        """Gather a batch whose SAMPLE was sent (seq) or is to be sent (None)."""
         cl = self._client
         if out is None:
             out = SampleBatch({f.name: np.empty((n, *f.shape), f.dtype) for f in self._fields},
                               np.empty(n, np.uint64), np.empty(n), np.empty(n))
         elif len(out) != n:
             raise ReplayError(f"out= holds {len(out)} rows, batch_size is {n}")
-        self._draw(out, np.arange(n), beta)
+        self._draw(out, np.arange(n), beta, seq)
         out.redraws = 0
         gens = self._map.gens
         deadline = time.monotonic() + cl.timeout
@@ -540,8 +570,11 @@ class Table:
 
     def _request_draw(self, rows, k: int, beta: float, keys, probs, weights) -> None:
         """One SAMPLE round trip; the reply lands in keys/probs/weights[rows]."""
+        self._receive_draw(self._client._send(C.SAMPLE, self.id, a0=k, f0=beta),
+                           rows, k, keys, probs, weights)
+
+    def _receive_draw(self, seq: int, rows, k: int, keys, probs, weights) -> None:
         cl = self._client
-        seq = cl._send(C.SAMPLE, self.id, a0=k, f0=beta)
 
         def take(rec, pay):
             kk = int(rec["a0"])
@@ -553,9 +586,12 @@ class Table:
 
         cl._wait(seq, take)
 
-    def _draw(self, out: SampleBatch, rows: np.ndarray, beta: float) -> None:
+    def _draw(self, out: SampleBatch, rows: np.ndarray, beta: float, seq: int | None = None) -> None:
         k = rows.shape[0]
-        self._request_draw(rows, k, beta, out.keys, out.probabilities, out.weights)
+        if seq is None:
+            self._request_draw(rows, k, beta, out.keys, out.probabilities, out.weights)
+        else:  # the SAMPLE was sent ahead (iterator pipelining)
+            self._receive_draw(seq, rows, k, out.keys, out.probabilities, out.weights)
         slots = (out.keys[rows] & _MASK).astype(np.intp)
         whole = k == out.keys.shape[0]
         for f in self._fields:

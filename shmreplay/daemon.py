@@ -36,6 +36,7 @@ from . import __version__, atomics, sumtree
 from .config import DaemonConfig, check_instance, load_config
 from .engine import Engine
 from .errors import ReplayError
+from .layout import shmem_huge_pages
 from .segment import unlink_semaphore_quiet
 from .server import ControlServer
 
@@ -94,6 +95,10 @@ class Daemon:
     async def startup(self) -> None:
         log.info("shmreplayd %s starting (pid %d)", __version__, os.getpid())
         log.info("kernels ready in %.2f s", compile_kernels())
+        mode = shmem_huge_pages()
+        if mode not in ("advise", "always", "within_size", "force"):
+            log.info("shared-memory huge pages are %r: learners gather large rows ~30%% slower; "
+                     "echo advise > /sys/kernel/mm/transparent_hugepage/shmem_enabled", mode)
         self.doorbell = posix_ipc.Semaphore(self.cfg.doorbell(os.getpid()), posix_ipc.O_CREX,
                                             self.cfg.segment_mode, 0)
         self.engine = Engine(self.doorbell, self.cfg.spin_us, self.cfg.idle_timeout_s)

@@ -5,6 +5,7 @@ Prints one JSON line.  Cells:
     insert1, insert64   single client, items/s (and MB/s)
     sample              prioritized sample (alpha 0.6, beta 0.4) with data and
                         weights, then update_priorities; batches/s (and GB/s)
+    sample_it           shmreplay only: the same loop through t.iterate(prefetch=2)
     mp2, mp4            2 or 4 actor processes inserting chunks of 16 while one
                         learner samples and updates; inserts/s and batches/s
     gather              numpy ceiling: np.take(ring, idx, out=, mode="clip")
@@ -59,11 +60,11 @@ def cell_insert(peer, w: Workload, chunk: int, seconds: float) -> dict:
     return {"items_per_s": rate, "MB_per_s": rate * w.item_bytes / 1e6}
 
 
-def cell_sample(peer, w: Workload, seconds: float) -> dict:
+def cell_sample(peer, w: Workload, seconds: float, prefetch: bool = False) -> dict:
     peer.open(w)
     try:
         _fill(peer, w)
-        rate = _timed(peer.sample_update, seconds)
+        rate = _timed(peer.sample_update_iter if prefetch else peer.sample_update, seconds)
     finally:
         peer.close()
     return {"batches_per_s": rate, "GB_per_s": rate * w.batch * w.item_bytes / 1e9}
@@ -142,6 +143,8 @@ def run(cell: str, peer_name: str, wkey: str, seconds: float) -> dict:
         return cell_insert(peers.make(peer_name), w, int(cell[6:]), seconds)
     if cell == "sample":
         return cell_sample(peers.make(peer_name), w, seconds)
+    if cell == "sample_it":
+        return cell_sample(peers.make(peer_name), w, seconds, prefetch=True)
     if cell in ("mp2", "mp4"):
         return cell_mp(peers.make(peer_name), w, int(cell[2:]), seconds)
     if cell == "gather":

@@ -21,7 +21,10 @@ FULL = {
     "r2d2-seq": ["insert1", "insert64", "sample", "mp2", "mp4"],
 }
 QUICK = {"sac-mujoco": ["insert64", "sample", "mp2"]}
-SHMREPLAY_ONLY = [("rtt", "sac-mujoco"), ("daemon_cpu", "sac-mujoco")]
+# cells of shmreplay's own API compared with the peers' plain cell
+PEER_CELL = {"sample_it": "sample"}
+SHMREPLAY_ONLY = [("sample_it", "sac-mujoco"), ("sample_it", "dqn-atari"), ("sample_it", "r2d2-seq"),
+                  ("rtt", "sac-mujoco"), ("daemon_cpu", "sac-mujoco")]
 
 
 def run_cell(cell: str, peer: str, workload: str, seconds: float, timeout: float = 900) -> dict:
@@ -99,7 +102,10 @@ def table(report: dict) -> str:
         if r["peer"] == "numpy" or key in seen:
             continue
         seen.append(key)
+        peer_cell = PEER_CELL.get(key[1], key[1])
         same = {x["peer"]: x for x in res if (x["workload"], x["cell"]) == key}
+        same.update({x["peer"]: x for x in res
+                     if (x["workload"], x["cell"]) == (key[0], peer_cell) and x["peer"] != "shmreplay"})
         metrics = [m for m in ("items_per_s", "batches_per_s", "inserts_per_s", "median_us",
                                "core_fraction_at_1k_inserts") if m in r]
         for m in metrics:

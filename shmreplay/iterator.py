@@ -1,0 +1,97 @@
+"""A learner's prefetching iterator: ``table.iterate(batch_size, beta, prefetch=2)``.
+
+While the caller trains on batch k, a background thread has already sent
+SAMPLE for batch k+1.. and gathered their rows, so the learner never waits
+for a daemon that is queued behind actors for a CPU.  The thread has its own
+connection (a ``Client`` is single-threaded); the caller keeps using its own
+client, for ``update_priorities`` too.
+
+Buffers rotate: ``prefetch + 1`` batches exist, and the batch handed out is
+reused once the caller asks for the batch after the next ``prefetch`` ones,
+so keep (copy) what must outlive that.  Priority updates made for batch k
+reach the daemon while batches k+1..k+prefetch are already drawn: samples
+are at most ``prefetch`` updates stale, the bound the asynchronous-update
+literature uses.  Stop it with ``close()`` or a ``with`` block.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+
+from . import commands as C
+from .errors import ReplayError, ReplayTimeout
+
+
+class BatchIterator:
+    def __init__(self, table, batch_size: int, beta: float, prefetch: int):
+        from .client import Client
+        if prefetch < 1:
+            raise ReplayError(f"prefetch must be >= 1, got {prefetch}")
+        owner = table._client
+        self.timeout = owner.timeout
+        self._client = Client(owner.path, owner.timeout)
+        self._table = self._client.table(table.name)
+        self._n, self._beta = int(batch_size), float(beta)
+        self._batches = [None] * (prefetch + 1)
+        self._free: queue.Queue = queue.Queue()
+        self._ready: queue.Queue = queue.Queue()
+        for i in range(prefetch + 1):
+            self._free.put(i)
+        self._current: int | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._fill, name="shmreplay-prefetch", daemon=True)
+        self._thread.start()
+
+    def _fill(self) -> None:
+        # keep one SAMPLE in flight: send the request for the next batch,
+        # then gather the current one while the daemon draws
+        t, n, beta = self._table, self._n, self._beta
+        ahead = None
+        try:
+            t._check_draw(n, beta)
+            while not self._stop.is_set():
+                try:
+                    i = self._free.get(timeout=0.1)
+                except queue.Empty:
+                    continue
+                seq = ahead if ahead is not None else t._client._send(C.SAMPLE, t.id, a0=n, f0=beta)
+                ahead = t._client._send(C.SAMPLE, t.id, a0=n, f0=beta)
+                t._client._pending.add(ahead)
+                self._batches[i] = t._complete(n, beta, self._batches[i], seq)
+                self._ready.put(i)
+        except BaseException as exc:  # handed to the caller's next()
+            self._ready.put(exc)
+
+    def __iter__(self) -> "BatchIterator":
+        return self
+
+    def __next__(self):
+        if self._stop.is_set():
+            raise StopIteration
+        if self._current is not None:
+            self._free.put(self._current)
+            self._current = None
+        try:
+            item = self._ready.get(timeout=self.timeout)
+        except queue.Empty:
+            raise ReplayTimeout(f"no prefetched batch within {self.timeout} s") from None
+        if isinstance(item, BaseException):
+            self.close()
+            raise item
+        self._current = item
+        return self._batches[item]
+
+    def close(self) -> None:
+        if self._thread is None:
+            return
+        self._stop.set()
+        self._thread.join(self.timeout)
+        self._thread = None
+        self._client.close()
+
+    def __enter__(self) -> "BatchIterator":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

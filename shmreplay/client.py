@@ -42,12 +42,13 @@ from .protocol import PROTOCOL_VERSION, FrameDecoder, encode
 from .schema import make_spec, spec_from_wire
 
 DEFAULT_TIMEOUT = 30.0
-# Spin budget (atomic loads, ~1 ns each) before sleeping on the semaphore.
-# Adaptive: doubled when a reply arrived within the spin, halved when the
-# client had to sleep.  On an idle box replies come in tens of microseconds
-# and spinning saves a ~35 us wake-up; on a saturated one the daemon waits
-# for a CPU and spinning only takes that CPU from it and from actors.
+# Spin budget (atomic loads, ~1 ns each) before sleeping on the semaphore,
+# set from how long the last reply took: twice that if it fits under
+# SPIN_MAX, else SPIN_MIN.  On an idle box replies come in tens of
+# microseconds and spinning saves a ~35 us wake-up; on a saturated one the
+# daemon waits for a CPU and spinning would only take that CPU from it.
 SPIN_MIN, SPIN_MAX = 1_000, 200_000
+_LOADS_PER_S = 1e9
 _U32 = np.uint64(C.SLOT_BITS)
 _MASK = np.uint64(C.SLOT_MASK)
 
@@ -287,6 +288,7 @@ class Client:
         if seq in self._stash:
             return _finish(*self._stash.pop(seq), take)
         ring = self._resp
+        started = time.perf_counter()
         deadline = time.monotonic() + self.timeout
         while True:
             while ring.pending():
@@ -296,6 +298,7 @@ class Client:
                 try:
                     if rseq == seq:
                         self._pending.discard(seq)
+                        self._learn_wait(time.perf_counter() - started)
                         return _finish(rec, pay, take)
                     if rseq in self._pending:
                         self._pending.discard(rseq)
@@ -309,12 +312,14 @@ class Client:
                 return None
             self._sleep(ring, deadline)
 
+    def _learn_wait(self, waited: float) -> None:
+        loads = waited * _LOADS_PER_S
+        self._spin = int(min(SPIN_MAX, 2 * loads)) if loads < SPIN_MAX else SPIN_MIN
+        self._spin = max(SPIN_MIN, self._spin)
+
     def _sleep(self, ring, deadline: float) -> None:
-        spins = self._spin
-        if atomics.spin_until_changed(ring.ctl, CTL_RESP_HEAD, ring.tail, spins) != ring.tail:
-            self._spin = min(SPIN_MAX, spins * 2)
+        if atomics.spin_until_changed(ring.ctl, CTL_RESP_HEAD, ring.tail, self._spin) != ring.tail:
             return
-        self._spin = max(SPIN_MIN, spins // 2)
         if ring.set_sleeping():
             ring.clear_sleeping()
             return

@@ -27,12 +27,16 @@ SHMREPLAY_ONLY = [("sample_it", "sac-mujoco"), ("sample_it", "dqn-atari"), ("sam
                   ("rtt", "sac-mujoco"), ("daemon_cpu", "sac-mujoco")]
 
 
-def run_cell(cell: str, peer: str, workload: str, seconds: float, timeout: float = 900) -> dict:
+def run_cell(cell: str, peer: str, workload: str, seconds: float, timeout: float = 180) -> dict:
     cmd = [sys.executable, "-m", "shmreplay.bench.cells", cell, peer, workload, "--seconds", str(seconds)]
     t0 = time.monotonic()
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    try:
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:  # cpprb's multiprocess buffer has deadlocked here once
+        return {"cell": cell, "peer": peer, "workload": workload, "error": f"timed out after {timeout} s"}
     if out.returncode != 0:
-        return {"cell": cell, "peer": peer, "workload": workload, "error": out.stderr.strip()[-2000:]}
+        return {"cell": cell, "peer": peer, "workload": workload,
+                "error": out.stderr.strip()[-2000:] or f"exit code {out.returncode}"}
     res = json.loads(out.stdout.strip().splitlines()[-1])
     res["wall_s"] = round(time.monotonic() - t0, 1)
     return res
@@ -85,7 +89,8 @@ def machine() -> dict:
 
 def _line(r: dict) -> str:
     if "error" in r:
-        return f"  {r['workload']:<11} {r['cell']:<10} {r['peer']:<10} ERROR {r['error'].splitlines()[-1]}"
+        last = (r["error"].strip().splitlines() or ["(no output)"])[-1]
+        return f"  {r['workload']:<11} {r['cell']:<10} {r['peer']:<10} ERROR {last}"
     vals = {k: v for k, v in r.items() if k not in ("cell", "peer", "workload", "wall_s")}
     return f"  {r['workload']:<11} {r['cell']:<10} {r['peer']:<10} " + "  ".join(
         f"{k} {v:,.1f}" if isinstance(v, float) else f"{k} {v}" for k, v in vals.items())

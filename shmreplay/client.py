@@ -25,6 +25,7 @@ import os
 import select
 import socket
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
@@ -601,7 +602,7 @@ class Table:
         whole = k == out.keys.shape[0]
         for f in self._fields:
             if whole:
-                np.take(self._views[f.name], slots, axis=0, out=out.data[f.name], mode="clip")
+                _take(self._views[f.name], slots, out.data[f.name])
             else:
                 out.data[f.name][rows] = self._views[f.name][slots]
 
@@ -620,6 +621,32 @@ class Table:
         for lo in range(0, n, step):
             hi = min(n, lo + step)
             cl._send(C.UPDATE, self.id, a0=hi - lo, payload=(keys[lo:hi], prios[lo:hi]))
+
+
+# Gathering large rows on two threads: np.take releases the GIL, so each
+# half copies in parallel (dqn-atari rows from /dev/shm: 14.5 -> 20.8 GB/s,
+# as fast as a numba prange kernel, without numba's threading layers, which
+# are process-global and not all fork- or thread-safe).  Below ~1 MiB the
+# hand-off to the helper thread costs more than it saves.
+PARALLEL_GATHER_BYTES = 1 << 20
+_helper_pool: tuple[int, ThreadPoolExecutor] | None = None
+
+
+def _helper() -> ThreadPoolExecutor:
+    global _helper_pool
+    if _helper_pool is None or _helper_pool[0] != os.getpid():  # threads do not survive fork
+        _helper_pool = (os.getpid(), ThreadPoolExecutor(1, thread_name_prefix="shmreplay-gather"))
+    return _helper_pool[1]
+
+
+def _take(src: np.ndarray, slots: np.ndarray, dst: np.ndarray) -> None:
+    if dst.nbytes < PARALLEL_GATHER_BYTES:
+        np.take(src, slots, axis=0, out=dst, mode="clip")
+        return
+    half = slots.shape[0] // 2
+    other = _helper().submit(np.take, src, slots[:half], 0, dst[:half], "clip")
+    np.take(src, slots[half:], axis=0, out=dst[half:], mode="clip")
+    other.result()
 
 
 def _error_of(rec, pay) -> ReplayError:

@@ -189,3 +189,17 @@ def test_default_socket_path_is_shared_by_daemon_and_client(monkeypatch):
     assert DaemonConfig().socket_path() == client_socket_path()
     monkeypatch.setenv("SHMREPLAY_SOCKET", "/tmp/elsewhere.sock")
     assert DaemonConfig().socket_path() == client_socket_path() == "/tmp/elsewhere.sock"
+
+
+def test_large_rows_are_gathered_intact(client):
+    """Batches of >= 1 MiB per field are gathered on two threads."""
+    t = client.create_table("wide", capacity=64, fields={"id": ("int64", ()), "img": ("uint8", (512, 1024))},
+                            sampler="uniform")
+    ids = np.arange(64)
+    img = np.broadcast_to((ids % 251).astype(np.uint8)[:, None, None], (64, 512, 1024)).copy()
+    img[:, 7, 9] = (ids * 3 % 256).astype(np.uint8)  # and one cell that differs inside each row
+    t.insert_batch({"id": ids, "img": img})
+    for _ in range(5):
+        b = t.sample(9)  # 9 x 512 KiB: both halves of the split are exercised, odd count
+        assert b.data["img"].nbytes >= (1 << 20)
+        np.testing.assert_array_equal(b.data["img"], img[b.data["id"]])

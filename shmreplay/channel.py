@@ -146,6 +146,26 @@ class Ring:
         self.records[self.head % self.slots] = (op, status, table, seq, a0, a1, a2, f0, pay_off, pay_len)
         self.head += 1
 
+    def try_put(self, parts, op, table=0, seq=0, a0=0, a1=0, a2=0, f0=0.0, status=0) -> bool:
+        """Place ``parts`` (arrays or bytes) as the payload and write the
+        record; False, with nothing written, when the ring or its payload
+        area has no room yet.  Not visible until publish()."""
+        if self.room() <= 0:
+            return False
+        parts = [np.frombuffer(p, np.uint8) if isinstance(p, bytes) else p.view(np.uint8).reshape(-1)
+                 for p in parts]
+        nbytes = sum(p.shape[0] for p in parts)
+        placed = self.place_payload(nbytes)
+        if placed is None:
+            return False
+        off, view = placed
+        pos = 0
+        for p in parts:
+            view[pos:pos + p.shape[0]] = p
+            pos += p.shape[0]
+        self.put(op, table, seq, a0, a1, a2, f0, off, nbytes, status)
+        return True
+
     def publish(self) -> bool:
         """Make every put() record visible; True if the consumer sleeps and
         must be woken."""
@@ -176,6 +196,12 @@ class Ring:
         if ln > self.pay_size or p + ln > self.pay_size:
             raise ProtocolError(f"record payload ({off}, {ln}) lies outside the payload area")
         return self.payload[p:p + ln]
+
+    @staticmethod
+    def payload_end(rec) -> int | None:
+        """What ``pay_tail`` becomes once this record is consumed (None: no payload)."""
+        n = int(rec["pay_len"])
+        return int(rec["pay_off"]) + n if n else None
 
     def consume(self, count: int, pay_end: int | None) -> None:
         """Hand ``count`` records (and payload up to pay_end) back to the producer."""

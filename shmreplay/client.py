@@ -8,8 +8,9 @@ into a ``spawn``ed process, where it reconnects by socket path.
 
 Data path (no payload byte passes through the daemon):
 
-* insert: RESERVE n slots (one round trip), copy each field straight into
-  the ring's rows, COMMIT with priorities (streamed, no reply);
+* insert: copy each field straight into rows of a slot lease (reserved
+  ahead, the next lease requested at half time, so no round trip), then
+  COMMIT that part with priorities (streamed, no reply);
 * sample: SAMPLE (one round trip) returns keys, probabilities and weights;
   the client gathers rows itself with ``np.take`` and then re-reads each
   slot's generation stamp; rows whose stamp changed were overwritten while
@@ -256,12 +257,8 @@ class Client:
     def _send(self, op: int, table: int = 0, a0: int = 0, a1: int = 0, a2: int = 0,
               f0: float = 0.0, payload: tuple = ()) -> int:
         ring = self._req
-        nbytes = sum(p.nbytes for p in payload)
         deadline = None
-        while True:
-            placed = ring.place_payload(nbytes) if ring.room() > 0 else None
-            if placed is not None:
-                break
+        while not ring.try_put(payload, op, table, self._seq + 1, a0, a1, a2, f0):
             # the daemon is behind; it frees room without waking us, so poll
             if deadline is None:
                 deadline = time.monotonic() + self.timeout
@@ -269,14 +266,7 @@ class Client:
             if time.monotonic() > deadline:
                 raise ReplayTimeout(f"command ring stayed full for {self.timeout} s")
             time.sleep(20e-6)
-        off, view = placed
-        pos = 0
-        for p in payload:
-            b = p.view(np.uint8).reshape(-1)
-            view[pos:pos + b.shape[0]] = b
-            pos += b.shape[0]
         self._seq += 1
-        ring.put(op, table, self._seq, a0, a1, a2, f0, off, nbytes)
         if ring.publish():
             self._doorbell.release()
         return self._seq
@@ -307,8 +297,7 @@ class Client:
                     elif int(rec["status"]) and self._deferred is None:
                         self._deferred = _error_of(rec, pay)
                 finally:
-                    end = int(rec["pay_off"]) + int(rec["pay_len"]) if pay.shape[0] else None
-                    ring.consume(1, end)
+                    ring.consume(1, ring.payload_end(rec))
             if seq == 0:
                 return None
             self._sleep(ring, deadline)
@@ -343,6 +332,9 @@ class Client:
         self._check_fork()
         if self._resp.pending():
             self._wait(0, None)
+        self._raise_deferred()
+
+    def _raise_deferred(self) -> None:
         if self._deferred is not None:
             err, self._deferred = self._deferred, None
             raise err
@@ -354,9 +346,7 @@ class Client:
         for t in self._tables.values():
             t._release_lease()
         self._wait(self._send(C.FLUSH), lambda rec, pay: None)
-        if self._deferred is not None:
-            err, self._deferred = self._deferred, None
-            raise err
+        self._raise_deferred()
 
 
 class Table:
@@ -542,7 +532,7 @@ class Table:
         must then check the generation stamps as ``sample`` does."""
         n, beta = self._check_draw(batch_size, beta)
         keys, probs, weights = np.empty(n, np.uint64), np.empty(n), np.empty(n)
-        self._request_draw(slice(None), n, beta, keys, probs, weights)
+        self._receive_draw(self._send_draw(n, beta), slice(None), n, keys, probs, weights)
         return keys, probs, weights
 
     def sample(self, batch_size: int, beta: float = 0.4, out: SampleBatch | None = None) -> SampleBatch:
@@ -574,12 +564,11 @@ class Table:
             out.redraws += bad.shape[0]
             self._draw(out, bad, beta)
 
-    def _request_draw(self, rows, k: int, beta: float, keys, probs, weights) -> None:
-        """One SAMPLE round trip; the reply lands in keys/probs/weights[rows]."""
-        self._receive_draw(self._client._send(C.SAMPLE, self.id, a0=k, f0=beta),
-                           rows, k, keys, probs, weights)
+    def _send_draw(self, k: int, beta: float) -> int:
+        return self._client._send(C.SAMPLE, self.id, a0=k, f0=beta)
 
     def _receive_draw(self, seq: int, rows, k: int, keys, probs, weights) -> None:
+        """Wait for the SAMPLE reply ``seq``; it lands in keys/probs/weights[rows]."""
         cl = self._client
 
         def take(rec, pay):
@@ -594,10 +583,9 @@ class Table:
 
     def _draw(self, out: SampleBatch, rows: np.ndarray, beta: float, seq: int | None = None) -> None:
         k = rows.shape[0]
-        if seq is None:
-            self._request_draw(rows, k, beta, out.keys, out.probabilities, out.weights)
-        else:  # the SAMPLE was sent ahead (iterator pipelining)
-            self._receive_draw(seq, rows, k, out.keys, out.probabilities, out.weights)
+        if seq is None:  # else the SAMPLE was sent ahead (iterator pipelining)
+            seq = self._send_draw(k, beta)
+        self._receive_draw(seq, rows, k, out.keys, out.probabilities, out.weights)
         slots = (out.keys[rows] & _MASK).astype(np.intp)
         whole = k == out.keys.shape[0]
         for f in self._fields:

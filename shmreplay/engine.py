@@ -166,16 +166,14 @@ class Engine:
         """Apply one request; returns the end of its payload (or None)."""
         op, seq = int(rec["op"]), int(rec["seq"])
         pay = cl.req.payload_of(rec)   # bounds-checked; ProtocolError disconnects
-        end = int(rec["pay_off"]) + int(rec["pay_len"]) if pay.shape[0] else None
+        end = cl.req.payload_end(rec)
         if op not in C.NAMES:
             raise ProtocolError(f"unknown command op {op} in the request ring")
         try:
             if op == C.FLUSH:
                 self._respond(cl, op, seq)
                 return end
-            table = self.tables.get(int(rec["table"]))
-            if table is None:
-                raise UnknownTable(f"no table with id {int(rec['table'])} (dropped?)")
+            table = self._table(int(rec["table"]))
             if op == C.RESERVE:
                 n = _count(rec["a0"], "RESERVE")
                 rid, slots, contiguous = table.reserve(cl.id, n)
@@ -196,7 +194,7 @@ class Engine:
         except ProtocolError:
             raise
         except ReplayError as exc:
-            self._respond(cl, op, seq, status=exc.code, payload=(str(exc).encode(),))
+            self._respond_error(cl, op, seq, exc)
         return end
 
     def _commit_run(self, cl: ClientState, i: int, n: int) -> tuple[int, int | None]:
@@ -220,20 +218,26 @@ class Engine:
             pay = ring.payload_of(rec)
             if with_prios:
                 parts.append(_f64(pay, k, "COMMIT"))
-                end = int(rec["pay_off"]) + int(rec["pay_len"])
+                end = ring.payload_end(rec)
             total += k
             j += 1
         prios = (parts[0] if len(parts) == 1 else np.concatenate(parts)) if with_prios else None
         try:
-            table = self.tables.get(table_id)
-            if table is None:
-                raise UnknownTable(f"no table with id {table_id} (dropped?)")
-            table.commit(cl.id, rid, prios, offset=offset, n=total)
+            self._table(table_id).commit(cl.id, rid, prios, offset=offset, n=total)
         except ProtocolError:
             raise
         except ReplayError as exc:
-            self._respond(cl, C.COMMIT, int(first["seq"]), status=exc.code, payload=(str(exc).encode(),))
+            self._respond_error(cl, C.COMMIT, int(first["seq"]), exc)
         return j, end
+
+    def _table(self, table_id: int) -> Table:
+        table = self.tables.get(table_id)
+        if table is None:
+            raise UnknownTable(f"no table with id {table_id} (dropped?)")
+        return table
+
+    def _respond_error(self, cl: ClientState, op: int, seq: int, exc: ReplayError) -> None:
+        self._respond(cl, op, seq, status=exc.code, payload=(str(exc).encode(),))
 
     def _respond(self, cl: ClientState, op: int, seq: int, status: int = 0,
                  a0: int = 0, a1: int = 0, a2: int = 0, payload=()) -> None:
@@ -244,25 +248,13 @@ class Engine:
     def _flush(self, cl: ClientState) -> None:
         ring = cl.resp
         wrote = 0
-        room = ring.room()
-        if room < 0:
+        if ring.room() < 0:  # the client scribbled its tail
             raise ProtocolError("response ring tail moved to an impossible position")
-        while cl.outbox and room > 0:
+        while cl.outbox:
             op, seq, status, a0, a1, a2, payload = cl.outbox[0]
-            parts = [np.frombuffer(p, np.uint8) if isinstance(p, bytes) else p.view(np.uint8)
-                     for p in payload]
-            nbytes = sum(p.shape[0] for p in parts)
-            placed = ring.place_payload(nbytes)
-            if placed is None:
+            if not ring.try_put(payload, op, 0, seq, a0, a1, a2, 0.0, status):
                 break
-            off, view = placed
-            pos = 0
-            for p in parts:
-                view[pos:pos + p.shape[0]] = p
-                pos += p.shape[0]
-            ring.put(op, 0, seq, a0, a1, a2, 0.0, off, nbytes, status)
             cl.outbox.popleft()
-            room -= 1
             wrote += 1
         if wrote and ring.publish():
             cl.sem.release()

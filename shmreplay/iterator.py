@@ -19,7 +19,6 @@ from __future__ import annotations
 import queue
 import threading
 
-from . import commands as C
 from .errors import ReplayError, ReplayTimeout
 
 
@@ -55,8 +54,8 @@ class BatchIterator:
                     i = self._free.get(timeout=0.1)
                 except queue.Empty:
                     continue
-                seq = ahead if ahead is not None else t._client._send(C.SAMPLE, t.id, a0=n, f0=beta)
-                ahead = t._client._send(C.SAMPLE, t.id, a0=n, f0=beta)
+                seq = ahead if ahead is not None else t._send_draw(n, beta)
+                ahead = t._send_draw(n, beta)
                 t._client._pending.add(ahead)
                 self._batches[i] = t._complete(n, beta, self._batches[i], seq)
                 self._ready.put(i)

@@ -64,6 +64,14 @@ class Table:
     def _keys(self, slots: np.ndarray) -> np.ndarray:
         return (self.map.gens[slots].astype(np.uint64) << np.uint64(SLOT_BITS)) | slots.astype(np.uint64)
 
+    def _current(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(slots, mask of keys that still name the committed item they were drawn for)."""
+        slots = (keys & np.uint64(SLOT_MASK)).astype(np.int64)
+        m = self.map
+        live = (m.state[slots] == COMMITTED) & (
+            m.gens[slots].astype(np.uint64) == (keys >> np.uint64(SLOT_BITS)))
+        return slots, live
+
     # ---- writers ----
     def reserve(self, owner: int, n: int) -> tuple[int, np.ndarray, bool]:
         c = self.spec.capacity
@@ -90,14 +98,11 @@ class Table:
     def _evict(self, n: int) -> np.ndarray:
         out = []
         got = 0
-        m = self.map
         while got < n:
             keys = self.order.pop(n - got)
             if keys.shape[0] == 0:  # cannot happen while size >= n; defend anyway
                 raise CapacityError(f"table {self.spec.name!r}: eviction queue ran dry")
-            slots = (keys & np.uint64(SLOT_MASK)).astype(np.int64)
-            live = (m.state[slots] == COMMITTED) & (
-                m.gens[slots].astype(np.uint64) == (keys >> np.uint64(SLOT_BITS)))
+            slots, live = self._current(keys)
             slots = slots[live]
             out.append(slots)
             got += slots.shape[0]
@@ -181,14 +186,13 @@ class Table:
         n = keys.shape[0]
         check_priorities(priorities, n, f"update_priorities on table {self.spec.name!r}",
                          self.spec.alpha)
-        slots = (keys & np.uint64(SLOT_MASK)).astype(np.int64)
-        if n and int(slots.max()) >= self.spec.capacity:
+        top = int((keys & np.uint64(SLOT_MASK)).max()) if n else 0
+        if top >= self.spec.capacity:
             raise ProtocolError(
-                f"update_priorities on table {self.spec.name!r}: key names slot {int(slots.max())} "
+                f"update_priorities on table {self.spec.name!r}: key names slot {top} "
                 f"beyond capacity {self.spec.capacity}")
         m = self.map
-        live = (m.state[slots] == COMMITTED) & (
-            m.gens[slots].astype(np.uint64) == (keys >> np.uint64(SLOT_BITS)))
+        slots, live = self._current(keys)
         slots, priorities = slots[live], priorities[live]
         stale = n - slots.shape[0]
         if slots.shape[0]:

@@ -36,7 +36,7 @@ from . import __version__, atomics, sumtree
 from .config import DaemonConfig, check_instance, load_config
 from .engine import Engine
 from .errors import ReplayError
-from .layout import shmem_huge_pages
+from .segment import shmem_huge_pages
 from .segment import unlink_semaphore_quiet
 from .server import ControlServer
 

@@ -20,7 +20,6 @@ agree; a change to this map must bump LAYOUT_VERSION.
 
 from __future__ import annotations
 
-import mmap
 import os
 import time
 
@@ -105,7 +104,6 @@ class TableMap:
         self.spec = layout.spec
         buf = seg.buf
         c = self.spec.capacity
-        advise_huge_pages(buf)
         self.header = np.ndarray((), HEADER, buffer=buf, offset=0)
         self.live = np.ndarray((LIVE_WORDS,), np.uint64, buffer=buf, offset=LIVE_OFF)
         self.gens = np.ndarray((c,), np.uint32, buffer=buf, offset=layout.gens_off)
@@ -155,30 +153,6 @@ class TableMap:
         self.header = self.live = self.gens = self.prios = self.state = None
         self.fields = {}
         self.seg.close()
-
-
-def advise_huge_pages(buf) -> None:
-    """Ask for transparent huge pages on a table mapping.  A learner gathers
-    random rows from gigabytes; with 4 KiB pages each row costs TLB misses
-    (dqn-atari gather: 10.6 GB/s on 4 KiB pages, 14.9 GB/s on 2 MiB pages,
-    as fast as anonymous memory).  Takes effect only where the kernel allows
-    it for shared memory: /sys/kernel/mm/transparent_hugepage/shmem_enabled
-    set to "advise" (or "always"); otherwise it is a no-op."""
-    advice = getattr(mmap, "MADV_HUGEPAGE", None)
-    if advice is not None and len(buf) >= 2 << 20:
-        try:
-            buf.madvise(advice)
-        except OSError:
-            pass
-
-
-def shmem_huge_pages() -> str:
-    """The kernel's shmem THP mode (the bracketed word), or "unknown"."""
-    try:
-        with open("/sys/kernel/mm/transparent_hugepage/shmem_enabled") as f:
-            return f.read().split("[", 1)[1].split("]", 1)[0]
-    except (OSError, IndexError):
-        return "unknown"
 
 
 def read_spec(seg: Segment) -> TableSpec:

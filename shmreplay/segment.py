@@ -7,6 +7,15 @@ with ENOSPC now, instead of a SIGBUS in some client hours later.  A statvfs
 check first turns the obvious case (far too big) into an instant error
 without making the kernel allocate and free gigabytes.
 
+The creator then zeroes every page (``MADV_POPULATE_WRITE``) and every
+attaching process maps them all (``MADV_POPULATE_READ``), so no insert or
+gather ever takes a page fault.  Measured on this VM with a 2.8 GB ring of
+28 KB rows: the first pass of writes over a ring left to fault page by page
+ran at 70-95k rows/s (one ~1.5-2 us write fault per 4 KiB page); after the
+two populates it ran at 540-840k rows/s.  A read populate maps 16 pages per
+fault (the kernel's fault-around), which per-page write faults never do, so
+it costs a client 0.23 s per 2.8 GB at attach instead of seconds mid-run.
+
 The file descriptor is closed right after mapping; the mapping keeps the
 segment alive until it is closed, even after unlink.
 """
@@ -22,6 +31,10 @@ import posix_ipc
 from .errors import LayoutError, ReplayError, ShmFull
 
 SHM_DIR = "/dev/shm"
+# madvise(2) advice numbers (Linux >= 5.14); older kernels answer EINVAL and
+# the pages fault in on first use as before
+MADV_POPULATE_READ = 22
+MADV_POPULATE_WRITE = 23
 
 
 class Segment:
@@ -48,6 +61,7 @@ class Segment:
                 f"shared-memory segment {name} exists already: another daemon uses it, "
                 f"or a dead one left it behind (remove it with rm /dev/shm{name})"
             ) from exc
+        mm = None
         try:
             try:
                 os.posix_fallocate(shm.fd, 0, size)
@@ -59,7 +73,11 @@ class Segment:
                     ) from exc
                 raise
             mm = mmap.mmap(shm.fd, size)
+            advise_huge_pages(mm)
+            prefault(mm, write=True)
         except BaseException:
+            if mm is not None:
+                mm.close()
             shm.close_fd()
             _unlink_quiet(name)
             raise
@@ -79,6 +97,12 @@ class Segment:
             mm = mmap.mmap(shm.fd, size)
         finally:
             shm.close_fd()
+        advise_huge_pages(mm)
+        try:
+            prefault(mm, write=False)
+        except BaseException:
+            mm.close()
+            raise
         return cls(name, mm, size)
 
     def close(self) -> bool:
@@ -92,6 +116,47 @@ class Segment:
 
     def unlink(self) -> None:
         _unlink_quiet(self.name)
+
+
+def prefault(buf: mmap.mmap, write: bool) -> bool:
+    """Populate a whole mapping now rather than fault it in page by page
+    later.  ``write=True`` (the creator) allocates and zeroes the pages;
+    ``write=False`` (everyone else) only maps pages that exist.  Returns
+    False where the kernel lacks the advice; that is slower, never wrong."""
+    try:
+        buf.madvise(MADV_POPULATE_WRITE if write else MADV_POPULATE_READ)
+        return True
+    except OSError as exc:
+        if exc.errno in (errno.EINVAL, errno.ENOSYS):
+            return False
+        if exc.errno == errno.ENOMEM and write:
+            raise ShmFull(f"/dev/shm could not back {len(buf) / 2**20:.1f} MiB: "
+                          f"{os.strerror(exc.errno)}") from exc
+        raise
+
+
+def advise_huge_pages(buf) -> None:
+    """Ask for transparent huge pages on a table mapping.  A learner gathers
+    random rows from gigabytes; with 4 KiB pages each row costs TLB misses
+    (dqn-atari gather: 10.6 GB/s on 4 KiB pages, 14.9 GB/s on 2 MiB pages,
+    as fast as anonymous memory).  Takes effect only where the kernel allows
+    it for shared memory: /sys/kernel/mm/transparent_hugepage/shmem_enabled
+    set to "advise" (or "always"); otherwise it is a no-op."""
+    advice = getattr(mmap, "MADV_HUGEPAGE", None)
+    if advice is not None and len(buf) >= 2 << 20:
+        try:
+            buf.madvise(advice)
+        except OSError:
+            pass
+
+
+def shmem_huge_pages() -> str:
+    """The kernel's shmem THP mode (the bracketed word), or "unknown"."""
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/shmem_enabled") as f:
+            return f.read().split("[", 1)[1].split("]", 1)[0]
+    except (OSError, IndexError):
+        return "unknown"
 
 
 def _unlink_quiet(name: str) -> None:

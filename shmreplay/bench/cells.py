@@ -138,6 +138,8 @@ def cell_daemon_cpu(w: Workload, seconds: float) -> dict:
 
 
 def run(cell: str, peer_name: str, wkey: str, seconds: float) -> dict:
+    if cell == "copy":
+        return cell_copy(seconds)
     w = WORKLOADS[wkey]
     if cell in ("insert1", "insert64"):
         return cell_insert(peers.make(peer_name), w, int(cell[6:]), seconds)
@@ -149,8 +151,6 @@ def run(cell: str, peer_name: str, wkey: str, seconds: float) -> dict:
         return cell_mp(peers.make(peer_name), w, int(cell[2:]), seconds)
     if cell == "gather":
         return cell_gather(w, seconds)
-    if cell == "copy":
-        return cell_copy(seconds)
     if cell == "rtt":
         return cell_rtt(w)
     if cell == "daemon_cpu":

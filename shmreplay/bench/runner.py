@@ -79,11 +79,12 @@ def machine() -> dict:
             info["mem_gib"] = round(int(f.readline().split()[1]) / 2**20, 1)
     except (OSError, StopIteration):
         pass
-    try:
-        import cpprb
-        info["cpprb"] = getattr(cpprb, "__version__", "?")
-    except ImportError:
-        pass
+    from importlib import metadata
+    for lib in ("cpprb", "torchrl", "dm-reverb"):
+        try:
+            info[lib] = metadata.version(lib)
+        except metadata.PackageNotFoundError:
+            pass
     return info
 
 

@@ -12,7 +12,10 @@ Callable from any thread or process; each call is one indivisible access.
 
 from __future__ import annotations
 
+import time
+
 import numba
+import numpy as np
 from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
@@ -89,3 +92,20 @@ def spin_until_changed(words, i, old, iterations):
         if v != old:
             return v
     return old
+
+
+_loads_per_s: float | None = None
+
+
+def loads_per_second() -> float:
+    """How many ``spin_until_changed`` loads this CPU does per second
+    (measured once per process, ~1 ms), so spin budgets can be set in time."""
+    global _loads_per_s
+    if _loads_per_s is None:
+        words = np.zeros(8, dtype=np.uint64)
+        spin_until_changed(words, 0, 1, 1)  # compile or load from cache first
+        n = 1 << 20
+        t0 = time.perf_counter()
+        spin_until_changed(words, 0, 0, n)
+        _loads_per_s = n / max(time.perf_counter() - t0, 1e-6)
+    return _loads_per_s

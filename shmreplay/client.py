@@ -44,13 +44,15 @@ from .protocol import PROTOCOL_VERSION, FrameDecoder, encode
 from .schema import make_spec, spec_from_wire
 
 DEFAULT_TIMEOUT = 30.0
-# Spin budget (atomic loads, ~1 ns each) before sleeping on the semaphore,
-# set from how long the last reply took: twice that if it fits under
-# SPIN_MAX, else SPIN_MIN.  On an idle box replies come in tens of
-# microseconds and spinning saves a ~35 us wake-up; on a saturated one the
-# daemon waits for a CPU and spinning would only take that CPU from it.
-SPIN_MIN, SPIN_MAX = 1_000, 200_000
-_LOADS_PER_S = 1e9
+# Spin budget before sleeping on the semaphore, set from how long the last
+# reply took: twice that if it fits under SPIN_MAX_S, else the minimum.  On
+# an idle box replies come in tens to a few hundred microseconds (a learner's
+# UPDATE then SAMPLE: ~160 us) and spinning saves a ~35 us wake-up on each
+# side; on a saturated one the daemon waits for a CPU and spinning would only
+# take that CPU from it.  Budgets are counted in atomic loads, calibrated
+# once per process (2.5e9/s on this VM; a fixed guess of 1e9/s made the cap
+# 80 us instead of 200, so every learner round trip slept).
+SPIN_MIN_S, SPIN_MAX_S = 1e-6, 400e-6
 _U32 = np.uint64(C.SLOT_BITS)
 _MASK = np.uint64(C.SLOT_MASK)
 
@@ -106,7 +108,8 @@ class Client:
         self._seq = 0
         self._next_id = 1
         self._decoder = FrameDecoder()
-        self._spin = SPIN_MIN * 16
+        self._loads_per_s = atomics.loads_per_second()
+        self._spin = int(16 * SPIN_MIN_S * self._loads_per_s)
         self._pending: set[int] = set()   # replies to keep if they arrive while waiting for another
         self._stash: dict[int, tuple] = {}
         for t in self._tables.values():  # leases belonged to the old connection
@@ -303,9 +306,8 @@ class Client:
             self._sleep(ring, deadline)
 
     def _learn_wait(self, waited: float) -> None:
-        loads = waited * _LOADS_PER_S
-        self._spin = int(min(SPIN_MAX, 2 * loads)) if loads < SPIN_MAX else SPIN_MIN
-        self._spin = max(SPIN_MIN, self._spin)
+        spin = 2 * waited if waited < SPIN_MAX_S else SPIN_MIN_S
+        self._spin = int(max(SPIN_MIN_S, min(SPIN_MAX_S, spin)) * self._loads_per_s)
 
     def _sleep(self, ring, deadline: float) -> None:
         if atomics.spin_until_changed(ring.ctl, CTL_RESP_HEAD, ring.tail, self._spin) != ring.tail:

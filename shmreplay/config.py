@@ -39,7 +39,7 @@ class DaemonConfig:
     socket: str = ""
     instance: str = "default"
     segment_mode: int = 0o600
-    spin_us: float = 50.0
+    spin_us: float = 250.0
     idle_timeout_s: float = 1.0
     log_level: str = "info"
     seed: int | None = None  # seeds every table's sampler (seed + table id): reproducible runs

@@ -50,7 +50,7 @@ class ClientState:
 
 
 class Engine:
-    def __init__(self, doorbell: posix_ipc.Semaphore, spin_us: float = 50.0,
+    def __init__(self, doorbell: posix_ipc.Semaphore, spin_us: float = 250.0,
                  idle_timeout: float = 1.0, on_client_error=None, on_crash=None):
         self.doorbell = doorbell
         self.spin_max = spin_us * 1e-6

@@ -54,6 +54,7 @@ def run(quick: bool = False, seconds: float | None = None, mp_seconds: float | N
         if only and wkey not in only:
             continue
         results.append(run_cell("gather", "numpy", wkey, seconds))
+        results.append(run_cell("write", "numpy", wkey, seconds))
         for cell in cells:
             for lib in libs:
                 r = run_cell(cell, lib, wkey, mp_seconds if cell.startswith("mp") else seconds)

@@ -39,17 +39,25 @@ def _nice(increment: int) -> None:
 
 
 def available() -> list[str]:
+    """shmreplay and every peer library that works here.  TorchRL counts
+    only if its prioritized buffer can be built: its sum tree is a C++
+    extension, and a wheel built against another torch imports fine but
+    fails there (seen: torchrl 0.13/0.14 against torch 2.13.0+cpu)."""
+    import importlib.util
     names = ["shmreplay"]
-    try:
-        import cpprb  # noqa: F401
+    if importlib.util.find_spec("cpprb") is not None:
         names.append("cpprb")
-    except ImportError:
-        pass
+    if importlib.util.find_spec("torchrl") is not None:
+        probe = subprocess.run(
+            [sys.executable, "-c", "from torchrl.data import PrioritizedSampler; PrioritizedSampler(8, 0.6, 0.4)"],
+            capture_output=True, timeout=120)
+        if probe.returncode == 0:
+            names.append("torchrl")
     return names
 
 
 def make(name: str):
-    return {"shmreplay": ShmreplayPeer, "cpprb": CpprbPeer}[name]()
+    return {"shmreplay": ShmreplayPeer, "cpprb": CpprbPeer, "torchrl": TorchrlPeer}[name]()
 
 
 def _new_priorities(n: int, rng) -> np.ndarray:
@@ -216,6 +224,103 @@ def _cpprb_actor(rb, wkey, chunk, seconds, seed, start, out):
     n, t0 = 0, time.perf_counter()
     while time.perf_counter() - t0 < seconds:
         rb.add(**rows)
+        n += chunk
+    out.put(n)
+
+
+# ------------------------------------------------------------------ torchrl
+
+class TorchrlPeer:
+    """TorchRL's TensorDictPrioritizedReplayBuffer over a LazyTensorStorage
+    (its in-memory storage), batches as TensorDicts built once from the same
+    numpy rows (torch.from_numpy shares them, so no copy is added).
+
+    TorchRL's prioritized sampler lives in the process that built the
+    buffer, so the multiprocess cell uses the pattern its users use: actors
+    send their chunks over a multiprocessing queue and the learner extends
+    the buffer with whatever arrived before each sample."""
+
+    name = "torchrl"
+
+    def open(self, w: Workload) -> None:
+        import torch
+        from torchrl.data import LazyTensorStorage, TensorDictPrioritizedReplayBuffer
+        torch.set_num_threads(1)  # one learner thread, like the other peers
+        self.w = w
+        self.rng = np.random.default_rng(1)
+        self.rb = TensorDictPrioritizedReplayBuffer(
+            alpha=0.6, beta=BETA, storage=LazyTensorStorage(w.capacity), batch_size=w.batch)
+        self._tds = {}
+
+    def _td(self, rows: dict, n: int):
+        key = (id(rows), n)
+        if key not in self._tds:
+            self._tds[key] = _to_td(rows, n)
+        return self._tds[key]
+
+    def insert(self, rows: dict, n: int) -> None:
+        td = self._td(rows, n)
+        if n == 1:
+            self.rb.add(td[0])
+        else:
+            self.rb.extend(td)
+
+    def settle(self) -> None:
+        pass
+
+    def size(self) -> int:
+        return len(self.rb)
+
+    def sample_update(self, beta: float = BETA) -> dict:
+        s = self.rb.sample()
+        import torch
+        self.rb.update_priority(s["index"], torch.from_numpy(_new_priorities(self.w.batch, self.rng)))
+        return s
+
+    def close(self) -> None:
+        self.rb = None
+
+    def mp_run(self, actors: int, chunk: int, seconds: float) -> dict:
+        import queue
+        ctx = mp.get_context("spawn")
+        # a short queue: what is still in it at the end was counted by the
+        # actors but never inserted (at most 8 chunks)
+        start, out, q = ctx.Event(), ctx.Queue(), ctx.Queue(maxsize=8)
+        procs = [ctx.Process(target=_queue_actor, args=(q, self.w.key, chunk, seconds, a, start, out))
+                 for a in range(actors)]
+
+        def drain() -> None:
+            while True:
+                try:
+                    rows = q.get_nowait()
+                except queue.Empty:
+                    return
+                self.rb.extend(_to_td(rows, chunk))
+
+        def sampleable() -> int:  # the learner starts once a batch is stored
+            drain()
+            return len(self.rb) if len(self.rb) >= self.w.batch else 0
+
+        def drain_sample_update():
+            drain()
+            return self.sample_update()
+        return _run_mp(procs, start, out, seconds, drain_sample_update, sampleable)
+
+
+def _to_td(rows: dict, n: int):
+    import torch
+    from tensordict import TensorDict
+    return TensorDict({k: torch.from_numpy(np.ascontiguousarray(v[:n])) for k, v in rows.items()},
+                      batch_size=[n])
+
+
+def _queue_actor(q, wkey, chunk, seconds, seed, start, out):
+    _nice(ACTOR_NICE)
+    rows = WORKLOADS[wkey].rows(chunk, seed)
+    start.wait()
+    n, t0 = 0, time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
+        q.put(rows)
         n += chunk
     out.put(n)
 

@@ -218,12 +218,17 @@ class CpprbPeer:
 
 
 def _cpprb_actor(rb, wkey, chunk, seconds, seed, start, out):
+    _actor_loop(lambda rows: rb.add(**rows), wkey, chunk, seconds, seed, start, out)
+
+
+def _actor_loop(put, wkey, chunk, seconds, seed, start, out):
+    """A peer's actor process: put(rows) chunks for `seconds`, report the count."""
     _nice(ACTOR_NICE)
     rows = WORKLOADS[wkey].rows(chunk, seed)
     start.wait()
     n, t0 = 0, time.perf_counter()
     while time.perf_counter() - t0 < seconds:
-        rb.add(**rows)
+        put(rows)
         n += chunk
     out.put(n)
 
@@ -315,14 +320,7 @@ def _to_td(rows: dict, n: int):
 
 
 def _queue_actor(q, wkey, chunk, seconds, seed, start, out):
-    _nice(ACTOR_NICE)
-    rows = WORKLOADS[wkey].rows(chunk, seed)
-    start.wait()
-    n, t0 = 0, time.perf_counter()
-    while time.perf_counter() - t0 < seconds:
-        q.put(rows)
-        n += chunk
-    out.put(n)
+    _actor_loop(q.put, wkey, chunk, seconds, seed, start, out)
 
 
 # ------------------------------------------------------------------ shared

@@ -222,13 +222,15 @@ def _cpprb_actor(rb, wkey, chunk, seconds, seed, start, out):
 
 
 def _actor_loop(put, wkey, chunk, seconds, seed, start, out):
-    """A peer's actor process: put(rows) chunks for `seconds`, report the count."""
+    """A peer's actor process: put(rows) chunks for `seconds` (or until put
+    returns False), report how many items went in."""
     _nice(ACTOR_NICE)
     rows = WORKLOADS[wkey].rows(chunk, seed)
     start.wait()
     n, t0 = 0, time.perf_counter()
     while time.perf_counter() - t0 < seconds:
-        put(rows)
+        if put(rows) is False:
+            break
         n += chunk
     out.put(n)
 
@@ -320,7 +322,17 @@ def _to_td(rows: dict, n: int):
 
 
 def _queue_actor(q, wkey, chunk, seconds, seed, start, out):
-    _actor_loop(q.put, wkey, chunk, seconds, seed, start, out)
+    import queue
+
+    def put(rows) -> bool:
+        # the learner stops draining when its time is up; an actor blocked on
+        # a full queue then gives up instead of hanging the cell
+        try:
+            q.put(rows, timeout=seconds + 5)
+            return True
+        except queue.Full:
+            return False
+    _actor_loop(put, wkey, chunk, seconds, seed, start, out)
 
 
 # ------------------------------------------------------------------ shared

@@ -49,17 +49,14 @@ def machine_GBps(res: dict) -> float:
     return best
 
 
-def _beyond(res: dict, w: str, peer_cell: str, metric: str, need: float, ceiling: float) -> str:
+def _beyond(w: str, peer_rows: list, metric: str, need: float, ceiling: float) -> str:
     """' (beyond ...)' when `need` x the best peer's traffic exceeds the machine.
     Multiprocess targets hold for inserts and batches at once, so their need
     is the sum of both at `need` x the best peer."""
-    peers = [x for (w2, c2, p2), x in res.items() if (w2, c2) == (w, peer_cell) and p2 not in ("shmreplay", "numpy")]
-    if not peers:
-        return ""
-    if peer_cell.startswith("mp"):
-        needed = need * max(traffic_GBps(w, x) for x in peers)
+    if any("inserts_per_s" in x for x in peer_rows):  # a multiprocess cell
+        needed = need * max(traffic_GBps(w, x) for x in peer_rows)
     else:
-        needed = need * max(traffic_GBps(w, {metric: x.get(metric, 0.0)}) for x in peers)
+        needed = need * max(traffic_GBps(w, {metric: x[metric]}) for x in peer_rows)
     if needed <= ceiling:
         return ""
     return f" (beyond this machine: needs {needed:.1f} GB/s of payload traffic, the most any cell moved was {ceiling:.1f} GB/s)"
@@ -75,12 +72,12 @@ def check_targets(report: dict) -> list[str]:
         need = 3.0 if c.startswith("mp") else 2.0
         peer_cell = runner.PEER_CELL.get(c, c)
         for m in ("items_per_s", "batches_per_s", "inserts_per_s"):
-            others = [x[m] for (w2, c2, p2), x in res.items()
-                      if (w2, c2) == (w, peer_cell) and p2 != p and m in x]
-            if m in r and others:
-                ratio = r[m] / max(others)
+            peer_rows = [x for (w2, c2, p2), x in res.items()
+                         if (w2, c2) == (w, peer_cell) and p2 not in (p, "numpy") and m in x]
+            if m in r and peer_rows:
+                ratio = r[m] / max(x[m] for x in peer_rows)
                 verdict = "PASS" if ratio >= need else "MISS"
-                why = _beyond(res, w, peer_cell, m, need, ceiling) if verdict == "MISS" else ""
+                why = _beyond(w, peer_rows, m, need, ceiling) if verdict == "MISS" else ""
                 out.append(f"{verdict} {w} {c} {m}: {ratio:.2f}x (need {need}x){why}")
         if c in ("sample", "sample_it") and w in ("dqn-atari", "r2d2-seq") and (w, "gather", "numpy") in res:
             frac = r["GB_per_s"] / res[(w, "gather", "numpy")]["GB_per_s"]

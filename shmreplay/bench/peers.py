@@ -253,6 +253,7 @@ class TorchrlPeer:
         import torch
         from torchrl.data import LazyTensorStorage, TensorDictPrioritizedReplayBuffer
         torch.set_num_threads(1)  # one learner thread, like the other peers
+        self.torch = torch
         self.w = w
         self.rng = np.random.default_rng(1)
         self.rb = TensorDictPrioritizedReplayBuffer(
@@ -280,8 +281,7 @@ class TorchrlPeer:
 
     def sample_update(self, beta: float = BETA) -> dict:
         s = self.rb.sample()
-        import torch
-        self.rb.update_priority(s["index"], torch.from_numpy(_new_priorities(self.w.batch, self.rng)))
+        self.rb.update_priority(s["index"], self.torch.from_numpy(_new_priorities(self.w.batch, self.rng)))
         return s
 
     def close(self) -> None:

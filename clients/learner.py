@@ -41,10 +41,9 @@ def main(argv=None) -> int:
         t0 = time.monotonic()
         while not stop and time.monotonic() - t0 < args.seconds:
             try:
-                batch = table.sample(args.batch, beta=args.beta, out=batch)
-            except shmreplay.EmptyTable:
-                time.sleep(0.01)  # actors have not inserted anything yet
-                continue
+                batch = table.sample(args.batch, beta=args.beta, out=batch, timeout=0.5)
+            except shmreplay.RateLimited:
+                continue  # actors have not inserted enough yet
             redraws += batch.redraws
             # a stand-in for |TD error|: anything cheap that depends on the rows
             td = np.abs(batch.data["reward"]) + 0.01

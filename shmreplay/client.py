@@ -18,6 +18,18 @@ Data path (no payload byte passes through the daemon):
 
 Errors of streamed commands (COMMIT, UPDATE) come back asynchronously and
 are raised by the next call on the client, or by ``flush()``.
+
+Waiting.  ``insert``/``insert_batch``/``sample`` wait while the table's
+limits hold them (rate limiter, min_size_to_sample, reuse limits), as
+Reverb's do: ``timeout=None`` (the default) waits as long as it takes,
+``timeout=0`` fails at once, a number bounds the wait; running out raises
+``RateLimited`` (``EmptyTable`` if nothing is sampleable).  The wait happens
+in the daemon, so it costs no CPU here.  It is asked for in slices of at
+most WAIT_SLICE_S, each answered by the daemon, so a daemon that dies
+raises ``DaemonUnavailable`` within ~50 ms and one that hangs raises
+``ReplayTimeout`` within a slice plus the client's timeout.  Rate-limited tables get no slot
+leases: every insert call reserves exactly its rows, so the limiter counts
+it at once.
 """
 
 from __future__ import annotations
@@ -36,12 +48,15 @@ from . import atomics
 from . import commands as C
 from .channel import CTL_RESP_HEAD, Channel
 from .config import client_socket_path
-from .errors import (DaemonUnavailable, FieldError, PriorityError, ProtocolError, ReplayError,
-                     ReplayTimeout, error_from_code, error_from_name)
-from .layout import LIVE_SIZE, TableMap
+from .errors import (DaemonUnavailable, FieldError, PriorityError, ProtocolError,
+                     RateLimited, ReplayError, ReplayTimeout, error_from_code, error_from_name)
+from . import ratelimiter
+from .layout import (LIVE_INSERTS, LIVE_PENDING, LIVE_SAMPLES, LIVE_SIZE, LIVE_USES, TableMap)
 from .priorities import as_priorities
 from .protocol import PROTOCOL_VERSION, FrameDecoder, encode
 from .schema import make_spec, spec_from_wire
+
+WAIT_SLICE_S = 1.0
 
 DEFAULT_TIMEOUT = 30.0
 # Spin budget before sleeping on the semaphore, set from how long the last
@@ -215,13 +230,59 @@ class Client:
             raise self._bye
 
     def create_table(self, name, capacity, fields, sampler="prioritized", alpha=0.6,
-                     exist_ok=False) -> "Table":
-        """Create a table (see schema.make_spec); ``exist_ok`` returns an
-        existing table with the same definition instead of raising."""
+                     exist_ok=False, **limits) -> "Table":
+        """Create a table.  ``limits``: remover, max_times_sampled,
+        min_size_to_sample, samples_per_insert, error_buffer (schema.make_spec
+        says what each means and which combinations are refused).
+        ``exist_ok`` returns an existing table with the same definition."""
         self._check_fork()
-        spec = make_spec(name, capacity, fields, sampler, alpha)
+        spec = make_spec(name, capacity, fields, sampler, alpha, **limits)
         desc = self._request("create_table", spec=spec.to_wire(), exist_ok=bool(exist_ok))["table"]
         return self._adopt(desc)
+
+    def create_queue(self, name, capacity, fields, exist_ok=False) -> "Table":
+        """A queue (Reverb's ``Table.queue``): fifo sampler and remover, each
+        item delivered once, inserts wait while ``capacity`` items are
+        unsampled, samples wait for items.  Needs capacity >= 2."""
+        return self.create_table(name, capacity, fields, sampler="fifo", remover="fifo",
+                                 max_times_sampled=1, samples_per_insert=1.0,
+                                 error_buffer=(0.0, float(capacity)), exist_ok=exist_ok)
+
+    def sample_many(self, requests: dict, beta: float = 0.4, timeout: float | None = None) -> dict:
+        """Sample several tables at once: ``{table or name: batch_size}`` ->
+        ``{name: SampleBatch}``.  Every SAMPLE is sent before the first reply
+        is awaited, so the tables draw while this process gathers."""
+        self._check_fork()
+        tables = [(t if isinstance(t, Table) else self.table(t), n) for t, n in requests.items()]
+        for t, _ in tables:
+            if t._client is not self:
+                raise ReplayError(f"table {t.name!r} belongs to another client")
+        checked = [(t, *t._check_draw(n, beta)) for t, n in tables]
+
+        def attempt(w):
+            seqs = []
+            for t, n, b in checked:
+                seqs.append(t._send_draw(n, b, w))
+                self._pending.add(seqs[-1])
+            out = {}
+            for i, ((t, n, b), seq) in enumerate(zip(checked, seqs)):
+                try:
+                    out[t.name] = t._complete(n, b, None, seq, w)
+                except BaseException:
+                    for (t2, _, _), seq2 in zip(checked[i + 1:], seqs[i + 1:]):
+                        self._drop_reply(t2, seq2, w)  # drain the rest, hand back holds
+                    raise
+            return out
+
+        return _in_slices(_deadline_of(timeout), attempt)
+
+    def _drop_reply(self, t: "Table", seq: int, wait: float) -> None:
+        try:
+            hid = self._wait(seq, lambda rec, pay: int(rec["a1"]), wait)
+        except ReplayError:
+            return
+        if hid:
+            self._send(C.RELEASE, t.id, a0=hid)
 
     def table(self, name: str) -> "Table":
         """Attach to an existing table (UnknownTable if there is none)."""
@@ -274,16 +335,19 @@ class Client:
             self._doorbell.release()
         return self._seq
 
-    def _wait(self, seq: int, take):
+    def _wait(self, seq: int, take, timeout: float = 0.0):
         """Wait for the reply to ``seq``; ``take(rec, payload)`` copies what it
         needs before the payload is handed back to the daemon.  Replies to
         other requests in ``_pending`` are stashed; error replies to streamed
-        commands become the deferred error.  ``seq == 0`` only drains."""
+        commands become the deferred error.  ``seq == 0`` only drains.
+        ``timeout``: how long the daemon may hold the request; the client
+        waits that plus its own timeout for the reply."""
         if seq in self._stash:
+            self._pending.discard(seq)
             return _finish(*self._stash.pop(seq), take)
         ring = self._resp
         started = time.perf_counter()
-        deadline = time.monotonic() + self.timeout
+        deadline = time.monotonic() + self.timeout + timeout
         while True:
             while ring.pending():
                 rec = ring.peek(0)
@@ -317,6 +381,7 @@ class Client:
             return
         remaining = deadline - time.monotonic()
         try:
+            # wake at least every 50 ms to notice a daemon that died
             self._sem.acquire(max(0.0, min(0.05, remaining)))
             return
         except posix_ipc.BusyError:
@@ -347,6 +412,7 @@ class Client:
         self._begin()
         for t in self._tables.values():
             t._release_lease()
+            t.release()
         self._wait(self._send(C.FLUSH), lambda rec, pay: None)
         self._raise_deferred()
 
@@ -368,8 +434,10 @@ class Table:
         # the next one before it runs out, so inserts need no round trip;
         # at most two leases of capacity/256 slots each, i.e. < 1% of the
         # table withheld from sampling per writer (0: reserve per call)
-        self._lease_size = min(4096, self.spec.capacity // 256, client.max_batch)
+        self._lease_size = 0 if self.spec.rate_limited else min(
+            4096, self.spec.capacity // 256, client.max_batch)
         self._lease: list | None = None   # [rid, slots, next position, contiguous]
+        self._held: list[int] = []         # holds of sample_indices() batches
         self._next_seq: int | None = None  # RESERVE sent for the next lease
 
     def __reduce__(self):
@@ -384,6 +452,25 @@ class Table:
     @property
     def capacity(self) -> int:
         return self.spec.capacity
+
+    # ---- rate-limiter probes (no round trip: the daemon's counters are in the segment) ----
+    def can_insert(self, n: int = 1) -> bool:
+        """True if an insert of n items would run now without waiting for
+        the rate limiter.  A snapshot: other clients may change it at once."""
+        live = self._map.live
+        return ratelimiter.insert_room(self.spec, int(live[LIVE_SIZE]), int(live[LIVE_INSERTS]),
+                                       int(live[LIVE_PENDING]), int(live[LIVE_SAMPLES]), n) >= n
+
+    def can_sample(self, n: int = 1) -> bool:
+        """True if a sample of n would run now without waiting (min size,
+        ratio, reuse limits, something with positive priority)."""
+        live = self._map.live
+        if ratelimiter.sample_blocker(self.spec, int(live[LIVE_SIZE]), int(live[LIVE_INSERTS]),
+                                      int(live[LIVE_SAMPLES]), n) is not None:
+            return False
+        if self.spec.max_times_sampled and int(live[LIVE_USES]) < n:
+            return False
+        return bool(self._map.mass[0] > 0)
 
     def _priorities(self, values, n: int, what: str) -> np.ndarray:
         return as_priorities(values, n, f"{what} on table {self.name!r}", self.spec.alpha)
@@ -422,33 +509,37 @@ class Table:
             arrays.append(a)
         return arrays, (n if batch else 1)
 
-    def insert(self, priority=None, **fields) -> None:
-        """Insert one item; ``priority=None`` means the max priority seen so far."""
+    def insert(self, priority=None, timeout: float | None = None, **fields) -> None:
+        """Insert one item; ``priority=None`` means the max priority seen so
+        far.  Waits up to ``timeout`` s (None: no limit) for the rate limiter."""
         arrays, _ = self._check(fields, batch=False)
         prios = None if priority is None else self._priorities([priority], 1, "insert")
         self._client._begin()
-        self._write(arrays, 1, prios, single=True)
+        self._write(arrays, 1, prios, single=True, deadline=_deadline_of(timeout))
 
-    def insert_batch(self, data: dict, priorities=None) -> None:
-        """Insert n items; every field's leading dimension is n."""
+    def insert_batch(self, data: dict, priorities=None, timeout: float | None = None) -> None:
+        """Insert n items; every field's leading dimension is n.  On a
+        rate-limited table the items go in as the limiter admits them; if
+        ``timeout`` runs out part-way, the items before the error are in."""
         arrays, n = self._check(data, batch=True)
         prios = None if priorities is None else self._priorities(priorities, n, "insert_batch")
         if n == 0:
             return
         self._client._begin()
         step = self._client.max_batch
+        deadline = _deadline_of(timeout)
         for lo in range(0, n, step):
             hi = min(n, lo + step)
             self._write([a[lo:hi] for a in arrays], hi - lo,
-                        None if prios is None else prios[lo:hi], single=False)
+                        None if prios is None else prios[lo:hi], single=False, deadline=deadline)
 
-    def _write(self, arrays: list, n: int, prios, single: bool) -> None:
+    def _write(self, arrays: list, n: int, prios, single: bool, deadline: float | None) -> None:
         cl = self._client
         lo = 0
         while lo < n:
             lease = self._lease
             if lease is None or lease[2] == lease[1].shape[0]:
-                lease = self._lease = self._new_lease(n - lo)
+                lease = self._lease = self._new_lease(n - lo, deadline)
             rid, slots, pos, contiguous = lease
             k = min(n - lo, slots.shape[0] - pos)
             whole = lo == 0 and k == n  # the usual case: no need to slice the input
@@ -475,17 +566,18 @@ class Table:
         # ask for the next lease at half time, so its reply is there when needed
         if (self._next_seq is None and 0 < n <= self._lease_size
                 and lease[1].shape[0] - lease[2] < max(n, self._lease_size // 2)):
-            self._next_seq = cl._send(C.RESERVE, self.id, a0=self._lease_size)
+            self._next_seq = cl._send(C.RESERVE, self.id, a0=self._lease_size,
+                                      a1=C.timeout_us(cl.timeout))
             cl._pending.add(self._next_seq)
 
-    def _new_lease(self, need: int) -> list:
+    def _new_lease(self, need: int, deadline: float | None = None) -> list:
         cl = self._client
         if self._next_seq is not None:
             seq, self._next_seq = self._next_seq, None
-            rid, contiguous, slots = cl._wait(seq, _take_reservation)
+            rid, contiguous, slots = cl._wait(seq, _take_reservation, cl.timeout)
             return [rid, slots, 0, contiguous]
         size = min(max(need, self._lease_size), cl.max_batch)
-        rid, contiguous, slots = cl._wait(cl._send(C.RESERVE, self.id, a0=size), _take_reservation)
+        rid, contiguous, slots = reserve(self, size, deadline)
         return [rid, slots, 0, contiguous]
 
     def _release_lease(self) -> None:
@@ -494,7 +586,7 @@ class Table:
         if self._next_seq is not None:
             seq, self._next_seq = self._next_seq, None
             try:
-                rid = cl._wait(seq, _take_reservation)[0]
+                rid = cl._wait(seq, _take_reservation, cl.timeout)[0]
                 cl._send(C.ABORT, self.id, a0=rid)
             except ReplayError:
                 pass  # the RESERVE failed: nothing to hand back
@@ -507,16 +599,18 @@ class Table:
         self._client.flush()
 
     # ---- reading ----
-    def iterate(self, batch_size: int, beta: float = 0.4, prefetch: int = 2):
+    def iterate(self, batch_size: int, beta: float = 0.4, prefetch: int = 2,
+                timeout: float | None = None):
         """Prefetching batches for a learner loop (see ``iterator.BatchIterator``)::
 
             with table.iterate(256, beta=0.4) as batches:
                 for b in batches:
                     ...train...
                     table.update_priorities(b.keys, new_priorities)
-        """
+
+        ``timeout`` bounds each batch's wait for the table's limits."""
         from .iterator import BatchIterator
-        return BatchIterator(self, batch_size, beta, prefetch)
+        return BatchIterator(self, batch_size, beta, prefetch, timeout)
 
     def _check_draw(self, batch_size, beta) -> tuple[int, float]:
         n = int(batch_size)
@@ -528,22 +622,42 @@ class Table:
         self._client._begin()
         return n, beta
 
-    def sample_indices(self, batch_size: int, beta: float = 0.4):
+    def sample_indices(self, batch_size: int, beta: float = 0.4, timeout: float | None = None):
         """Draw without gathering: (keys, probabilities, weights).  For a
         learner that reads rows itself (``indices = keys & 0xFFFFFFFF``); it
-        must then check the generation stamps as ``sample`` does."""
+        must then check the generation stamps as ``sample`` does.  On a
+        table with ``max_times_sampled``, slots of items drawn for the last
+        time stay held for this learner until its next ``sample_indices``
+        call on the table or ``release()``, so read them before that."""
         n, beta = self._check_draw(batch_size, beta)
+        self.release()
         keys, probs, weights = np.empty(n, np.uint64), np.empty(n), np.empty(n)
-        self._receive_draw(self._send_draw(n, beta), slice(None), n, keys, probs, weights)
+
+        def attempt(w):
+            return self._receive_draw(self._send_draw(n, beta, w), slice(None), n, keys, probs,
+                                      weights, w)
+
+        hid = _in_slices(_deadline_of(timeout), attempt)
+        if hid:
+            self._held.append(hid)
         return keys, probs, weights
 
-    def sample(self, batch_size: int, beta: float = 0.4, out: SampleBatch | None = None) -> SampleBatch:
-        """Draw ``batch_size`` items.  With ``out=`` (an earlier batch of the
-        same size) the rows are gathered into its arrays instead of new ones."""
-        n, beta = self._check_draw(batch_size, beta)
-        return self._complete(n, beta, out, None)
+    def release(self) -> None:
+        """Hand back the slots ``sample_indices`` held for reading (see there)."""
+        held, self._held = self._held, []
+        for hid in held:
+            self._client._send(C.RELEASE, self.id, a0=hid)
 
-    def _complete(self, n: int, beta: float, out: SampleBatch | None, seq: int | None) -> SampleBatch:
+    def sample(self, batch_size: int, beta: float = 0.4, out: SampleBatch | None = None,
+               timeout: float | None = None) -> SampleBatch:
+        """Draw ``batch_size`` items.  With ``out=`` (an earlier batch of the
+        same size) the rows are gathered into its arrays instead of new ones.
+        Waits up to ``timeout`` s (None: no limit) for the table's limits."""
+        n, beta = self._check_draw(batch_size, beta)
+        return _in_slices(_deadline_of(timeout), lambda w: self._complete(n, beta, out, None, w))
+
+    def _complete(self, n: int, beta: float, out: SampleBatch | None, seq: int | None,
+                  timeout: float) -> SampleBatch:
         """Gather a batch whose SAMPLE was sent (seq) or is to be sent (None)."""
         cl = self._client
         if out is None:
@@ -551,26 +665,32 @@ class Table:
                               np.empty(n, np.uint64), np.empty(n), np.empty(n))
         elif len(out) != n:
             raise ReplayError(f"out= holds {len(out)} rows, batch_size is {n}")
-        self._draw(out, np.arange(n), beta, seq)
-        out.redraws = 0
-        gens = self._map.gens
-        deadline = time.monotonic() + cl.timeout
-        while True:
-            # read the stamps only after the rows: if a writer got a slot
-            # during the gather, its reservation bumped the stamp first
-            bad = np.flatnonzero(gens[out.keys & _MASK].astype(np.uint64) != (out.keys >> _U32))
-            if bad.shape[0] == 0:
-                return out
-            if time.monotonic() > deadline:
-                raise ReplayTimeout(f"could not draw {n} stable rows within {cl.timeout} s")
-            out.redraws += bad.shape[0]
-            self._draw(out, bad, beta)
+        holds = []
+        try:
+            self._draw(out, np.arange(n), beta, seq, timeout, holds)
+            out.redraws = 0
+            gens = self._map.gens
+            deadline = time.monotonic() + cl.timeout
+            while True:
+                # read the stamps only after the rows: if a writer got a slot
+                # during the gather, its reservation bumped the stamp first
+                bad = np.flatnonzero(gens[out.keys & _MASK].astype(np.uint64) != (out.keys >> _U32))
+                if bad.shape[0] == 0:
+                    return out
+                if time.monotonic() > deadline:
+                    raise ReplayTimeout(f"could not draw {n} stable rows within {cl.timeout} s")
+                out.redraws += bad.shape[0]
+                self._draw(out, bad, beta, None, timeout, holds)
+        finally:
+            for hid in holds:  # the rows are copied out: the slots may be reused
+                cl._send(C.RELEASE, self.id, a0=hid)
 
-    def _send_draw(self, k: int, beta: float) -> int:
-        return self._client._send(C.SAMPLE, self.id, a0=k, f0=beta)
+    def _send_draw(self, k: int, beta: float, timeout: float) -> int:
+        return self._client._send(C.SAMPLE, self.id, a0=k, a1=C.timeout_us(timeout), f0=beta)
 
-    def _receive_draw(self, seq: int, rows, k: int, keys, probs, weights) -> None:
-        """Wait for the SAMPLE reply ``seq``; it lands in keys/probs/weights[rows]."""
+    def _receive_draw(self, seq: int, rows, k: int, keys, probs, weights, timeout: float) -> int:
+        """Wait for the SAMPLE reply ``seq``; it lands in keys/probs/weights[rows].
+        Returns the hold id (0: none)."""
         cl = self._client
 
         def take(rec, pay):
@@ -580,14 +700,18 @@ class Table:
             keys[rows] = pay[:8 * k].view(np.uint64)
             probs[rows] = pay[8 * k:16 * k].view(np.float64)
             weights[rows] = pay[16 * k:].view(np.float64)
+            return int(rec["a1"])
 
-        cl._wait(seq, take)
+        return cl._wait(seq, take, timeout)
 
-    def _draw(self, out: SampleBatch, rows: np.ndarray, beta: float, seq: int | None = None) -> None:
+    def _draw(self, out: SampleBatch, rows: np.ndarray, beta: float, seq: int | None,
+              timeout: float, holds: list) -> None:
         k = rows.shape[0]
         if seq is None:  # else the SAMPLE was sent ahead (iterator pipelining)
-            seq = self._send_draw(k, beta)
-        self._receive_draw(seq, rows, k, out.keys, out.probabilities, out.weights)
+            seq = self._send_draw(k, beta, timeout)
+        hid = self._receive_draw(seq, rows, k, out.keys, out.probabilities, out.weights, timeout)
+        if hid:
+            holds.append(hid)
         slots = (out.keys[rows] & _MASK).astype(np.intp)
         whole = k == out.keys.shape[0]
         for f in self._fields:
@@ -654,6 +778,36 @@ def _take_reservation(rec, pay):
     if pay.shape[0] != 4 * n:
         raise ProtocolError(f"RESERVE reply of {n} slots carries {pay.shape[0]} bytes")
     return int(rec["a0"]), bool(rec["a1"]), pay.view(np.uint32).astype(np.intp)
+
+
+def _deadline_of(timeout: float | None) -> float | None:
+    if timeout is not None and not timeout >= 0:
+        raise ReplayError(f"timeout must be >= 0 seconds or None, got {timeout}")
+    return None if timeout is None else time.monotonic() + timeout
+
+
+def _in_slices(deadline: float | None, attempt):
+    """Run ``attempt(wait_s)`` (a request the daemon may hold up to wait_s)
+    until it succeeds or ``deadline`` (None: none) passes, asking for at
+    most WAIT_SLICE_S at a time."""
+    while True:
+        left = WAIT_SLICE_S if deadline is None else max(0.0, deadline - time.monotonic())
+        try:
+            return attempt(min(WAIT_SLICE_S, left))
+        except RateLimited:
+            if deadline is not None and time.monotonic() >= deadline:
+                raise
+
+
+def reserve(table: Table, n: int, deadline: float | None) -> tuple[int, bool, np.ndarray]:
+    """RESERVE up to n slots of ``table`` and wait for them: (rid,
+    contiguous, slots).  The daemon may grant fewer (rate limiter)."""
+    cl = table._client
+
+    def attempt(w):
+        return cl._wait(cl._send(C.RESERVE, table.id, a0=n, a1=C.timeout_us(w)), _take_reservation, w)
+
+    return _in_slices(deadline, attempt)
 
 
 def _reopen(client: Client, name: str) -> Table:

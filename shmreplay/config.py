@@ -18,12 +18,11 @@ except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib
 
 from .errors import SchemaError
-from .schema import TableSpec, make_spec
+from .schema import TableSpec, spec_from_dict
 
 ENV_SOCKET = "SHMREPLAY_SOCKET"
 _INSTANCE = re.compile(r"^[A-Za-z0-9_-]{1,32}$")
 DAEMON_KEYS = {"socket", "instance", "segment_mode", "spin_us", "idle_timeout_s", "log_level", "seed"}
-TABLE_KEYS = {"name", "capacity", "fields", "sampler", "alpha"}
 
 
 def default_socket_path() -> str:
@@ -104,14 +103,7 @@ def parse_config(doc: dict, where: str = "config") -> DaemonConfig:
     for i, t in enumerate(doc.get("tables", [])):
         if not isinstance(t, dict):
             raise SchemaError(f"{where}: tables[{i}] is not a table")
-        unknown = set(t) - TABLE_KEYS
-        if unknown:
-            raise SchemaError(f"{where}: tables[{i}] has unknown keys {sorted(unknown)}")
-        for key in ("name", "capacity", "fields"):
-            if key not in t:
-                raise SchemaError(f"{where}: tables[{i}] lacks {key!r}")
-        spec = make_spec(t["name"], t["capacity"], t["fields"], t.get("sampler", "prioritized"),
-                         t.get("alpha", 0.6))
+        spec = spec_from_dict(t, f"{where}: tables[{i}]")
         if spec.name in names:
             raise SchemaError(f"{where}: table {spec.name!r} is declared twice")
         names.add(spec.name)

@@ -13,6 +13,14 @@ fairness, then one publish of the responses); if nothing was found, spin for
 ``spin_us`` re-checking the ring heads, then announce sleep in every channel
 and wait on the doorbell (clients post it when they see the announcement).
 An idle engine therefore sleeps in ``sem_wait`` and uses no CPU.
+
+Parked requests.  A RESERVE or SAMPLE that a table's limits hold back
+(``table.Blocked``) waits in that table's queue, oldest first per kind,
+instead of holding up the loop; after every pass that did work the queues
+are retried, and a request still blocked at its deadline is answered with
+the error the table gave.  A sleeping engine wakes for the earliest
+deadline.  Later requests of the same kind on that table queue behind a
+parked one, so a large batch is not starved by small ones.
 """
 
 from __future__ import annotations
@@ -30,7 +38,7 @@ import posix_ipc
 from . import commands as C
 from .channel import Channel
 from .errors import CapacityError, ProtocolError, ReplayError, UnknownTable
-from .table import Table
+from .table import Blocked, Table
 
 log = logging.getLogger("shmreplayd.engine")
 
@@ -47,6 +55,15 @@ class ClientState:
         self.resp = channel.responses
         self.sem = sem
         self.outbox: collections.deque = collections.deque()
+
+
+class Waiter:
+    """A parked RESERVE or SAMPLE."""
+
+    __slots__ = ("cl", "op", "seq", "n", "beta", "deadline")
+
+    def __init__(self, cl: ClientState, op: int, seq: int, n: int, beta: float, deadline: float):
+        self.cl, self.op, self.seq, self.n, self.beta, self.deadline = cl, op, seq, n, beta, deadline
 
 
 class Engine:
@@ -69,7 +86,8 @@ class Engine:
         self.running = False  # True while the thread serves; guarded by lock
         self.lock = threading.Lock()
         self.thread: threading.Thread | None = None
-        self.stats = {"commands": 0, "wakeups": 0, "sleeps": 0, "disconnects": 0}
+        self.parked = 0  # requests waiting in tables' queues
+        self.stats = {"commands": 0, "wakeups": 0, "sleeps": 0, "disconnects": 0, "parked": 0}
 
     # ---- control-plane entry points (any thread) ----
     def start(self) -> None:
@@ -102,6 +120,8 @@ class Engine:
             while not self.stopping:
                 worked = self._run_calls()
                 worked = self._serve_all() or worked
+                if self.parked:
+                    self._serve_waiters()
                 if worked or self._spin():
                     continue
                 self._sleep()
@@ -174,17 +194,23 @@ class Engine:
                 self._respond(cl, op, seq)
                 return end
             table = self._table(int(rec["table"]))
-            if op == C.RESERVE:
-                n = _count(rec["a0"], "RESERVE")
-                rid, slots, contiguous = table.reserve(cl.id, n)
-                self._respond(cl, op, seq, a0=rid, a1=int(contiguous), a2=n,
-                              payload=(slots.astype(np.uint32),))
+            if op in (C.RESERVE, C.SAMPLE):
+                n = _count(rec["a0"], C.NAMES[op])
+                w = Waiter(cl, op, seq, n, float(rec["f0"]), _deadline(int(rec["a1"])))
+                queue_ = table.waiting_inserts if op == C.RESERVE else table.waiting_samples
+                if queue_:  # behind a parked one of its kind: keep the order
+                    self._park(table, queue_, w)
+                else:
+                    try:
+                        self._run_waiter(table, w)
+                    except Blocked as b:
+                        if w.deadline <= time.monotonic():
+                            raise b.error from None
+                        self._park(table, queue_, w)
             elif op == C.ABORT:
                 table.abort(cl.id, int(rec["a0"]))
-            elif op == C.SAMPLE:
-                n = _count(rec["a0"], "SAMPLE")
-                keys, probs, weights = table.sample(n, float(rec["f0"]))
-                self._respond(cl, op, seq, a0=n, payload=(keys, probs, weights))
+            elif op == C.RELEASE:
+                table.release(cl.id, int(rec["a0"]))
             elif op == C.UPDATE:
                 n = _count(rec["a0"], "UPDATE")
                 if pay.shape[0] != 16 * n:
@@ -196,6 +222,101 @@ class Engine:
         except ReplayError as exc:
             self._respond_error(cl, op, seq, exc)
         return end
+
+    # ---- parked requests ----
+    def _run_waiter(self, table: Table, w: Waiter) -> None:
+        """Run a RESERVE or SAMPLE and queue its reply; raises Blocked."""
+        if w.op == C.RESERVE:
+            rid, slots, contiguous = table.reserve(w.cl.id, w.n)
+            self._respond(w.cl, w.op, w.seq, a0=rid, a1=int(contiguous), a2=slots.shape[0],
+                          payload=(slots.astype(np.uint32),))
+        else:
+            keys, probs, weights, hid = table.sample(w.cl.id, w.n, w.beta)
+            self._respond(w.cl, w.op, w.seq, a0=w.n, a1=hid, payload=(keys, probs, weights))
+
+    def _park(self, table: Table, queue_, w: Waiter) -> None:
+        queue_.append(w)
+        self.parked += 1
+        self.stats["parked"] += 1
+        table.stats["insert_waits" if w.op == C.RESERVE else "sample_waits"] += 1
+
+    def _serve_waiters(self) -> None:
+        """Retry parked requests, oldest first per queue; answer those whose
+        deadline passed with the error that still holds them."""
+        now = time.monotonic()
+        for table in list(self.tables.values()):
+            for queue_ in (table.waiting_inserts, table.waiting_samples):
+                while queue_:
+                    w = queue_[0]
+                    try:
+                        self._run_waiter(table, w)
+                    except Blocked as b:
+                        if w.deadline > now:
+                            break
+                        table.stats["timeouts"] += 1
+                        self._respond_error(w.cl, w.op, w.seq, b.error)
+                    except ProtocolError as exc:  # e.g. the hold cap: cut off the client
+                        queue_.popleft()
+                        self.parked -= 1
+                        self._drop(w.cl)
+                        self.on_client_error(w.cl.id, exc)
+                        continue
+                    except ReplayError as exc:
+                        self._respond_error(w.cl, w.op, w.seq, exc)
+                    queue_.popleft()
+                    self.parked -= 1
+                    self._flush_quiet(w.cl)
+            # a timed-out request further back must not wait for the head
+            for queue_ in (table.waiting_inserts, table.waiting_samples):
+                if any(w.deadline <= now for w in queue_):
+                    self._expire(table, queue_, now)
+
+    def _expire(self, table: Table, queue_, now: float) -> None:
+        keep = collections.deque()
+        for w in queue_:
+            if w.deadline > now:
+                keep.append(w)
+                continue
+            try:
+                self._run_waiter(table, w)  # one last try; else its error
+            except Blocked as b:
+                table.stats["timeouts"] += 1
+                self._respond_error(w.cl, w.op, w.seq, b.error)
+            except ReplayError as exc:
+                self._respond_error(w.cl, w.op, w.seq, exc)
+            self.parked -= 1
+            self._flush_quiet(w.cl)
+        queue_.clear()
+        queue_.extend(keep)
+
+    def _flush_quiet(self, cl: ClientState) -> None:
+        if cl.id not in self.clients:
+            return
+        try:
+            self._flush(cl)
+        except ProtocolError as exc:
+            log.warning("client %d (pid %d): %s; disconnecting it", cl.id, cl.pid, exc)
+            self._drop(cl)
+            self.on_client_error(cl.id, exc)
+
+    def _unpark(self, pred) -> list[Waiter]:
+        """Take every parked request matching ``pred(table, waiter)`` out of its queue."""
+        out = []
+        for table in self.tables.values():
+            for queue_ in (table.waiting_inserts, table.waiting_samples):
+                if any(pred(table, w) for w in queue_):
+                    keep = [w for w in queue_ if not pred(table, w)]
+                    out.extend(w for w in queue_ if pred(table, w))
+                    queue_.clear()
+                    queue_.extend(keep)
+        self.parked -= len(out)
+        return out
+
+    def next_deadline(self) -> float | None:
+        if not self.parked:
+            return None
+        return min((w.deadline for t in self.tables.values()
+                    for q in (t.waiting_inserts, t.waiting_samples) for w in q), default=None)
 
     def _commit_run(self, cl: ClientState, i: int, n: int) -> tuple[int, int | None]:
         """Apply COMMIT records i.. that continue one lease as one commit.
@@ -293,8 +414,12 @@ class Engine:
             if any([r.set_sleeping() for r in rings]) or not self.calls.empty():
                 return
             self.stats["sleeps"] += 1
+            timeout = self.idle_timeout
+            deadline = self.next_deadline()
+            if deadline is not None:
+                timeout = max(0.0, min(timeout, deadline - time.monotonic()))
             try:
-                self.doorbell.acquire(self.idle_timeout)
+                self.doorbell.acquire(timeout)
                 self.stats["wakeups"] += 1
                 self._learn_gap(time.perf_counter() - self.idle_since)
             except posix_ipc.BusyError:
@@ -313,9 +438,13 @@ class Engine:
         return t.describe() if t is not None else None
 
     def drop_table(self, name: str) -> Table:
-        t = self.by_name.pop(name, None)
+        t = self.by_name.get(name)
         if t is None:
             raise UnknownTable(f"no table named {name!r}")
+        for w in self._unpark(lambda table, w: table is t):
+            self._respond_error(w.cl, w.op, w.seq, UnknownTable(f"table {name!r} was dropped"))
+            self._flush_quiet(w.cl)
+        del self.by_name[name]
         del self.tables[t.id]
         return t
 
@@ -340,6 +469,7 @@ class Engine:
             return
         self.dropped[cl.id] = cl
         cl.outbox.clear()
+        self._unpark(lambda table, w: w.cl is cl)
         self.stats["disconnects"] += 1
         reclaimed = sum(t.release_owner(cl.id) for t in self.tables.values())
         if reclaimed:
@@ -351,6 +481,12 @@ class Engine:
             "clients": len(self.clients),
             "tables": {t.spec.name: t.snapshot_stats() for t in self.tables.values()},
         }
+
+
+def _deadline(timeout_us: int) -> float:
+    if timeout_us >= C.FOREVER:
+        return float("inf")
+    return time.monotonic() + timeout_us * 1e-6
 
 
 def _count(value, what: str) -> int:

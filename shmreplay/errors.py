@@ -84,8 +84,15 @@ class LayoutError(ReplayError):
     code = 12
 
 
-class EmptyTable(ReplayError):
-    """Sampling a table that holds nothing sampleable yet."""
+class RateLimited(ReplayTimeout):
+    """An insert or sample waited past its timeout for the table's limits
+    (rate limiter, min_size_to_sample, reuse limits, all slots taken)."""
+
+    code = 14
+
+
+class EmptyTable(RateLimited):
+    """A sample found nothing sampleable (and could not wait, or waited in vain)."""
 
     code = 13
 
@@ -95,7 +102,7 @@ _BY_CODE = {
     for cls in (
         ReplayError, ProtocolError, DaemonUnavailable, ReplayTimeout, UnknownTable,
         TableExists, SchemaError, FieldError, PriorityError, CapacityError, ShmFull,
-        LayoutError, EmptyTable,
+        LayoutError, EmptyTable, RateLimited,
     )
 }
 _BY_NAME = {cls.__name__: cls for cls in _BY_CODE.values()}

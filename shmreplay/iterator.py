@@ -19,16 +19,25 @@ from __future__ import annotations
 import queue
 import threading
 
-from .errors import ReplayError, ReplayTimeout
+from .errors import RateLimited, ReplayError, ReplayTimeout
+
+# with no timeout, the prefetch thread waits for the table's limits in slices
+# of this length, so close() never waits on a request parked in the daemon
+_POLL_S = 0.25
 
 
 class BatchIterator:
-    def __init__(self, table, batch_size: int, beta: float, prefetch: int):
+    def __init__(self, table, batch_size: int, beta: float, prefetch: int,
+                 timeout: float | None = None):
         from .client import Client
         if prefetch < 1:
             raise ReplayError(f"prefetch must be >= 1, got {prefetch}")
         owner = table._client
-        self.timeout = owner.timeout
+        # a batch may wait for the table's limits (timeout; None: no limit),
+        # then for the reply
+        self._wait_s = timeout
+        self.timeout = None if timeout is None else timeout + owner.timeout
+        self._join_s = owner.timeout + _POLL_S
         self._client = Client(owner.path, owner.timeout)
         self._table = self._client.table(table.name)
         self._n, self._beta = int(batch_size), float(beta)
@@ -54,10 +63,17 @@ class BatchIterator:
                     i = self._free.get(timeout=0.1)
                 except queue.Empty:
                     continue
-                seq = ahead if ahead is not None else t._send_draw(n, beta)
-                ahead = t._send_draw(n, beta)
-                t._client._pending.add(ahead)
-                self._batches[i] = t._complete(n, beta, self._batches[i], seq)
+                w = _POLL_S if self._wait_s is None else self._wait_s
+                while True:
+                    seq = ahead if ahead is not None else t._send_draw(n, beta, w)
+                    ahead = t._send_draw(n, beta, w)
+                    t._client._pending.add(ahead)
+                    try:
+                        self._batches[i] = t._complete(n, beta, self._batches[i], seq, w)
+                        break
+                    except RateLimited:
+                        if self._wait_s is not None or self._stop.is_set():
+                            raise
                 self._ready.put(i)
         except BaseException as exc:  # handed to the caller's next()
             self._ready.put(exc)
@@ -85,7 +101,7 @@ class BatchIterator:
         if self._thread is None:
             return
         self._stop.set()
-        self._thread.join(self.timeout)
+        self._thread.join(self._join_s)
         self._thread = None
         self._client.close()
 

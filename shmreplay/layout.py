@@ -2,14 +2,19 @@
 
 ::
 
-    0      fixed header (HEADER dtype, 80 bytes): magic, layout version,
+    0      fixed header (HEADER dtype, 96 bytes): magic, layout version,
            header size, capacity, creator pid, creation time, segment size,
            offsets of the per-slot arrays, schema length
-    128    live words, uint64, one per cache line (written by the daemon only)
+    128    live words, 8 x uint64 on one cache line (written by the daemon
+           only): size, inserts, pending, samples, deletes, free, uses left,
+           sampleable mass (float64 bits); clients read them for len() and
+           the rate-limiter probes
     256    schema: msgpack of TableSpec.to_wire() plus the field offsets
     H      gens     uint32[capacity]   generation stamp of each slot
            prios    float64[capacity]  raw priority of each committed slot
-           state    uint8[capacity]    FREE / RESERVED / COMMITTED
+           state    uint8[capacity]    FREE / RESERVED / COMMITTED / HELD
+           times    uint32[capacity]   times the item in the slot was sampled
+           seqno    uint64[capacity]   commit number of the item (1, 2, ...)
            field 0  dtype[capacity, *shape]   (each array starts on a 4 KiB page)
            field 1  ...
 
@@ -31,7 +36,7 @@ from .schema import TableSpec, spec_from_wire
 from .segment import Segment
 
 MAGIC = b"SHMRTBL\x00"
-LAYOUT_VERSION = 1
+LAYOUT_VERSION = 2  # 2: HELD state, times and seqno arrays, limiter live words
 PAGE = 4096
 
 HEADER = np.dtype([
@@ -39,14 +44,24 @@ HEADER = np.dtype([
     ("capacity", "<u8"), ("creator_pid", "<u8"), ("created_ns", "<u8"),
     ("segment_size", "<u8"), ("gens_off", "<u8"), ("prios_off", "<u8"),
     ("state_off", "<u8"), ("schema_len", "<u4"), ("reserved", "<u4"),
+    ("times_off", "<u8"), ("seqno_off", "<u8"),
 ])
 LIVE_OFF = 128
-LIVE_WORDS = 16
+LIVE_WORDS = 8
 LIVE_SIZE = 0      # committed items (what len(table) reports)
-LIVE_INSERTS = 8   # items committed since creation
+LIVE_INSERTS = 1   # items committed since creation
+LIVE_PENDING = 2   # slots reserved by writers, not committed yet (count as inserts for the limiter)
+LIVE_SAMPLES = 3   # items handed out by SAMPLE since creation
+LIVE_DELETES = 4   # items that left: evicted, or removed after max_times_sampled
+LIVE_FREE = 5      # slots on the free list
+LIVE_USES = 6      # samples the committed items can still give (max_times_sampled tables)
+LIVE_MASS = 7      # float64: the sampler's total mass; 0 means nothing can be drawn
 SCHEMA_OFF = 256
 
-FREE, RESERVED, COMMITTED = 0, 1, 2
+# HELD: sampled for the last time (max_times_sampled) and no longer in the
+# table, but a learner may still be reading the row: the slot is reused only
+# after that learner RELEASEs it (or its lease ends)
+FREE, RESERVED, COMMITTED, HELD = 0, 1, 2, 3
 
 
 def _align(x: int, a: int) -> int:
@@ -69,8 +84,8 @@ class TableLayout:
                 break
             offsets = _offsets(spec, self.header_size)
         self.offsets = offsets
-        self.gens_off, self.prios_off, self.state_off = offsets[:3]
-        self.field_offs = dict(zip((f.name for f in spec.fields), offsets[3:-1]))
+        self.gens_off, self.prios_off, self.state_off, self.times_off, self.seqno_off = offsets[:5]
+        self.field_offs = dict(zip((f.name for f in spec.fields), offsets[5:-1]))
         self.size = offsets[-1]
 
 
@@ -82,7 +97,11 @@ def _offsets(spec: TableSpec, header_size: int) -> list[int]:
     out.append(pos)                   # prios
     pos = _align(pos + 8 * c, 64)
     out.append(pos)                   # state
-    pos = _align(pos + c, PAGE)
+    pos = _align(pos + c, 64)
+    out.append(pos)                   # times
+    pos = _align(pos + 4 * c, 64)
+    out.append(pos)                   # seqno
+    pos = _align(pos + 8 * c, PAGE)
     for f in spec.fields:
         out.append(pos)
         pos = _align(pos + c * f.item_bytes, PAGE)
@@ -109,6 +128,9 @@ class TableMap:
         self.gens = np.ndarray((c,), np.uint32, buffer=buf, offset=layout.gens_off)
         self.prios = np.ndarray((c,), np.float64, buffer=buf, offset=layout.prios_off)
         self.state = np.ndarray((c,), np.uint8, buffer=buf, offset=layout.state_off)
+        self.times = np.ndarray((c,), np.uint32, buffer=buf, offset=layout.times_off)
+        self.seqno = np.ndarray((c,), np.uint64, buffer=buf, offset=layout.seqno_off)
+        self.mass = self.live[LIVE_MASS:LIVE_MASS + 1].view(np.float64)
         self.fields = {
             f.name: np.ndarray((c, *f.shape), f.dtype, buffer=buf, offset=layout.field_offs[f.name])
             for f in self.spec.fields
@@ -127,6 +149,7 @@ class TableMap:
         h["created_ns"] = time.time_ns()
         h["segment_size"] = layout.size
         h["gens_off"], h["prios_off"], h["state_off"] = layout.gens_off, layout.prios_off, layout.state_off
+        h["times_off"], h["seqno_off"] = layout.times_off, layout.seqno_off
         h["schema_len"] = len(layout.schema_bytes)
         seg.buf[SCHEMA_OFF:SCHEMA_OFF + len(layout.schema_bytes)] = layout.schema_bytes
         # magic last: a reader that sees it sees a complete header
@@ -151,6 +174,7 @@ class TableMap:
     def release(self) -> None:
         """Drop the views and unmap (views handed to users keep it mapped)."""
         self.header = self.live = self.gens = self.prios = self.state = None
+        self.times = self.seqno = self.mass = None
         self.fields = {}
         self.seg.close()
 

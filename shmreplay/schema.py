@@ -1,4 +1,4 @@
-"""Table definitions: names, fields, sampler, and their validation.
+"""Table definitions: names, fields, selectors, limits, and their validation.
 
 A ``TableSpec`` is immutable and round-trips through a plain dict (msgpack,
 TOML and the segment header all carry that dict), so the client, the daemon
@@ -15,7 +15,11 @@ import numpy as np
 
 from .errors import SchemaError
 
-SAMPLERS = ("uniform", "prioritized")
+SAMPLERS = ("uniform", "prioritized", "fifo", "lifo")
+REMOVERS = ("fifo", "lifo", "uniform")
+# keys of the wire/TOML form, in order; the first three are required
+SPEC_KEYS = ("name", "capacity", "fields", "sampler", "alpha", "remover", "max_times_sampled",
+             "min_size_to_sample", "samples_per_insert", "error_buffer")
 MAX_CAPACITY = 2**32 - 1  # keys carry the slot in their low 32 bits
 MAX_FIELDS = 64
 _TABLE_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,63}$")
@@ -44,6 +48,28 @@ class TableSpec:
     fields: tuple[Field, ...]
     sampler: str = "prioritized"
     alpha: float = 0.6
+    remover: str = "fifo"            # which item leaves when the table is full
+    max_times_sampled: int = 0       # remove an item after its N-th sample; 0: never
+    min_size_to_sample: int = 1
+    samples_per_insert: float | None = None   # None: no ratio limit (Reverb's MinSize)
+    error_buffer: float | tuple[float, float] | None = None
+
+    @property
+    def rate_limited(self) -> bool:
+        """True if inserts may have to wait (a samples-per-insert ratio is set)."""
+        return self.samples_per_insert is not None
+
+    @property
+    def diff_bounds(self) -> tuple[float, float]:
+        """(min_diff, max_diff) of ``inserts * samples_per_insert - samples``,
+        Reverb's SampleToInsertRatio: a number ``e`` means ``offset -+ e``
+        with ``offset = samples_per_insert * min_size_to_sample``."""
+        if self.samples_per_insert is None:
+            return -math.inf, math.inf
+        if isinstance(self.error_buffer, tuple):
+            return self.error_buffer
+        offset = self.samples_per_insert * self.min_size_to_sample
+        return offset - self.error_buffer, offset + self.error_buffer
 
     @property
     def item_bytes(self) -> int:
@@ -62,6 +88,12 @@ class TableSpec:
             "fields": [f.to_wire() for f in self.fields],
             "sampler": self.sampler,
             "alpha": self.alpha,
+            "remover": self.remover,
+            "max_times_sampled": self.max_times_sampled,
+            "min_size_to_sample": self.min_size_to_sample,
+            "samples_per_insert": self.samples_per_insert,
+            "error_buffer": list(self.error_buffer) if isinstance(self.error_buffer, tuple)
+            else self.error_buffer,
         }
 
 
@@ -136,8 +168,22 @@ def parse_fields(fields) -> tuple[Field, ...]:
     return tuple(out)
 
 
-def make_spec(name, capacity, fields, sampler="prioritized", alpha=0.6) -> TableSpec:
-    """Validate every part of a table definition; raise SchemaError naming the problem."""
+def _number(name, key, value, integer=False) -> float:
+    ok = isinstance(value, (int, np.integer)) if integer else isinstance(
+        value, (int, float, np.integer, np.floating))
+    if not ok or isinstance(value, bool) or not math.isfinite(value):
+        kind = "an int" if integer else "a finite number"
+        raise SchemaError(f"table {name!r}: {key} must be {kind}, got {value!r}")
+    return int(value) if integer else float(value)
+
+
+def make_spec(name, capacity, fields, sampler="prioritized", alpha=0.6, remover="fifo",
+              max_times_sampled=0, min_size_to_sample=1, samples_per_insert=None,
+              error_buffer=None) -> TableSpec:
+    """Validate every part of a table definition; raise SchemaError naming the problem.
+
+    Configurations the rate limiter could deadlock on are refused here, at
+    creation, not discovered by a hung learner (see ``_check_limits``)."""
     check_table_name(name)
     if not isinstance(capacity, (int, np.integer)) or isinstance(capacity, bool):
         raise SchemaError(f"table {name!r}: capacity must be an int, got {capacity!r}")
@@ -145,23 +191,84 @@ def make_spec(name, capacity, fields, sampler="prioritized", alpha=0.6) -> Table
         raise SchemaError(f"table {name!r}: capacity {capacity} outside 1..{MAX_CAPACITY}")
     if sampler not in SAMPLERS:
         raise SchemaError(f"table {name!r}: sampler {sampler!r} is not one of {SAMPLERS}")
+    if remover not in REMOVERS:
+        raise SchemaError(f"table {name!r}: remover {remover!r} is not one of {REMOVERS}")
     try:
         alpha = float(alpha)
     except (TypeError, ValueError) as exc:
         raise SchemaError(f"table {name!r}: alpha {alpha!r} is not a number") from exc
     if not (0.0 <= alpha < math.inf):
         raise SchemaError(f"table {name!r}: alpha must be finite and >= 0, got {alpha}")
-    return TableSpec(str(name), int(capacity), parse_fields(fields), str(sampler), alpha)
+    mts = _number(name, "max_times_sampled", max_times_sampled, integer=True)
+    if not 0 <= mts < 2**32:
+        raise SchemaError(f"table {name!r}: max_times_sampled must be 0 (no limit) or 1..2**32-1, "
+                          f"got {mts}")
+    mss = _number(name, "min_size_to_sample", min_size_to_sample, integer=True)
+    spi = None if samples_per_insert is None else _number(name, "samples_per_insert",
+                                                          samples_per_insert)
+    eb = error_buffer
+    if spi is None and eb is not None:
+        raise SchemaError(f"table {name!r}: error_buffer needs samples_per_insert")
+    if spi is not None:
+        if eb is None:
+            raise SchemaError(f"table {name!r}: samples_per_insert needs an error_buffer "
+                              "(a number, or [min_diff, max_diff])")
+        if isinstance(eb, (list, tuple)):
+            if len(eb) != 2:
+                raise SchemaError(f"table {name!r}: error_buffer pair must be [min_diff, max_diff], "
+                                  f"got {eb!r}")
+            eb = (_number(name, "error_buffer[0]", eb[0]), _number(name, "error_buffer[1]", eb[1]))
+        else:
+            eb = _number(name, "error_buffer", eb)
+    spec = TableSpec(str(name), int(capacity), parse_fields(fields), str(sampler), alpha,
+                     str(remover), mts, mss, spi, eb)
+    _check_limits(spec)
+    return spec
+
+
+def _check_limits(spec: TableSpec) -> None:
+    """Refuse reuse and rate limits under which inserts and samples could
+    both end up waiting for each other forever."""
+    name, spi = spec.name, spec.samples_per_insert
+    if not 1 <= spec.min_size_to_sample <= spec.capacity:
+        raise SchemaError(f"table {name!r}: min_size_to_sample {spec.min_size_to_sample} outside "
+                          f"1..capacity ({spec.capacity}); the table could never be sampled")
+    if spi is None:
+        return
+    if not spi > 0:
+        raise SchemaError(f"table {name!r}: samples_per_insert must be > 0, got {spi}")
+    lo, hi = spec.diff_bounds
+    if isinstance(spec.error_buffer, float) and spec.error_buffer < 0:
+        raise SchemaError(f"table {name!r}: error_buffer must be >= 0, got {spec.error_buffer}")
+    if hi - lo < 2 * max(1.0, spi):
+        raise SchemaError(
+            f"table {name!r}: the error buffer [{lo:g}, {hi:g}] is narrower than "
+            f"2 * max(1, samples_per_insert) = {2 * max(1.0, spi):g}; an insert or a sample "
+            "could be blocked for ever")
+    if lo > spi * spec.min_size_to_sample:
+        raise SchemaError(
+            f"table {name!r}: min_diff {lo:g} is above samples_per_insert * min_size_to_sample "
+            f"= {spi * spec.min_size_to_sample:g}; once min_size_to_sample items are in, no "
+            "sample could ever run and inserts would block for ever")
+    if spec.max_times_sampled and spi > spec.max_times_sampled:
+        raise SchemaError(
+            f"table {name!r}: samples_per_insert {spi:g} exceeds max_times_sampled "
+            f"{spec.max_times_sampled}; items leave after {spec.max_times_sampled} samples, so "
+            "the ratio can never be reached and inserts would block for ever")
 
 
 def spec_from_wire(d) -> TableSpec:
     if not isinstance(d, dict):
         raise SchemaError(f"table definition must be a map, got {type(d).__name__}")
-    unknown = set(d) - {"name", "capacity", "fields", "sampler", "alpha"}
+    return spec_from_dict(d, "table definition")
+
+
+def spec_from_dict(d: dict, where: str) -> TableSpec:
+    """The wire/TOML form: every SPEC_KEYS key, the first three required."""
+    unknown = set(d) - set(SPEC_KEYS)
     if unknown:
-        raise SchemaError(f"table definition has unknown keys {sorted(unknown)}")
-    for key in ("name", "capacity", "fields"):
+        raise SchemaError(f"{where} has unknown keys {sorted(unknown)}")
+    for key in SPEC_KEYS[:3]:
         if key not in d:
-            raise SchemaError(f"table definition lacks {key!r}")
-    return make_spec(d["name"], d["capacity"], d["fields"], d.get("sampler", "prioritized"),
-                     d.get("alpha", 0.6))
+            raise SchemaError(f"{where} lacks {key!r}")
+    return make_spec(**d)

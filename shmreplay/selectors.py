@@ -4,10 +4,18 @@ A sampler sees slot indices and priorities, never data (TorchRL's split).
 Interface, called by the owning ``Table`` from the engine thread only, never
 concurrently:
 
-* ``set(slots, priorities)``  slots become (or stay) sampleable with these priorities
+* ``add(slots, priorities)``  newly committed slots become sampleable
+* ``set(slots, priorities)``  sampleable slots get new priorities
 * ``remove(slots)``           slots leave the sampler
-* ``sample(u01)``             -> (slots, probabilities, importance weights(beta) fn inputs)
-* ``mass``                    > 0 iff something can be sampled
+* ``sample(u01, beta)``       random samplers: -> (slots, probabilities, importance weights)
+* ``draw(n, uses_left)``      order samplers (``ordered = True``): n draws from one end
+* ``mass``                    > 0 iff something can be drawn
+
+Random samplers draw with replacement; the table enforces reuse limits on
+top (``Table._draw_limited``).  Order samplers (fifo, lifo) are Reverb's:
+each draw returns the oldest (newest) item, so without a reuse limit a batch
+holds one item n times, and with ``max_times_sampled=N`` each item is
+returned N times before the next one.
 """
 
 from __future__ import annotations
@@ -37,8 +45,12 @@ class PrioritizedSampler:
         sumtree.tree_values(priorities, self.alpha, out)
         return out
 
+    ordered = False
+
     def set(self, slots: np.ndarray, priorities: np.ndarray) -> None:
         sumtree.tree_update(self.sums, self.mins, slots, self._values(priorities))
+
+    add = set
 
     def remove(self, slots: np.ndarray) -> None:
         sumtree.tree_update(self.sums, self.mins, slots, np.zeros(slots.shape[0]))
@@ -75,6 +87,7 @@ class UniformSampler:
     """
 
     name = "uniform"
+    ordered = False
 
     def __init__(self, capacity: int):
         self.members = np.zeros(capacity, dtype=np.int64)
@@ -87,6 +100,9 @@ class UniformSampler:
         self.members[self.count:self.count + k] = new
         self.pos[new] = np.arange(self.count, self.count + k)
         self.count += k
+
+    def add(self, slots: np.ndarray, priorities: np.ndarray) -> None:
+        self.set(slots, priorities)
 
     def remove(self, slots: np.ndarray) -> None:
         members, pos = self.members, self.pos
@@ -119,9 +135,63 @@ class UniformSampler:
         self.set(slots, priorities)
 
 
-def make_sampler(kind: str, capacity: int, alpha: float):
+    def pick(self, n: int, rng) -> np.ndarray:
+        """n distinct members chosen uniformly (the uniform remover's victims)."""
+        return self.members[rng.choice(self.count, size=n, replace=False)].copy()
+
+
+class OrderSampler:
+    """fifo: the oldest committed item; lifo: the newest (Reverb's Fifo/Lifo).
+
+    Reads the table's ``CommitOrder``; probabilities and weights are 1."""
+
+    ordered = True
+
+    def __init__(self, order, back: bool):
+        self.order = order
+        self.back = back
+        self.name = "lifo" if back else "fifo"
+        self.count = 0
+
+    def add(self, slots: np.ndarray, priorities: np.ndarray) -> None:
+        self.count += slots.shape[0]
+
+    def set(self, slots: np.ndarray, priorities: np.ndarray) -> None:
+        pass  # order does not depend on priority
+
+    def remove(self, slots: np.ndarray) -> None:
+        self.count -= slots.shape[0]  # the order entries die lazily
+
+    @property
+    def mass(self) -> float:
+        return float(self.count)
+
+    def draw(self, n: int, uses_left) -> np.ndarray:
+        """Slots of n successive draws.  ``uses_left(slots)`` gives how many
+        more samples each item may give, or is None for no limit; the caller
+        has checked the items hold at least n uses between them."""
+        keys = self.order.peek(1 if uses_left is None else n, self.back)
+        slots = (keys & np.uint64(0xFFFFFFFF)).astype(np.int64)
+        if uses_left is None:
+            return np.full(n, slots[0])
+        quota = np.minimum(uses_left(slots), n).astype(np.int64)
+        k = int(np.searchsorted(np.cumsum(quota), n))  # items 0..k are needed
+        reps = quota[:k + 1].copy()
+        reps[-1] -= int(quota[:k + 1].sum()) - n
+        return np.repeat(slots[:k + 1], reps)
+
+    def check(self) -> bool:
+        return True
+
+    def rebuild(self, slots: np.ndarray, priorities: np.ndarray) -> None:
+        self.count = slots.shape[0]
+
+
+def make_sampler(kind: str, capacity: int, alpha: float, order):
     if kind == "prioritized":
         return PrioritizedSampler(capacity, alpha)
     if kind == "uniform":
         return UniformSampler(capacity)
+    if kind in ("fifo", "lifo"):
+        return OrderSampler(order, back=kind == "lifo")
     raise ValueError(kind)

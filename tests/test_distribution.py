@@ -85,12 +85,12 @@ def test_weights_are_normalised_by_the_smallest_positive_priority(client):
     np.testing.assert_allclose(b.weights[b.data["id"] == 2], 0.25)
 
 
-def test_sampling_an_empty_table_raises(client):
+def test_sampling_an_empty_table_without_waiting_raises(client):
     import shmreplay
     t = client.create_table("empty", capacity=10, fields=FIELDS)
     with pytest.raises(shmreplay.EmptyTable, match="no sampleable items"):
-        t.sample(4)
+        t.sample(4, timeout=0)
     t.insert(id=1, priority=0.0)
     t.flush()
     with pytest.raises(shmreplay.EmptyTable, match="1 committed"):
-        t.sample(4)
+        t.sample(4, timeout=0.2)

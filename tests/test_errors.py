@@ -137,7 +137,8 @@ def test_unknown_table_is_named(client):
     (dict(fields={"o": ("uint8", (0, 3))}), "positive ints"),
     (dict(fields={"1o": ("uint8", ())}), "invalid field name"),
     (dict(fields={}), "at least one field"),
-    (dict(sampler="lifo"), "sampler 'lifo' is not one of"),
+    (dict(sampler="heap"), "sampler 'heap' is not one of"),
+    (dict(samples_per_insert=8.0, error_buffer=2.0), "narrower than"),
     (dict(alpha=-1), "alpha must be finite"),
 ])
 def test_bad_table_definitions_are_named(client, kwargs, match):

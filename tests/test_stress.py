@@ -53,8 +53,8 @@ def learner_main(sock, seconds, out):
         t0 = time.monotonic()
         while time.monotonic() - t0 < seconds:
             try:
-                b = t.sample(64, beta=0.4)
-            except shmreplay.EmptyTable:
+                b = t.sample(64, beta=0.4, timeout=0.2)
+            except shmreplay.RateLimited:
                 time.sleep(0.001)
                 continue
             d = b.data

@@ -9,7 +9,7 @@ import pytest
 from shmreplay.errors import CapacityError, ProtocolError
 from shmreplay.layout import COMMITTED, FREE, RESERVED, TableMap
 from shmreplay.schema import make_spec
-from shmreplay.table import Table
+from shmreplay.table import Blocked, Table
 
 
 @pytest.fixture
@@ -48,10 +48,11 @@ def test_reservation_bumps_the_generation_before_the_writer_sees_it(table):
     assert table.update_priorities(keys, np.ones(2)) == 2, "old keys are stale now"
 
 
-def test_all_slots_reserved_is_a_capacity_error(table):
+def test_all_slots_reserved_blocks_with_a_capacity_error(table):
     table.reserve(1, 8)
-    with pytest.raises(CapacityError, match="reserved by writers"):
+    with pytest.raises(Blocked, match="reserved by writers") as info:
         table.reserve(2, 1)
+    assert isinstance(info.value.error, CapacityError)
 
 
 def test_release_owner_frees_only_that_owners_reservations(table):

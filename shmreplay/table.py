@@ -78,7 +78,7 @@ class Table:
         self.rng = np.random.default_rng(seed)
         self.updates_since_check = 0
         # limiter counters; the segment's live words mirror them for clients
-        self.size = self.inserts = self.pending = self.samples = self.deletes = 0
+        self.size = self.inserts = self.pending = self.samples = self.deletes = self.held = 0
         self.uses_left = 0
         self.seqno = 0
         # parked requests, oldest first (the engine owns what is in them)
@@ -127,14 +127,16 @@ class Table:
             raise Blocked(RateLimited(f"insert into table {self.spec.name!r} timed out: " +
                                       ratelimiter.insert_blocker(self.spec, self.size, self.inserts,
                                                                  self.pending, self.samples, n)))
-        k = min(room, len(self.free) + self.size)
+        # while learners hold slots, take only free ones: evicting instead
+        # would push out items the table has room for once they release
+        # (a queue would lose them)
+        k = min(room, len(self.free) + (0 if self.held else self.size))
         if k == 0:
             c = self.spec.capacity
             raise Blocked(CapacityError(
-                f"table {self.spec.name!r}: none of its {c} slots is free or evictable; "
+                f"table {self.spec.name!r}: no slot is free or evictable now; "
                 f"{self.pending} are reserved by writers that have not committed and "
-                f"{c - self.pending - self.size - len(self.free)} are held by learners "
-                "still reading their last sample"))
+                f"{self.held} are held by learners still reading their last sample"))
         slots = self.free.pop(k)
         if slots.shape[0] < k:
             slots = np.concatenate((slots, self._evict(k - slots.shape[0])))
@@ -357,6 +359,7 @@ class Table:
         # _remove subtracts the uses they have left, which is 0 now
         self._remove(done)
         m.state[done] = HELD
+        self.held += done.shape[0]
         self.stats["removed_after_max_samples"] += done.shape[0]
         hid = self.next_hid
         self.next_hid += 1
@@ -384,6 +387,7 @@ class Table:
             except ValueError:
                 pass
         slots = entry[1]
+        self.held -= slots.shape[0]
         self.map.state[slots] = FREE
         self.free.push(slots)
         self._publish()
@@ -439,7 +443,7 @@ class Table:
 
     def snapshot_stats(self) -> dict:
         return {**self.stats, "size": self.size, "capacity": self.spec.capacity,
-                "reserved": self.pending, "held": sum(s.shape[0] for _, s in self.holds.values()),
+                "reserved": self.pending, "held": self.held,
                 "limiter": {"inserts": self.inserts, "samples": self.samples,
                             "deletes": self.deletes, "pending": self.pending,
                             "uses_left": self.uses_left,

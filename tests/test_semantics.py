@@ -320,3 +320,24 @@ def test_a_learner_samples_several_tables_at_once(client):
         client.create_table("z", 10, F)
         client.sample_many({"x": 4, "z": 4}, timeout=0)
     assert len(client.sample_many({"x": 4})["x"]) == 4, "the client is still usable"
+
+
+# ---- configuration ----
+def test_every_limit_is_settable_in_the_daemon_config(start_daemon):
+    tables = [
+        {"name": "impala", "capacity": 64, "sampler": "fifo", "remover": "fifo",
+         "max_times_sampled": 1, "samples_per_insert": 1.0, "error_buffer": [0.0, 64.0],
+         "fields": {"v": ("int64", ())}},
+        {"name": "apex", "capacity": 100, "sampler": "prioritized", "alpha": 0.9,
+         "remover": "lifo", "min_size_to_sample": 10, "samples_per_insert": 8.0,
+         "error_buffer": 40.0, "fields": {"v": ("int64", ())}},
+    ]
+    d = start_daemon(tables=tables)
+    with d.connect() as c:
+        q, a = c.table("impala"), c.table("apex")
+        assert (q.spec.sampler, q.spec.max_times_sampled, q.spec.diff_bounds) == ("fifo", 1, (0.0, 64.0))
+        assert (a.spec.remover, a.spec.min_size_to_sample, a.spec.diff_bounds) == ("lifo", 10, (40.0, 120.0))
+        insert_ids(q, 0, 3)
+        assert ids(q.sample(3)) == [0, 1, 2] and len(q) == 0
+        with pytest.raises(shmreplay.RateLimited, match="min_size_to_sample 10"):
+            a.sample(1, timeout=0)

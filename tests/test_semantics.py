@@ -11,7 +11,6 @@ import numpy as np
 import pytest
 
 import shmreplay
-from conftest import write_config  # noqa: F401  (fixtures come from conftest)
 
 F = {"v": ("int64", ())}
 CTX = mp.get_context("spawn")
@@ -260,20 +259,18 @@ def test_no_deadlock_when_clients_die_while_waiting(daemon, client):
             assert time.monotonic() < deadline, f"{key} never became {value}"
             time.sleep(0.02)
 
+    def kill_while_parked(what, key):
+        p = CTX.Process(target=waiting_client, args=(daemon.socket, what))
+        p.start()
+        wait_for(key, 1)
+        os.kill(p.pid, signal.SIGKILL)
+        p.join(10)
+        wait_for(key, 0)
+
     insert_ids(t, 0, 10)   # below min size: a sample waits
-    sampler = CTX.Process(target=waiting_client, args=(daemon.socket, "sample"))
-    sampler.start()
-    wait_for("waiting_samples", 1)
-    os.kill(sampler.pid, signal.SIGKILL)
-    sampler.join(10)
-    wait_for("waiting_samples", 0)
+    kill_while_parked("sample", "waiting_samples")
     insert_ids(t, 10, 25)  # 25 inserts x 1 - 0 samples = max_diff: an insert waits
-    inserter = CTX.Process(target=waiting_client, args=(daemon.socket, "insert"))
-    inserter.start()
-    wait_for("waiting_inserts", 1)
-    os.kill(inserter.pid, signal.SIGKILL)
-    inserter.join(10)
-    wait_for("waiting_inserts", 0)
+    kill_while_parked("insert", "waiting_inserts")
     assert client.stats()["tables"]["w"]["limiter"]["pending"] == 0
     # everyone else carries on: a sample frees room, an insert goes through
     assert len(t.sample(4, timeout=5)) == 4

@@ -87,6 +87,7 @@ class Engine:
         self.lock = threading.Lock()
         self.thread: threading.Thread | None = None
         self.parked = 0  # requests waiting in tables' queues
+        self._doomed: list = []  # (client, error): cut off once the queues are walked
         self.stats = {"commands": 0, "wakeups": 0, "sleeps": 0, "disconnects": 0, "parked": 0}
 
     # ---- control-plane entry points (any thread) ----
@@ -241,72 +242,70 @@ class Engine:
         table.stats["insert_waits" if w.op == C.RESERVE else "sample_waits"] += 1
 
     def _serve_waiters(self) -> None:
-        """Retry parked requests, oldest first per queue; answer those whose
-        deadline passed with the error that still holds them."""
+        """Retry parked requests, oldest first per queue, and answer those
+        whose deadline passed with the error that still holds them (also
+        behind a head that stays blocked).  Queues change only here."""
         now = time.monotonic()
-        for table in list(self.tables.values()):
+        for table in self.tables.values():
             for queue_ in (table.waiting_inserts, table.waiting_samples):
-                while queue_:
-                    w = queue_[0]
-                    try:
-                        self._run_waiter(table, w)
-                    except Blocked as b:
-                        if w.deadline > now:
-                            break
-                        table.stats["timeouts"] += 1
-                        self._respond_error(w.cl, w.op, w.seq, b.error)
-                    except ProtocolError as exc:  # e.g. the hold cap: cut off the client
-                        queue_.popleft()
-                        self.parked -= 1
-                        self._drop(w.cl)
-                        self.on_client_error(w.cl.id, exc)
-                        continue
-                    except ReplayError as exc:
-                        self._respond_error(w.cl, w.op, w.seq, exc)
+                while queue_ and self._settle(table, queue_[0], now):
                     queue_.popleft()
                     self.parked -= 1
-                    self._flush_quiet(w.cl)
-            # a timed-out request further back must not wait for the head
-            for queue_ in (table.waiting_inserts, table.waiting_samples):
                 if any(w.deadline <= now for w in queue_):
-                    self._expire(table, queue_, now)
+                    keep = [w for w in queue_ if not (w.deadline <= now and self._settle(table, w, now))]
+                    self.parked -= len(queue_) - len(keep)
+                    queue_.clear()
+                    queue_.extend(keep)
+        self._cut_off_doomed()
 
-    def _expire(self, table: Table, queue_, now: float) -> None:
-        keep = collections.deque()
-        for w in queue_:
-            if w.deadline > now:
-                keep.append(w)
-                continue
-            try:
-                self._run_waiter(table, w)  # one last try; else its error
-            except Blocked as b:
-                table.stats["timeouts"] += 1
-                self._respond_error(w.cl, w.op, w.seq, b.error)
-            except ReplayError as exc:
-                self._respond_error(w.cl, w.op, w.seq, exc)
-            self.parked -= 1
-            self._flush_quiet(w.cl)
-        queue_.clear()
-        queue_.extend(keep)
-
-    def _flush_quiet(self, cl: ClientState) -> None:
-        if cl.id not in self.clients:
-            return
+    def _settle(self, table: Table, w: Waiter, now: float) -> bool:
+        """Run a parked request, or answer it with its error once its
+        deadline has passed.  False while it stays parked."""
         try:
-            self._flush(cl)
-        except ProtocolError as exc:
-            log.warning("client %d (pid %d): %s; disconnecting it", cl.id, cl.pid, exc)
-            self._drop(cl)
-            self.on_client_error(cl.id, exc)
+            self._run_waiter(table, w)
+        except Blocked as b:
+            if w.deadline > now:
+                return False
+            table.stats["timeouts"] += 1
+            self._reply_error(w, b.error)
+            return True
+        except ProtocolError as exc:  # its outbox is full: it stopped reading
+            self._doomed.append((w.cl, exc))
+            return True
+        except ReplayError as exc:
+            self._reply_error(w, exc)
+            return True
+        self._reply_error(w, None)
+        return True
+
+    def _reply_error(self, w: Waiter, exc: ReplayError | None) -> None:
+        """Queue the error reply of a parked request (None: its reply is
+        queued already) and publish.  A client that left its replies unread
+        is cut off after the pass, so no queue changes while walked."""
+        try:
+            if exc is not None:
+                self._respond_error(w.cl, w.op, w.seq, exc)
+            self._flush(w.cl)
+        except ProtocolError as err:
+            self._doomed.append((w.cl, err))
+
+    def _cut_off_doomed(self) -> None:
+        doomed, self._doomed = self._doomed, []
+        for cl, exc in doomed:
+            if cl.id in self.clients:
+                log.warning("client %d (pid %d): %s; disconnecting it", cl.id, cl.pid, exc)
+                self._drop(cl)
+                self.on_client_error(cl.id, exc)
 
     def _unpark(self, pred) -> list[Waiter]:
         """Take every parked request matching ``pred(table, waiter)`` out of its queue."""
         out = []
         for table in self.tables.values():
             for queue_ in (table.waiting_inserts, table.waiting_samples):
-                if any(pred(table, w) for w in queue_):
-                    keep = [w for w in queue_ if not pred(table, w)]
-                    out.extend(w for w in queue_ if pred(table, w))
+                gone = [w for w in queue_ if pred(table, w)]
+                if gone:
+                    out.extend(gone)
+                    keep = [w for w in queue_ if w not in gone]
                     queue_.clear()
                     queue_.extend(keep)
         self.parked -= len(out)
@@ -442,8 +441,8 @@ class Engine:
         if t is None:
             raise UnknownTable(f"no table named {name!r}")
         for w in self._unpark(lambda table, w: table is t):
-            self._respond_error(w.cl, w.op, w.seq, UnknownTable(f"table {name!r} was dropped"))
-            self._flush_quiet(w.cl)
+            self._reply_error(w, UnknownTable(f"table {name!r} was dropped"))
+        self._cut_off_doomed()
         del self.by_name[name]
         del self.tables[t.id]
         return t

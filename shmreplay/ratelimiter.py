@@ -58,8 +58,7 @@ def sample_blocker(spec: TableSpec, size: int, inserts: int, samples: int, n: in
     return None
 
 
-def insert_blocker(spec: TableSpec, size: int, inserts: int, pending: int, samples: int,
-                   want: int) -> str:
+def insert_blocker(spec: TableSpec, inserts: int, pending: int, samples: int) -> str:
     """Why an insert is held (call when insert_room() returned 0)."""
     _, hi = spec.diff_bounds
     return (f"samples_per_insert {spec.samples_per_insert:g}: {inserts} inserts (+{pending} "

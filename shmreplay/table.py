@@ -125,14 +125,13 @@ class Table:
                                        self.samples, n)
         if room == 0:
             raise Blocked(RateLimited(f"insert into table {self.spec.name!r} timed out: " +
-                                      ratelimiter.insert_blocker(self.spec, self.size, self.inserts,
-                                                                 self.pending, self.samples, n)))
+                                      ratelimiter.insert_blocker(self.spec, self.inserts,
+                                                                 self.pending, self.samples)))
         # while learners hold slots, take only free ones: evicting instead
         # would push out items the table has room for once they release
         # (a queue would lose them)
         k = min(room, len(self.free) + (0 if self.held else self.size))
         if k == 0:
-            c = self.spec.capacity
             raise Blocked(CapacityError(
                 f"table {self.spec.name!r}: no slot is free or evictable now; "
                 f"{self.pending} are reserved by writers that have not committed and "
@@ -292,7 +291,8 @@ class Table:
         else:
             slots, probs, weights = self.sampler.sample(self.rng.random(n), beta)
         keys = self._keys(slots)
-        hid = self._count_uses(owner, slots) if mts else 0
+        # random samplers: _draw_limited took exhausted items out of the sampler already
+        hid = self._count_uses(owner, slots, sampler_done=not self.sampler.ordered) if mts else 0
         self.samples += n
         self._publish()
         self.stats["samples"] += n
@@ -306,9 +306,10 @@ class Table:
         """Random draws under a reuse limit: no item appears in the batch
         more often than it has uses left.  Draw, keep each item's first
         ``uses left`` occurrences, take exhausted items out of the sampler,
-        and redraw the rest.  Times are counted later (_count_uses); the
-        sampler is restored if it runs dry (zero-priority items hold uses
-        too), so a blocked sample takes nothing."""
+        and redraw the rest.  Times are counted later (_count_uses), and
+        the exhausted items stay out of the sampler; the sampler is restored
+        if it runs dry (zero-priority items hold uses too), so a blocked
+        sample takes nothing."""
         times = self.map.times
         mts = self.spec.max_times_sampled
         extra: dict[int, int] = {}   # uses taken in this batch, per slot
@@ -341,14 +342,12 @@ class Table:
             for done in removed:
                 self.sampler.add(done, self.map.prios[done])
             raise
-        if removed:  # _count_uses removes them again through the one removal path
-            for done in removed:
-                self.sampler.add(done, self.map.prios[done])
         return tuple(np.concatenate(parts) for parts in zip(*out))
 
-    def _count_uses(self, owner: int, slots: np.ndarray) -> int:
+    def _count_uses(self, owner: int, slots: np.ndarray, sampler_done: bool) -> int:
         """Count a batch's draws against max_times_sampled; items that reach
-        it leave the table and their slots are held for ``owner``."""
+        it leave the table and their slots are held for ``owner``.
+        ``sampler_done``: the draw took exactly those items out of the sampler."""
         uniq, counts = np.unique(slots, return_counts=True)
         m = self.map
         m.times[uniq] += counts.astype(np.uint32)
@@ -357,7 +356,7 @@ class Table:
         if done.shape[0] == 0:
             return 0
         # _remove subtracts the uses they have left, which is 0 now
-        self._remove(done)
+        self._remove(done, sampler_done)
         m.state[done] = HELD
         self.held += done.shape[0]
         self.stats["removed_after_max_samples"] += done.shape[0]

@@ -66,10 +66,10 @@ def _as_step(table, field, value, shape) -> np.ndarray:
     if a.shape != shape:
         raise FieldError(f"table {table.name!r}, field {field!r}: step shape {a.shape}, "
                          f"expected {shape}")
-    if a.dtype != table.spec.field(field).dtype and not np.can_cast(
-            a.dtype, table.spec.field(field).dtype, "same_kind"):
+    dtype = table.spec.field(field).dtype
+    if a.dtype != dtype and not np.can_cast(a.dtype, dtype, "same_kind"):
         raise FieldError(f"table {table.name!r}, field {field!r}: dtype {a.dtype} cannot be "
-                         f"stored as {table.spec.field(field).dtype}")
+                         f"stored as {dtype}")
     return a
 
 

@@ -14,13 +14,13 @@ from .client import Client, SampleBatch, Table, connect  # noqa: E402
 from .writers import NStepWriter, SequenceWriter  # noqa: E402
 from .errors import (  # noqa: E402
     CapacityError, DaemonUnavailable, EmptyTable, FieldError, LayoutError, PriorityError,
-    ProtocolError, RateLimited, ReplayError, ReplayTimeout, SchemaError, ShmFull, TableExists,
-    UnknownTable,
+    PermissionDenied, ProtocolError, RateLimited, ReplayError, ReplayTimeout, SchemaError, ShmFull,
+    TableExists, UnknownTable,
 )
 
 __all__ = [
     "connect", "Client", "Table", "SampleBatch", "SequenceWriter", "NStepWriter",
     "ReplayError", "ProtocolError", "DaemonUnavailable", "ReplayTimeout", "UnknownTable",
     "TableExists", "SchemaError", "FieldError", "PriorityError", "CapacityError", "ShmFull",
-    "LayoutError", "EmptyTable", "RateLimited",
+    "LayoutError", "EmptyTable", "RateLimited", "PermissionDenied",
 ]

@@ -239,8 +239,8 @@ class Channel:
 
     @classmethod
     def create(cls, name: str, layout: ChannelLayout, client_pid: int, daemon_pid: int,
-               mode: int = 0o600) -> "Channel":
-        seg = Segment.create(name, layout.size, mode)
+               mode: int = 0o600, owner: tuple[int, int] = (-1, -1)) -> "Channel":
+        seg = Segment.create(name, layout.size, mode, owner)
         h = np.ndarray((), CHANNEL_HEADER, buffer=seg.buf, offset=0)
         h["layout_version"], h["header_size"] = CHANNEL_VERSION, REC_OFF
         h["req_slots"], h["resp_slots"] = layout.req_slots, layout.resp_slots

@@ -19,6 +19,17 @@ Data path (no payload byte passes through the daemon):
 Errors of streamed commands (COMMIT, UPDATE) come back asynchronously and
 are raised by the next call on the client, or by ``flush()``.
 
+Durability.  An item is in the table, and survives a daemon crash, once a
+``flush()`` that follows its insert has returned.  When the daemon dies,
+calls raise ``DaemonUnavailable`` within ~50 ms (waits poll the socket), and
+a writer never copies into slots leased from a dead daemon: it compares the
+table's epoch, which a restarted daemon bumps, before each copy.  With
+``connect(..., reconnect=True)`` a call that finds the daemon gone waits up
+to ``reconnect_timeout`` s for it to come back, reopens every table, and
+runs again once; inserts not yet flushed when the daemon died may be lost
+(or, for the interrupted call itself, stored twice if the daemon applied
+them just before it died).
+
 Waiting.  ``insert``/``insert_batch``/``sample`` wait while the table's
 limits hold them (rate limiter, min_size_to_sample, reuse limits), as
 Reverb's do: ``timeout=None`` (the default) waits as long as it takes,
@@ -34,6 +45,7 @@ it at once.
 
 from __future__ import annotations
 
+import functools
 import os
 import select
 import socket
@@ -49,9 +61,11 @@ from . import commands as C
 from .channel import CTL_RESP_HEAD, Channel
 from .config import client_socket_path
 from .errors import (DaemonUnavailable, FieldError, PriorityError, ProtocolError,
-                     RateLimited, ReplayError, ReplayTimeout, error_from_code, error_from_name)
+                     RateLimited, ReplayError, ReplayTimeout, UnknownTable, error_from_code,
+                     error_from_name)
 from . import ratelimiter
-from .layout import (LIVE_INSERTS, LIVE_PENDING, LIVE_SAMPLES, LIVE_SIZE, LIVE_USES, TableMap)
+from .layout import (LIVE_EPOCH, LIVE_INSERTS, LIVE_PENDING, LIVE_SAMPLES, LIVE_SIZE, LIVE_USES,
+                     TableMap)
 from .priorities import as_priorities
 from .protocol import PROTOCOL_VERSION, FrameDecoder, encode
 from .schema import make_spec, spec_from_wire
@@ -72,9 +86,28 @@ _U32 = np.uint64(C.SLOT_BITS)
 _MASK = np.uint64(C.SLOT_MASK)
 
 
-def connect(path: str | None = None, timeout: float = DEFAULT_TIMEOUT) -> "Client":
-    """Connect to a daemon: ``path``, else $SHMREPLAY_SOCKET, else the default path."""
-    return Client(client_socket_path(path), timeout)
+def connect(path: str | None = None, timeout: float = DEFAULT_TIMEOUT, reconnect: bool = False,
+            reconnect_timeout: float = 60.0) -> "Client":
+    """Connect to a daemon: ``path``, else $SHMREPLAY_SOCKET, else the default
+    path.  ``reconnect``: ride out a daemon restart (see Durability above)."""
+    return Client(client_socket_path(path), timeout, reconnect, reconnect_timeout)
+
+
+def _reconnecting(method):
+    """Run a public call again, once, after reconnecting if the daemon went
+    away during it and the client asked for reconnects.  (A flush after a
+    reconnect raises if inserts were made before it: ``Client.flush``.)"""
+    @functools.wraps(method)
+    def call(self, *args, **kwargs):
+        cl = self if isinstance(self, Client) else self._client
+        try:
+            return method(self, *args, **kwargs)
+        except DaemonUnavailable:
+            if not cl.reconnect or cl._closed:
+                raise
+            cl._reconnect()
+            return method(self, *args, **kwargs)
+    return call
 
 
 @dataclass
@@ -96,16 +129,21 @@ class SampleBatch:
 
 
 class Client:
-    def __init__(self, path: str, timeout: float = DEFAULT_TIMEOUT):
+    def __init__(self, path: str, timeout: float = DEFAULT_TIMEOUT, reconnect: bool = False,
+                 reconnect_timeout: float = 60.0):
         self.path = path
         self.timeout = float(timeout)
+        self.reconnect = bool(reconnect)
+        self.reconnect_timeout = float(reconnect_timeout)
+        self.reconnects = 0
+        self._lost = False  # inserts were unflushed when a daemon died (flush says so)
         self._tables: dict[str, Table] = {}
         self._sock = None
         self._open()
 
     # ---- pickling / fork ----
     def __reduce__(self):
-        return (Client, (self.path, self.timeout))
+        return (Client, (self.path, self.timeout, self.reconnect, self.reconnect_timeout))
 
     def _check_fork(self) -> None:
         if self._pid != os.getpid():
@@ -125,6 +163,7 @@ class Client:
         self._decoder = FrameDecoder()
         self._loads_per_s = atomics.loads_per_second()
         self._spin = int(16 * SPIN_MIN_S * self._loads_per_s)
+        self._dirty = False               # inserts sent since the last flush
         self._pending: set[int] = set()   # replies to keep if they arrive while waiting for another
         self._stash: dict[int, tuple] = {}
         for t in self._tables.values():  # leases belonged to the old connection
@@ -158,6 +197,38 @@ class Client:
             raise
         self._req = self._chan.requests
         self._resp = self._chan.responses
+
+    def _abandon(self) -> None:
+        """Drop the connection and channel of a lease that is over (no flush)."""
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
+            for sem in (self._sem, self._doorbell):
+                sem.close()
+            self._req = self._resp = None
+            self._chan.release()
+
+    def _reconnect(self) -> None:
+        """Open a new lease, waiting up to reconnect_timeout for a daemon,
+        and rebind every table handle to what the daemon serves now."""
+        self._abandon()
+        self._lost = self._lost or self._dirty
+        deadline = time.monotonic() + self.reconnect_timeout
+        while True:
+            try:
+                self._open()
+                break
+            except (DaemonUnavailable, ReplayTimeout) as exc:
+                if time.monotonic() > deadline:
+                    raise DaemonUnavailable(f"no daemon came back at {self.path} within "
+                                            f"{self.reconnect_timeout} s: {exc}") from None
+                time.sleep(0.1)
+        self.reconnects += 1
+        for name, t in list(self._tables.items()):
+            try:
+                t._rebind(self._request("open_table", name=name)["table"])
+            except UnknownTable:
+                del self._tables[name]  # its next call says so
 
     def close(self) -> None:
         """Wait until my inserts are applied (bounded), then end the lease."""
@@ -229,6 +300,7 @@ class Client:
             self._bye = error_from_name(msg.get("error"), str(msg.get("message")))
             raise self._bye
 
+    @_reconnecting
     def create_table(self, name, capacity, fields, sampler="prioritized", alpha=0.6,
                      exist_ok=False, **limits) -> "Table":
         """Create a table.  ``limits``: remover, max_times_sampled,
@@ -248,6 +320,7 @@ class Client:
                                  max_times_sampled=1, samples_per_insert=1.0,
                                  error_buffer=(0.0, float(capacity)), exist_ok=exist_ok)
 
+    @_reconnecting
     def sample_many(self, requests: dict, beta: float = 0.4, timeout: float | None = None) -> dict:
         """Sample several tables at once: ``{table or name: batch_size}`` ->
         ``{name: SampleBatch}``.  Every SAMPLE is sent before the first reply
@@ -284,6 +357,7 @@ class Client:
         if hid:
             self._send(C.RELEASE, t.id, a0=hid)
 
+    @_reconnecting
     def table(self, name: str) -> "Table":
         """Attach to an existing table (UnknownTable if there is none)."""
         self._check_fork()
@@ -305,10 +379,12 @@ class Client:
         self._request("drop_table", name=name)
         self._tables.pop(name, None)
 
+    @_reconnecting
     def list_tables(self) -> list[str]:
         self._check_fork()
         return [d["spec"]["name"] for d in self._request("list_tables")["tables"]]
 
+    @_reconnecting
     def stats(self) -> dict:
         """Daemon-wide and per-table counters (one control round trip)."""
         self._check_fork()
@@ -406,6 +482,7 @@ class Client:
             err, self._deferred = self._deferred, None
             raise err
 
+    @_reconnecting
     def flush(self) -> None:
         """Return once every command sent so far has been applied.  Unused
         slot leases are handed back, so the table's full capacity counts."""
@@ -414,7 +491,13 @@ class Client:
             t._release_lease()
             t.release()
         self._wait(self._send(C.FLUSH), lambda rec, pay: None)
+        self._dirty = False
         self._raise_deferred()
+        if self._lost:
+            self._lost = False
+            raise DaemonUnavailable(
+                "the daemon was restarted since the last flush; inserts made before the restart "
+                "may be lost (those since are applied)")
 
 
 class Table:
@@ -422,14 +505,12 @@ class Table:
 
     def __init__(self, client: Client, desc: dict):
         self._client = client
-        self.id = int(desc["id"])
         self.spec = spec_from_wire(desc["spec"])
         self.name = self.spec.name
-        self._map = TableMap.attach(desc["segment"], self.spec)
-        self._views = self._map.fields
         self._fields = self.spec.fields
-        self._view_list = [self._views[f.name] for f in self._fields]
         self._names = frozenset(f.name for f in self._fields)
+        self._map = None
+        self._bind(desc)
         # a writer fills a lease of reserved slots across calls and asks for
         # the next one before it runs out, so inserts need no round trip;
         # at most two leases of capacity/256 slots each, i.e. < 1% of the
@@ -439,6 +520,24 @@ class Table:
         self._lease: list | None = None   # [rid, slots, next position, contiguous]
         self._held: list[int] = []         # holds of sample_indices() batches
         self._next_seq: int | None = None  # RESERVE sent for the next lease
+
+    def _bind(self, desc: dict) -> None:
+        self.id = int(desc["id"])
+        old, self._map = self._map, TableMap.attach(desc["segment"], self.spec)
+        if old is not None:
+            old.release()  # arrays handed out keep their mapping alive
+        self._views = self._map.fields
+        self._view_list = [self._views[f.name] for f in self._fields]
+        # a writer's leases are valid while this stays (Client durability notes)
+        self._epoch = int(self._map.live[LIVE_EPOCH])
+
+    def _rebind(self, desc: dict) -> None:
+        """After a reconnect: the daemon's table of this name, new leases."""
+        if spec_from_wire(desc["spec"]) != self.spec:
+            raise ReplayError(f"table {self.name!r} came back with another definition")
+        self._bind(desc)
+        self._lease = self._next_seq = None
+        self._held = []
 
     def __reduce__(self):
         return (_reopen, (self._client, self.name))
@@ -509,6 +608,7 @@ class Table:
             arrays.append(a)
         return arrays, (n if batch else 1)
 
+    @_reconnecting
     def insert(self, priority=None, timeout: float | None = None, **fields) -> None:
         """Insert one item; ``priority=None`` means the max priority seen so
         far.  Waits up to ``timeout`` s (None: no limit) for the rate limiter."""
@@ -517,6 +617,7 @@ class Table:
         self._client._begin()
         self._write(arrays, 1, prios, single=True, deadline=_deadline_of(timeout))
 
+    @_reconnecting
     def insert_batch(self, data: dict, priorities=None, timeout: float | None = None) -> None:
         """Insert n items; every field's leading dimension is n.  On a
         rate-limited table the items go in as the limiter admits them; if
@@ -535,6 +636,9 @@ class Table:
 
     def _write(self, arrays: list, n: int, prios, single: bool, deadline: float | None) -> None:
         cl = self._client
+        if self._map.live[LIVE_EPOCH] != self._epoch:
+            raise DaemonUnavailable(f"table {self.name!r} was taken over by a restarted daemon; "
+                                    "this client's slot leases died with the old one")
         lo = 0
         while lo < n:
             lease = self._lease
@@ -559,6 +663,7 @@ class Table:
                 self._release_lease()  # the rows of this part may be half written
                 raise
             lease[2] = pos + k
+            cl._dirty = True
             cl._send(C.COMMIT, self.id, a0=rid, a1=k, a2=pos,
                      payload=() if prios is None else (prios if whole else prios[lo:lo + k],))
             lo += k
@@ -622,6 +727,7 @@ class Table:
         self._client._begin()
         return n, beta
 
+    @_reconnecting
     def sample_indices(self, batch_size: int, beta: float = 0.4, timeout: float | None = None):
         """Draw without gathering: (keys, probabilities, weights).  For a
         learner that reads rows itself (``indices = keys & 0xFFFFFFFF``); it
@@ -648,6 +754,7 @@ class Table:
         for hid in held:
             self._client._send(C.RELEASE, self.id, a0=hid)
 
+    @_reconnecting
     def sample(self, batch_size: int, beta: float = 0.4, out: SampleBatch | None = None,
                timeout: float | None = None) -> SampleBatch:
         """Draw ``batch_size`` items.  With ``out=`` (an earlier batch of the
@@ -720,6 +827,7 @@ class Table:
             else:
                 out.data[f.name][rows] = self._views[f.name][slots]
 
+    @_reconnecting
     def update_priorities(self, keys, priorities) -> None:
         """Set new priorities for sampled keys; keys whose slot has been
         overwritten since are ignored (and counted in the table's stats)."""

@@ -8,7 +8,9 @@ and a client started with no configuration always meet.
 
 from __future__ import annotations
 
+import grp
 import os
+import pwd
 import re
 from dataclasses import dataclass, field
 
@@ -22,7 +24,10 @@ from .schema import TableSpec, spec_from_dict
 
 ENV_SOCKET = "SHMREPLAY_SOCKET"
 _INSTANCE = re.compile(r"^[A-Za-z0-9_-]{1,32}$")
-DAEMON_KEYS = {"socket", "instance", "segment_mode", "spin_us", "idle_timeout_s", "log_level", "seed"}
+DAEMON_KEYS = {"socket", "instance", "segment_mode", "spin_us", "idle_timeout_s", "log_level", "seed",
+               "retain_tables", "recovery_quarantine_s", "checkpoint_dir", "checkpoint_interval_s",
+               "checkpoint_keep", "group", "allowed_users", "allowed_groups", "admin_group",
+               "max_clients", "max_tables"}
 
 
 def default_socket_path() -> str:
@@ -37,11 +42,25 @@ def client_socket_path(path: str | None = None) -> str:
 class DaemonConfig:
     socket: str = ""
     instance: str = "default"
-    segment_mode: int = 0o600
+    segment_mode: int = 0o660
     spin_us: float = 250.0
     idle_timeout_s: float = 1.0
     log_level: str = "info"
     seed: int | None = None  # seeds every table's sampler (seed + table id): reproducible runs
+    # recovery and checkpoints (docs/reliability.md)
+    retain_tables: bool = False       # leave table segments at shutdown for the next daemon
+    recovery_quarantine_s: float = 5.0
+    checkpoint_dir: str = ""          # periodic checkpoints go here; restored at start
+    checkpoint_interval_s: float = 0.0  # 0: no periodic checkpoints
+    checkpoint_keep: int = 2
+    # access control: the socket and every segment are owned by ``gid`` with
+    # segment_mode; connections are checked with SO_PEERCRED (server.py)
+    gid: int | None = None            # None: the daemon's own group
+    allowed_uids: set = field(default_factory=set)
+    allowed_gids: set = field(default_factory=set)
+    admin_gid: int | None = None
+    max_clients: int = 256
+    max_tables: int = 64
     tables: list[TableSpec] = field(default_factory=list)
 
     def socket_path(self, override: str | None = None) -> str:
@@ -87,7 +106,7 @@ def parse_config(doc: dict, where: str = "config") -> DaemonConfig:
     cfg = DaemonConfig()
     cfg.socket = str(d.get("socket", ""))
     cfg.instance = check_instance(str(d.get("instance", cfg.instance)))
-    mode = d.get("segment_mode", "0600")
+    mode = d.get("segment_mode", "0660")
     try:
         cfg.segment_mode = int(mode, 8) if isinstance(mode, str) else int(mode)
     except ValueError as exc:
@@ -99,6 +118,23 @@ def parse_config(doc: dict, where: str = "config") -> DaemonConfig:
         if not isinstance(d["seed"], int) or d["seed"] < 0:
             raise SchemaError(f"{where}: seed must be an int >= 0, got {d['seed']!r}")
         cfg.seed = d["seed"]
+    cfg.retain_tables = _bool(d, "retain_tables", False, where)
+    cfg.recovery_quarantine_s = _number(d, "recovery_quarantine_s", 5.0, where)
+    cfg.checkpoint_dir = str(d.get("checkpoint_dir", ""))
+    if cfg.checkpoint_dir and not os.path.isabs(cfg.checkpoint_dir):
+        raise SchemaError(f"{where}: checkpoint_dir must be an absolute path, got {cfg.checkpoint_dir!r}")
+    cfg.checkpoint_interval_s = _number(d, "checkpoint_interval_s", 0.0, where)
+    if cfg.checkpoint_interval_s and not cfg.checkpoint_dir:
+        raise SchemaError(f"{where}: checkpoint_interval_s needs checkpoint_dir")
+    cfg.checkpoint_keep = int(_number(d, "checkpoint_keep", 2, where, lo=1))
+    cfg.max_clients = int(_number(d, "max_clients", 256, where, lo=1))
+    cfg.max_tables = int(_number(d, "max_tables", 64, where, lo=1))
+    if d.get("group", ""):
+        cfg.gid = group_id(d["group"], where)
+    cfg.allowed_uids = {user_id(u, where) for u in _list(d, "allowed_users", where)}
+    cfg.allowed_gids = {group_id(g, where) for g in _list(d, "allowed_groups", where)}
+    if d.get("admin_group", ""):
+        cfg.admin_gid = group_id(d["admin_group"], where)
     names = set()
     for i, t in enumerate(doc.get("tables", [])):
         if not isinstance(t, dict):
@@ -109,3 +145,40 @@ def parse_config(doc: dict, where: str = "config") -> DaemonConfig:
         names.add(spec.name)
         cfg.tables.append(spec)
     return cfg
+
+
+def _bool(d: dict, key: str, default: bool, where: str) -> bool:
+    v = d.get(key, default)
+    if not isinstance(v, bool):
+        raise SchemaError(f"{where}: {key} must be true or false, got {v!r}")
+    return v
+
+
+def _number(d: dict, key: str, default: float, where: str, lo: float = 0.0) -> float:
+    v = d.get(key, default)
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not v >= lo:
+        raise SchemaError(f"{where}: {key} must be a number >= {lo:g}, got {v!r}")
+    return float(v)
+
+
+def _list(d: dict, key: str, where: str) -> list:
+    v = d.get(key, [])
+    if not isinstance(v, list):
+        raise SchemaError(f"{where}: {key} must be a list of names or ids, got {v!r}")
+    return v
+
+
+def user_id(u, where: str = "config") -> int:
+    """A user name or uid -> uid (the user must exist)."""
+    try:
+        return pwd.getpwuid(u).pw_uid if isinstance(u, int) else pwd.getpwnam(str(u)).pw_uid
+    except KeyError:
+        raise SchemaError(f"{where}: no user {u!r} on this machine") from None
+
+
+def group_id(g, where: str = "config") -> int:
+    """A group name or gid -> gid (the group must exist)."""
+    try:
+        return grp.getgrgid(g).gr_gid if isinstance(g, int) else grp.getgrnam(str(g)).gr_gid
+    except KeyError:
+        raise SchemaError(f"{where}: no group {g!r} on this machine") from None

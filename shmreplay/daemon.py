@@ -3,18 +3,25 @@
 Startup, in order (nothing is served until all of it succeeded):
   1. read the config; set up logging to stderr
   2. compile the numba kernels, or load them from numba's cache
-  3. create the doorbell semaphore and start the engine thread
-  4. create the tables the config declares (reserving their memory)
-  5. listen on the control socket; tell systemd READY=1
+  3. take the instance lock (a live daemon of this instance: refuse to
+     start); remove channels and doorbells dead daemons of it left
+  4. create the doorbell semaphore and start the engine thread
+  5. bring up the tables (recovery.py): adopt the segments a dead daemon
+     left, else restore the newest checkpoint, else create them
+  6. listen on the control socket; start periodic checkpoints; tell
+     systemd READY=1
 
-Shutdown (SIGTERM or SIGINT, handled in ``Daemon.run`` only), in order:
-  1. tell systemd STOPPING=1; stop accepting connections; send every
-     client a bye and close it; remove the socket file
+Shutdown (SIGTERM, SIGINT or the admin ``shutdown`` op, all of which set
+one event in ``Daemon.run``), in order:
+  1. tell systemd STOPPING=1; stop periodic checkpoints; stop accepting
+     connections; send every client a bye and close it; remove the socket
   2. end every lease: the engine applies what each ring still holds and
      unlinks each client's channel
-  3. drop every table through the engine: unlink and unmap its segment
+  3. drop every table through the engine: unmap its segment, and unlink it
+     unless ``retain_tables`` (then the next daemon adopts it)
   4. stop the engine thread
   5. unlink the doorbell semaphore
+  6. release the instance lock
 """
 
 from __future__ import annotations
@@ -32,12 +39,11 @@ import numpy as np
 import posix_ipc
 import uvloop
 
-from . import __version__, atomics, sumtree
+from . import __version__, atomics, ownership, recovery, sumtree
 from .config import DaemonConfig, check_instance, load_config
 from .engine import Engine
 from .errors import ReplayError
-from .segment import shmem_huge_pages
-from .segment import unlink_semaphore_quiet
+from .segment import create_semaphore, shmem_huge_pages, unlink_semaphore_quiet
 from .server import ControlServer
 
 log = logging.getLogger("shmreplayd")
@@ -79,14 +85,23 @@ def sd_notify(state: str) -> None:
 
 
 class Daemon:
-    def __init__(self, cfg: DaemonConfig, socket_path: str):
+    def __init__(self, cfg: DaemonConfig, socket_path: str, restore_dir: str | None = None):
         self.cfg = cfg
         self.socket_path = socket_path
+        self.restore_dir = restore_dir or cfg.checkpoint_dir or None
+        self.lock: ownership.InstanceLock | None = None
+        self.periodic: asyncio.Task | None = None
         self.doorbell: posix_ipc.Semaphore | None = None
         self.engine: Engine | None = None
         self.control: ControlServer | None = None
         self.stop_event: asyncio.Event | None = None
         self.failed = False
+        self.started = False
+        self.stop_reason = ""
+
+    def _stop(self, reason: str) -> None:
+        self.stop_reason = reason
+        self.stop_event.set()
 
     def _engine_crashed(self) -> None:  # engine thread
         self.failed = True
@@ -99,42 +114,71 @@ class Daemon:
         if mode not in ("advise", "always", "within_size", "force"):
             log.info("shared-memory huge pages are %r: learners gather large rows ~30%% slower; "
                      "echo advise > /sys/kernel/mm/transparent_hugepage/shmem_enabled", mode)
-        self.doorbell = posix_ipc.Semaphore(self.cfg.doorbell(os.getpid()), posix_ipc.O_CREX,
-                                            self.cfg.segment_mode, 0)
-        self.engine = Engine(self.doorbell, self.cfg.spin_us, self.cfg.idle_timeout_s)
-        self.control = ControlServer(self.cfg, self.engine)
+        cfg = self.cfg
+        self.lock = ownership.InstanceLock.acquire(cfg.instance, cfg.segment_mode, cfg.gid)
+        stale = [n for n in ownership.scan().get(cfg.instance, [])
+                 if not ownership.is_table(n) and not n.endswith(".lock")]
+        for n in stale:  # we hold the lock: their daemon is dead
+            os.unlink(os.path.join(ownership.SHM_DIR, n))
+        if stale:
+            log.info("removed %d channel(s) and doorbell(s) of a dead daemon", len(stale))
+        self.doorbell = create_semaphore(cfg.doorbell(os.getpid()), cfg.segment_mode,
+                                         (-1, -1 if cfg.gid is None else cfg.gid))
+        self.engine = Engine(self.doorbell, cfg.spin_us, cfg.idle_timeout_s)
+        self.control = ControlServer(cfg, self.engine)
+        self.control.request_shutdown = lambda: self._stop("shutdown requested")
         self.engine.on_client_error = self.control.on_client_error
         self.engine.on_crash = self._engine_crashed
         self.engine.start()
         self.control.loop = asyncio.get_running_loop()
-        for spec in self.cfg.tables:
-            await self.control.add_table(spec)
+        await recovery.open_tables(self.control, self.restore_dir)
         await self.control.start(self.socket_path)
-        log.info("serving %s with %d table(s)", self.socket_path, len(self.cfg.tables))
+        if cfg.checkpoint_interval_s > 0:
+            self.periodic = asyncio.get_running_loop().create_task(self._checkpoint_periodically())
+        n = await self.control.call(lambda: len(self.engine.tables))
+        log.info("serving %s with %d table(s)", self.socket_path, n)
+        self.started = True
         sd_notify("READY=1")
+
+    async def _checkpoint_periodically(self) -> None:
+        cfg = self.cfg
+        while True:
+            await asyncio.sleep(cfg.checkpoint_interval_s)
+            try:
+                await self.control.checkpoint([], cfg.checkpoint_dir, cfg.checkpoint_keep)
+            except ReplayError as exc:  # a full disk must not take the replay service down
+                log.error("periodic checkpoint failed: %s", exc)
 
     async def shutdown(self) -> None:
         sd_notify("STOPPING=1")
+        if self.periodic is not None:
+            self.periodic.cancel()
+            await asyncio.gather(self.periodic, return_exceptions=True)
         if self.control is not None:
             await self.control.close()                  # steps 1-2
             if self.engine is not None and self.engine.thread is not None:
-                await self.control.drop_all_tables()    # step 3
+                # a start that failed half-way keeps the tables it adopted:
+                # their data is what the next, fixed start must find
+                await self.control.drop_all_tables(unlink=not self.cfg.retain_tables,
+                                                   keep_adopted=not self.started)  # step 3
         if self.engine is not None:
             self.engine.stop()                          # step 4
         if self.doorbell is not None:                   # step 5
             unlink_semaphore_quiet(self.doorbell.name)
             self.doorbell.close()
+        if self.lock is not None:                       # step 6
+            self.lock.release()
         log.info("stopped")
 
     async def run(self) -> None:
         stop = self.stop_event = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, stop.set)
+            loop.add_signal_handler(sig, self._stop, "signal received")
         try:
             await self.startup()
             await stop.wait()
-            log.info("engine failed; shutting down" if self.failed else "signal received; shutting down")
+            log.info("%s; shutting down", "engine failed" if self.failed else self.stop_reason)
         finally:
             for sig in (signal.SIGTERM, signal.SIGINT):
                 loop.remove_signal_handler(sig)
@@ -147,6 +191,8 @@ def main(argv=None) -> int:
     ap.add_argument("--socket", help="control socket path (overrides config and $SHMREPLAY_SOCKET)")
     ap.add_argument("--instance", help="prefix of shared-memory names (overrides config)")
     ap.add_argument("--log-level", help="debug, info, warning (overrides config)")
+    ap.add_argument("--restore", metavar="DIR",
+                    help="restore tables from the newest checkpoints in DIR (default: checkpoint_dir)")
     args = ap.parse_args(argv)
     try:
         cfg = load_config(args.config)
@@ -158,7 +204,7 @@ def main(argv=None) -> int:
     logging.basicConfig(level=(args.log_level or cfg.log_level).upper(), stream=sys.stderr,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
     logging.getLogger("numba").setLevel(logging.WARNING)  # its debug output is compiler IR
-    daemon = Daemon(cfg, cfg.socket_path(args.socket))
+    daemon = Daemon(cfg, cfg.socket_path(args.socket), args.restore)
     try:
         uvloop.run(daemon.run())
     except ReplayError as exc:

@@ -432,14 +432,18 @@ class Engine:
         self.tables[table.id] = table
         self.by_name[table.spec.name] = table
 
+    def table_named(self, name: str) -> Table:
+        t = self.by_name.get(name)
+        if t is None:
+            raise UnknownTable(f"no table named {name!r}")
+        return t
+
     def find_table(self, name: str) -> dict | None:
         t = self.by_name.get(name)
         return t.describe() if t is not None else None
 
     def drop_table(self, name: str) -> Table:
-        t = self.by_name.get(name)
-        if t is None:
-            raise UnknownTable(f"no table named {name!r}")
+        t = self.table_named(name)
         for w in self._unpark(lambda table, w: table is t):
             self._reply_error(w, UnknownTable(f"table {name!r} was dropped"))
         self._cut_off_doomed()

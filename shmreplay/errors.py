@@ -97,11 +97,18 @@ class EmptyTable(RateLimited):
     code = 13
 
 
+class PermissionDenied(ReplayError, PermissionError):
+    """The daemon's access rules refuse this user (connect) or this
+    operation (admin operations: drop_table, checkpoint, shutdown)."""
+
+    code = 15
+
+
 _BY_CODE = {
     cls.code: cls
     for cls in (
         ReplayError, ProtocolError, DaemonUnavailable, ReplayTimeout, UnknownTable,
-        TableExists, SchemaError, FieldError, PriorityError, CapacityError, ShmFull,
+        TableExists, SchemaError, PermissionDenied, FieldError, PriorityError, CapacityError, ShmFull,
         LayoutError, EmptyTable, RateLimited,
     )
 }

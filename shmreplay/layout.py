@@ -2,13 +2,15 @@
 
 ::
 
-    0      fixed header (HEADER dtype, 96 bytes): magic, layout version,
+    0      fixed header (HEADER dtype, 112 bytes): magic, layout version,
            header size, capacity, creator pid, creation time, segment size,
-           offsets of the per-slot arrays, schema length
-    128    live words, 8 x uint64 on one cache line (written by the daemon
-           only): size, inserts, pending, samples, deletes, free, uses left,
-           sampleable mass (float64 bits); clients read them for len() and
-           the rate-limiter probes
+           offsets of the per-slot arrays, schema length, owner pid and the
+           owner's start time (the daemon serving the table now)
+    128    live words, 16 x uint64 (written by the daemon only): size,
+           inserts, pending, samples, deletes, free, uses left, sampleable
+           mass (float64 bits) on the first cache line, which clients read
+           for len() and the rate-limiter probes; then the epoch, bumped
+           each time a daemon adopts or restores the table
     256    schema: msgpack of TableSpec.to_wire() plus the field offsets
     H      gens     uint32[capacity]   generation stamp of each slot
            prios    float64[capacity]  raw priority of each committed slot
@@ -36,7 +38,7 @@ from .schema import TableSpec, spec_from_wire
 from .segment import Segment
 
 MAGIC = b"SHMRTBL\x00"
-LAYOUT_VERSION = 2  # 2: HELD state, times and seqno arrays, limiter live words
+LAYOUT_VERSION = 3  # 2: HELD state, times and seqno arrays, limiter live words; 3: owner, epoch
 PAGE = 4096
 
 HEADER = np.dtype([
@@ -45,9 +47,10 @@ HEADER = np.dtype([
     ("segment_size", "<u8"), ("gens_off", "<u8"), ("prios_off", "<u8"),
     ("state_off", "<u8"), ("schema_len", "<u4"), ("reserved", "<u4"),
     ("times_off", "<u8"), ("seqno_off", "<u8"),
+    ("owner_pid", "<u8"), ("owner_start", "<u8"),
 ])
 LIVE_OFF = 128
-LIVE_WORDS = 8
+LIVE_WORDS = 16
 LIVE_SIZE = 0      # committed items (what len(table) reports)
 LIVE_INSERTS = 1   # items committed since creation
 LIVE_PENDING = 2   # slots reserved by writers, not committed yet (count as inserts for the limiter)
@@ -56,6 +59,10 @@ LIVE_DELETES = 4   # items that left: evicted, or removed after max_times_sample
 LIVE_FREE = 5      # slots on the free list
 LIVE_USES = 6      # samples the committed items can still give (max_times_sampled tables)
 LIVE_MASS = 7      # float64: the sampler's total mass; 0 means nothing can be drawn
+# How many times a daemon adopted or restored this table.  A writer checks
+# it before it copies into slots leased from a daemon: a changed epoch means
+# that daemon died and its leases are void (recovery.py).
+LIVE_EPOCH = 8
 SCHEMA_OFF = 256
 
 # HELD: sampled for the last time (max_times_sampled) and no longer in the
@@ -137,15 +144,17 @@ class TableMap:
         }
 
     @classmethod
-    def create(cls, name: str, spec: TableSpec, mode: int = 0o600) -> "TableMap":
+    def create(cls, name: str, spec: TableSpec, mode: int = 0o600,
+               gid: int | None = None) -> "TableMap":
         layout = TableLayout(spec)
-        seg = Segment.create(name, layout.size, mode)
+        seg = Segment.create(name, layout.size, mode, (-1, -1 if gid is None else gid))
         tm = cls(seg, layout)
         h = tm.header
         h["layout_version"] = LAYOUT_VERSION
         h["header_size"] = layout.header_size
         h["capacity"] = spec.capacity
-        h["creator_pid"] = os.getpid()
+        h["creator_pid"] = h["owner_pid"] = os.getpid()
+        h["owner_start"] = process_start(os.getpid())
         h["created_ns"] = time.time_ns()
         h["segment_size"] = layout.size
         h["gens_off"], h["prios_off"], h["state_off"] = layout.gens_off, layout.prios_off, layout.state_off
@@ -177,6 +186,17 @@ class TableMap:
         self.times = self.seqno = self.mass = None
         self.fields = {}
         self.seg.close()
+
+
+def process_start(pid: int) -> int:
+    """The process's start time in clock ticks since boot (0 if it is gone):
+    with the pid it names one process even after the pid is reused."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+        return int(stat[stat.rindex(b")") + 2:].split()[19])
+    except (OSError, ValueError, IndexError):
+        return 0
 
 
 def read_spec(seg: Segment) -> TableSpec:

@@ -31,7 +31,7 @@ import msgpack
 
 from .errors import ProtocolError
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: checkpoint and shutdown ops; access control
 MAX_FRAME = 1 << 20
 _LEN = struct.Struct(">I")
 
@@ -45,7 +45,11 @@ REQUESTS: dict[str, dict[str, type | tuple]] = {
     "list_tables": {},
     "stats": {},
     "status": {},
+    "checkpoint": {"tables": list, "to": str},
+    "shutdown": {},
 }
+# ops only the daemon's user, root, or a member of the config's admin_group may send
+ADMIN_OPS = frozenset({"drop_table", "checkpoint", "shutdown"})
 
 EXPECT_HELLO, EXPECT_READY, READY, CLOSED = "EXPECT_HELLO", "EXPECT_READY", "READY", "CLOSED"
 

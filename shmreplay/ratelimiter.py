@@ -76,3 +76,32 @@ def max_sample_batch(spec: TableSpec) -> int | None:
         return None
     lo, hi = spec.diff_bounds
     return int(math.floor(hi - lo + _EPS))
+
+
+def restored_samples(spec: TableSpec, inserts: int, samples: int, can_sample: bool) -> int:
+    """The samples counter a table restarts with (crash recovery, checkpoint
+    restore), given the counters it saved and whether its restored items can
+    be sampled at all (``can_sample``: enough items, uses left, mass > 0).
+
+    Saved counters may not match the restored items: a checkpoint drops items
+    evicted while it was written, a crash can cut a commit short.  Taken as
+    they are, the limiter can then hold both sides for ever (Reverb issue
+    #103: samples wait for inserts, inserts wait for samples that the
+    restored items cannot give).  So ``diff`` is moved into [min_diff,
+    max_diff], and if nothing can be sampled, low enough that an insert is
+    admitted.  With the error buffer at least 2 * max(1, samples_per_insert)
+    wide (schema._check_limits), one of the two can then always run."""
+    if spec.samples_per_insert is None:
+        return samples
+    spi = spec.samples_per_insert
+    lo, hi = spec.diff_bounds
+    diff = inserts * spi - samples
+    top = hi if can_sample else hi - spi
+    diff = min(max(diff, lo), top)
+    # samples is an integer: round, then keep diff inside [lo, top] (the
+    # interval is >= 1 wide); below 0 only while fewer than min_size_to_sample
+    # items were ever inserted, where inserts are admitted anyway
+    s = round(inserts * spi - diff)
+    s = max(s, math.ceil(inserts * spi - top - _EPS))
+    s = min(s, math.floor(inserts * spi - lo + _EPS))
+    return max(0, int(s))

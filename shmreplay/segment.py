@@ -46,7 +46,10 @@ class Segment:
         self.size = size
 
     @classmethod
-    def create(cls, name: str, size: int, mode: int = 0o600) -> "Segment":
+    def create(cls, name: str, size: int, mode: int = 0o600,
+               owner: tuple[int, int] = (-1, -1)) -> "Segment":
+        """``mode`` is applied exactly (not masked by the umask); ``owner``
+        (uid, gid), -1 for unchanged, is set before anyone can map it."""
         free = shm_free_bytes()
         if free is not None and size > free:
             raise ShmFull(
@@ -63,6 +66,9 @@ class Segment:
             ) from exc
         mm = None
         try:
+            os.fchmod(shm.fd, mode)
+            if owner != (-1, -1):
+                os.fchown(shm.fd, *owner)
             try:
                 os.posix_fallocate(shm.fd, 0, size)
             except OSError as exc:
@@ -172,6 +178,25 @@ def shm_free_bytes() -> int | None:
     except OSError:
         return None
     return st.f_bavail * st.f_frsize
+
+
+def create_semaphore(name: str, mode: int, owner: tuple[int, int] = (-1, -1)) -> posix_ipc.Semaphore:
+    """A new semaphore (O_CREX) with exactly ``mode`` and ``owner`` (uid, gid).
+    Linux keeps it as /dev/shm/sem.<name>; chmod there, since sem_open
+    masks the mode with the umask."""
+    sem = posix_ipc.Semaphore(name, posix_ipc.O_CREX, mode, 0)
+    path = os.path.join(SHM_DIR, "sem." + name.lstrip("/"))
+    try:
+        os.chmod(path, mode)
+        if owner != (-1, -1):
+            os.chown(path, *owner)
+    except FileNotFoundError:
+        pass  # not Linux's layout: the mode is what sem_open gave
+    except BaseException:
+        unlink_semaphore_quiet(name)
+        sem.close()
+        raise
+    return sem
 
 
 def unlink_semaphore_quiet(name: str) -> None:

@@ -17,15 +17,16 @@ import time
 
 import posix_ipc
 
-from . import commands, protocol
+from . import access, checkpoint, commands, protocol
 from .channel import Channel, ChannelLayout
 from .config import DaemonConfig
 from .engine import ClientState, Engine
-from .errors import DaemonUnavailable, ProtocolError, ReplayError, TableExists, UnknownTable
+from .errors import (CapacityError, DaemonUnavailable, PermissionDenied, ProtocolError, ReplayError,
+                     TableExists, UnknownTable)
 from .layout import TableMap
-from .protocol import PROTOCOL_VERSION
+from .protocol import ADMIN_OPS, PROTOCOL_VERSION
 from .schema import check_table_name, spec_from_wire
-from .segment import unlink_semaphore_quiet
+from .segment import create_semaphore, unlink_semaphore_quiet
 from .table import Table
 
 log = logging.getLogger("shmreplayd.control")
@@ -51,12 +52,17 @@ class ControlServer:
         self.path: str | None = None
         self.loop: asyncio.AbstractEventLoop | None = None
         self.detaching: set[asyncio.Task] = set()
+        self.checkpointing = asyncio.Lock()
+        self.adopted: set[str] = set()  # tables taken over from a dead daemon
+        self.request_shutdown = lambda: None  # set by the Daemon
 
     async def start(self, path: str) -> None:
         self.loop = asyncio.get_running_loop()
         _claim_socket_path(path)
         self.server = await self.loop.create_unix_server(lambda: ControlConnection(self), path=path)
         os.chmod(path, self.cfg.segment_mode)
+        if self.cfg.gid is not None:
+            os.chown(path, -1, self.cfg.gid)
         self.path = path
 
     async def close(self) -> None:
@@ -98,34 +104,70 @@ class ControlServer:
                               + (" with a different schema" if exist_ok else ""))
         if spec.name in self.creating:
             raise TableExists(f"table {spec.name!r} is being created by another client")
+        count = await self.call(lambda: len(self.engine.tables))
+        if count + len(self.creating) >= self.cfg.max_tables:
+            raise CapacityError(f"the daemon serves {count} tables, its limit (max_tables "
+                                f"{self.cfg.max_tables}); drop one or raise the limit")
         self.creating.add(spec.name)
         try:
             return await self.add_table(spec)
         finally:
             self.creating.discard(spec.name)
 
-    async def add_table(self, spec) -> dict:
+    async def add_table(self, spec, tmap: TableMap | None = None, recover: bool = False) -> dict:
+        """Serve a table: a new segment, or ``tmap`` (adopted or restored,
+        ``recover``: rebuild the table from what it holds)."""
         name = self.cfg.table_segment(spec.name)
         t0 = time.monotonic()
-        tmap = await self.loop.run_in_executor(None, TableMap.create, name, spec, self.cfg.segment_mode)
+        if tmap is None:
+            tmap = await self.loop.run_in_executor(None, TableMap.create, name, spec,
+                                                   self.cfg.segment_mode, self.cfg.gid)
         seed = None if self.cfg.seed is None else self.cfg.seed + self.next_table_id
-        table = Table(self.next_table_id, spec, tmap, seed)
+        try:
+            table = Table(self.next_table_id, spec, tmap, seed, recover=recover,
+                          quarantine_s=self.cfg.recovery_quarantine_s)
+        except BaseException:
+            tmap.release()
+            raise
         self.next_table_id += 1
         await self.call(self.engine.add_table, table)
-        log.info("table %s: %d x %d bytes in %s (%.1f MiB, reserved in %.2f s)", spec.name,
+        log.info("table %s: %d x %d bytes in %s (%.1f MiB, ready in %.2f s)", spec.name,
                  spec.capacity, spec.item_bytes, name, tmap.layout.size / 2**20, time.monotonic() - t0)
         return table.describe()
 
-    async def drop_table(self, name: str) -> None:
+    async def drop_table(self, name: str, unlink: bool = True) -> None:
         check_table_name(name)
         table = await self.call(self.engine.drop_table, name)
-        table.map.seg.unlink()
+        if unlink:
+            table.map.seg.unlink()
         table.map.release()
-        log.info("table %s dropped", name)
+        log.info("table %s %s", name, "dropped" if unlink else "left in /dev/shm for the next daemon")
 
-    async def drop_all_tables(self) -> None:
+    async def drop_all_tables(self, unlink: bool = True, keep_adopted: bool = False) -> None:
         for name in list(await self.call(lambda: list(self.engine.by_name))):
-            await self.drop_table(name)
+            await self.drop_table(name, unlink and not (keep_adopted and name in self.adopted))
+
+    async def checkpoint(self, names: list, directory: str, keep: int = 0) -> list[dict]:
+        """Checkpoint tables (all if ``names`` is empty) into ``directory``,
+        one at a time; inserts and samples pause only for each snapshot."""
+        if not os.path.isabs(directory):
+            raise ReplayError(f"checkpoint directory must be an absolute path, got {directory!r}")
+        reports = []
+        async with self.checkpointing:
+            if not names:
+                names = await self.call(lambda: sorted(self.engine.by_name))
+            for name in names:
+                table = await self.call(self.engine.table_named, check_table_name(name))
+                snap = await self.call(checkpoint.snapshot, table)
+                try:
+                    rep = await self.loop.run_in_executor(None, checkpoint.write, snap, directory, keep)
+                except OSError as exc:
+                    raise ReplayError(f"checkpoint of table {name!r} into {directory} failed: {exc}")
+                log.info("checkpoint of table %s: %d items (%d evicted during the copy), %.1f MiB "
+                         "in %.2f s to %s; engine paused %.2f ms", name, rep["items"], rep["dropped"],
+                         rep["bytes"] / 2**20, rep["write_s"], rep["path"], 1e3 * rep["pause_s"])
+                reports.append(rep)
+        return reports
 
     async def status(self) -> dict:
         snap = await self.call(self.engine.snapshot)
@@ -145,13 +187,35 @@ class ControlConnection(asyncio.Protocol):
         self.worker: asyncio.Task | None = None
         self.channel: Channel | None = None
         self.sem: posix_ipc.Semaphore | None = None
+        self.peer: access.Peer | None = None
         self.attached = False
         self.closed = False
 
     # ---- asyncio.Protocol ----
     def connection_made(self, transport) -> None:
         self.transport = transport
-        self.srv.connections[self.cid] = self
+        srv = self.srv
+        try:
+            self.peer = access.peer_of(transport.get_extra_info("socket"))
+        except OSError as exc:
+            log.warning("connection %d: cannot read its credentials (%s); closing it", self.cid, exc)
+            transport.close()
+            return
+        refusal = None
+        if not access.may_connect(srv.cfg, self.peer):
+            refusal = PermissionDenied(
+                f"user {self.peer.uid} may not use this daemon (not its user, not in "
+                "allowed_users, not in allowed_groups)")
+        elif len(srv.connections) >= srv.cfg.max_clients:
+            refusal = CapacityError(f"the daemon serves {len(srv.connections)} clients, its limit "
+                                    f"(max_clients {srv.cfg.max_clients})")
+        if refusal is not None:
+            log.warning("connection %d (pid %d, uid %d) refused: %s", self.cid, self.peer.pid,
+                        self.peer.uid, refusal)
+            self.kick(refusal)
+            self.closed = True
+            return
+        srv.connections[self.cid] = self
         self.worker = asyncio.get_running_loop().create_task(self._work())
 
     def data_received(self, data: bytes) -> None:
@@ -165,6 +229,8 @@ class ControlConnection(asyncio.Protocol):
             self.kick(exc)
 
     def connection_lost(self, exc) -> None:
+        if self.cid not in self.srv.connections:
+            return  # refused at connect: nothing was set up
         self.closed = True
         self.srv.connections.pop(self.cid, None)
         if self.worker is not None:
@@ -201,6 +267,9 @@ class ControlConnection(asyncio.Protocol):
 
     async def _dispatch(self, msg: dict) -> dict | None:
         op, srv = msg["op"], self.srv
+        if op in ADMIN_OPS and not access.may_administer(srv.cfg, self.peer):
+            raise PermissionDenied(f"{op} is an admin operation: only the daemon's user, root or "
+                                   f"the admin_group may run it (you are uid {self.peer.uid})")
         if op == "hello":
             return self._hello(msg["pid"])
         if op == "ready":
@@ -219,6 +288,14 @@ class ControlConnection(asyncio.Protocol):
             return {"tables": await srv.call(lambda: [t.describe() for t in srv.engine.tables.values()])}
         if op in ("stats", "status"):
             return await srv.status()
+        if op == "checkpoint":
+            if not all(isinstance(n, str) for n in msg["tables"]):
+                raise ProtocolError("checkpoint: 'tables' must be a list of names")
+            return {"checkpoints": await srv.checkpoint(msg["tables"], msg["to"])}
+        if op == "shutdown":
+            log.info("shutdown requested by pid %d (uid %d)", self.peer.pid, self.peer.uid)
+            srv.request_shutdown()
+            return None
         raise ProtocolError(f"op {op!r} has no handler")
 
     def _hello(self, pid: int) -> dict:
@@ -226,8 +303,10 @@ class ControlConnection(asyncio.Protocol):
         if not 0 < pid < 2**32:
             raise ProtocolError(f"hello: pid {pid} is not a process id")
         name = cfg.channel_segment(srv.pid, self.cid)
-        self.channel = Channel.create(name, CHANNEL, pid, srv.pid, cfg.segment_mode)
-        self.sem = posix_ipc.Semaphore(name + ".s", posix_ipc.O_CREX, cfg.segment_mode, 0)
+        # the client must open both: give them to its user when we can (root)
+        owner = (self.peer.uid if os.geteuid() == 0 else -1, -1 if cfg.gid is None else cfg.gid)
+        self.channel = Channel.create(name, CHANNEL, pid, srv.pid, cfg.segment_mode, owner)
+        self.sem = create_semaphore(name + ".s", cfg.segment_mode, owner)
         return {"protocol": PROTOCOL_VERSION, "daemon_pid": srv.pid, "instance": cfg.instance,
                 "channel": name, "channel_sem": name + ".s", "doorbell": cfg.doorbell(srv.pid),
                 "max_batch": commands.MAX_BATCH}

@@ -27,6 +27,8 @@ from __future__ import annotations
 
 import collections
 import logging
+import os
+import time
 
 import numpy as np
 
@@ -34,8 +36,9 @@ from . import ratelimiter
 from .commands import SLOT_BITS, SLOT_MASK
 from .errors import (CapacityError, EmptyTable, PriorityError, ProtocolError, RateLimited,
                      ReplayError)
-from .layout import (COMMITTED, FREE, HELD, LIVE_DELETES, LIVE_FREE, LIVE_INSERTS, LIVE_PENDING,
-                     LIVE_SAMPLES, LIVE_SIZE, LIVE_USES, RESERVED, TableMap)
+from .layout import (COMMITTED, FREE, HELD, LIVE_DELETES, LIVE_EPOCH, LIVE_FREE, LIVE_INSERTS,
+                     LIVE_PENDING, LIVE_SAMPLES, LIVE_SIZE, LIVE_USES, RESERVED, TableMap,
+                     process_start)
 from .order import CommitOrder
 from .priorities import check_priorities
 from .removers import make_remover
@@ -58,7 +61,10 @@ class Blocked(Exception):
 
 
 class Table:
-    def __init__(self, table_id: int, spec: TableSpec, tmap: TableMap, seed=None):
+    def __init__(self, table_id: int, spec: TableSpec, tmap: TableMap, seed=None,
+                 recover: bool = False, quarantine_s: float = 0.0):
+        """``recover``: the segment holds a table a dead daemon served (or a
+        restored checkpoint); rebuild every structure from it (``_recover``)."""
         self.id = table_id
         self.spec = spec
         self.map = tmap
@@ -68,7 +74,6 @@ class Table:
         self.sampler = make_sampler(spec.sampler, c, spec.alpha, self.order)
         self.remover = make_remover(spec.remover, c, self.order)
         self.free = SlotQueue(c)
-        self.free.push(np.arange(c, dtype=np.int64))
         self.reservations: dict[int, list] = {}
         self.next_rid = 1
         self.holds: dict[int, tuple[int, np.ndarray]] = {}
@@ -87,7 +92,13 @@ class Table:
         self.stats = {"inserts": 0, "reservations": 0, "samples": 0, "sample_calls": 0, "evictions": 0,
                       "removed_after_max_samples": 0, "stale_priority_updates": 0,
                       "priority_updates": 0, "reclaimed_reservations": 0, "tree_rebuilds": 0,
-                      "insert_waits": 0, "sample_waits": 0, "timeouts": 0}
+                      "insert_waits": 0, "sample_waits": 0, "timeouts": 0, "recovered_items": 0,
+                      "recovered_orphans": 0}
+        self.quarantine: tuple[np.ndarray, float] | None = None
+        if recover:
+            self._recover(quarantine_s)
+        else:
+            self.free.push(np.arange(c, dtype=np.int64))
         self._publish()
 
     def _publish(self) -> None:
@@ -115,12 +126,68 @@ class Table:
             m.gens[slots].astype(np.uint64) == (keys >> np.uint64(SLOT_BITS)))
         return slots, live
 
+    def _recover(self, quarantine_s: float) -> None:
+        """Rebuild the table from its segment: the committed items (state,
+        priority, times sampled, commit number) are the truth; everything
+        else is derived.  Slots a writer had reserved, or a learner held,
+        under the dead daemon are void: their stamps are bumped (any key a
+        client kept for them is stale) and they stay out of use for
+        ``quarantine_s``, in case a writer of the old daemon is still
+        copying into one (writers check the epoch before they copy)."""
+        m, spec = self.map, self.spec
+        st = m.state
+        mts = spec.max_times_sampled
+        if mts:  # the daemon died between counting an item's last use and removing it
+            st[(st == COMMITTED) & (m.times >= mts)] = HELD
+        committed = np.flatnonzero(st == COMMITTED)
+        committed = committed[np.argsort(m.seqno[committed], kind="stable")]
+        orphans = np.flatnonzero((st == RESERVED) | (st == HELD))
+        if orphans.shape[0]:
+            st[orphans] = FREE
+            m.prios[orphans] = 0.0
+            m.gens[orphans] += np.uint32(1)
+        free = np.flatnonzero(st == FREE)
+        if orphans.shape[0] and quarantine_s > 0:
+            free = np.setdiff1d(free, orphans, assume_unique=True)
+            self.quarantine = (orphans, time.monotonic() + quarantine_s)
+        self.free.push(free)
+        prios = m.prios[committed]
+        if committed.shape[0]:
+            self.sampler.add(committed, prios)
+            self.remover.add(committed)
+            self.order.push(self._keys(committed))
+            self.max_priority = max(1.0, float(prios.max()))
+            self.seqno = int(m.seqno[committed].max())
+        if mts:
+            self.uses_left = int((mts - m.times[committed].astype(np.int64)).sum())
+        live = m.live
+        self.size = committed.shape[0]
+        self.inserts = max(int(live[LIVE_INSERTS]), self.size)
+        self.deletes = int(live[LIVE_DELETES])
+        can_sample = (self.size >= spec.min_size_to_sample and self.sampler.mass > 0
+                      and (not mts or self.uses_left > 0))
+        self.samples = ratelimiter.restored_samples(spec, self.inserts, int(live[LIVE_SAMPLES]),
+                                                    can_sample)
+        live[LIVE_EPOCH] += np.uint64(1)
+        m.header["owner_pid"] = os.getpid()
+        m.header["owner_start"] = process_start(os.getpid())
+        self.stats["recovered_items"] = self.size
+        self.stats["recovered_orphans"] = orphans.shape[0]
+
+    def _end_quarantine(self) -> None:
+        slots, until = self.quarantine
+        if time.monotonic() >= until:
+            self.quarantine = None
+            self.free.push(slots)
+
     # ---- writers ----
     def reserve(self, owner: int, n: int) -> tuple[int, np.ndarray, bool]:
         """Reserve up to n slots: as many as the rate limiter and the free or
         evictable slots allow, at least one; else raise Blocked."""
         if n < 1:
             raise CapacityError(f"table {self.spec.name!r}: cannot reserve {n} slots")
+        if self.quarantine is not None:
+            self._end_quarantine()
         room = ratelimiter.insert_room(self.spec, self.size, self.inserts, self.pending,
                                        self.samples, n)
         if room == 0:
@@ -438,7 +505,7 @@ class Table:
 
     def describe(self) -> dict:
         return {"id": self.id, "segment": self.segment_name, "spec": self.spec.to_wire(),
-                "segment_size": self.map.layout.size}
+                "segment_size": self.map.layout.size, "items": self.size}
 
     def snapshot_stats(self) -> dict:
         return {**self.stats, "size": self.size, "capacity": self.spec.capacity,

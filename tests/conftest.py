@@ -69,16 +69,22 @@ def write_config(path, tables=(), **daemon) -> str:
 
 
 class DaemonProcess:
-    def __init__(self, tmp_path, tables=(), **daemon_opts):
+    def __init__(self, tmp_path, tables=(), args=(), socket_dir=None, **daemon_opts):
         n = next(_counter)
         self.instance = f"test{os.getpid()}x{n}"
-        self.socket = str(tmp_path / f"d{n}.sock")
+        self.socket = str((socket_dir or tmp_path) / f"d{n}.sock")
         self.config = write_config(tmp_path / f"d{n}.toml", tables, instance=self.instance,
                                    socket=self.socket, **daemon_opts)
         self.log_path = tmp_path / f"d{n}.log"
         self._log = open(self.log_path, "wb")
-        self.proc = subprocess.Popen([sys.executable, "-m", "shmreplay.daemon", "--config", self.config],
-                                     stdout=self._log, stderr=subprocess.STDOUT)
+        self.start(args)
+
+    def start(self, args=()) -> None:
+        """(Re)start the daemon process with this config; wait until it serves."""
+        if self._log.closed:
+            self._log = open(self.log_path, "ab")
+        self.proc = subprocess.Popen([sys.executable, "-m", "shmreplay.daemon", "--config", self.config,
+                                      *args], stdout=self._log, stderr=subprocess.STDOUT)
         self.wait_ready()
 
     def wait_ready(self, timeout: float = 120.0) -> None:
@@ -113,9 +119,13 @@ class DaemonProcess:
         self._log.close()
         return code
 
-    def kill(self) -> None:
+    def crash(self) -> None:
+        """SIGKILL: everything it made stays behind, as after a real crash."""
         self.proc.kill()
         self.proc.wait(10)
+
+    def kill(self) -> None:
+        self.crash()
         remove_entries(self.instance)
         try:
             os.unlink(self.socket)

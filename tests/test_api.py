@@ -168,7 +168,7 @@ def test_stats_and_cli_status(daemon, client):
     t.insert_batch(rows(0, 4))
     t.flush()
     st = client.stats()
-    assert st["protocol"] == 1 and st["daemon_pid"] == daemon.pid
+    assert st["protocol"] == shmreplay.protocol.PROTOCOL_VERSION and st["daemon_pid"] == daemon.pid
     assert st["tables"]["s"]["size"] == 4
     out = subprocess.run([sys.executable, "-m", "shmreplay.cli", "--socket", daemon.socket, "status"],
                          capture_output=True, text=True, timeout=60)

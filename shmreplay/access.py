@@ -1,0 +1,74 @@
+"""Who may connect, and who may run admin operations.
+
+The kernel tells the daemon who is on the other end of each control
+connection (``SO_PEERCRED``: pid, uid, gid; ``SO_PEERGROUPS``: the
+supplementary groups, Linux >= 4.13), so no client can claim to be someone
+else.  The rules (config keys in ``[daemon]``):
+
+* connect: root, the daemon's own user, a user in ``allowed_users``, or a
+  member (primary or supplementary) of a group in ``allowed_groups``;
+* admin operations (``protocol.ADMIN_OPS``: drop_table, checkpoint,
+  shutdown): root, the daemon's own user, or a member of ``admin_group``.
+
+The file modes back this up: the socket and every segment are mode
+``segment_mode`` (0660) and owned by the config's ``group``, so a user the
+rules let in must also be in that group to map the tables.  A client's
+channel is given to that client's uid when the daemon runs as root.
+
+Pure functions; the control plane (server.py) calls them per connection.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import struct
+from dataclasses import dataclass
+
+from .config import DaemonConfig
+
+SO_PEERGROUPS = getattr(socket, "SO_PEERGROUPS", 59)
+_CRED = struct.Struct("3i")
+
+
+@dataclass(frozen=True)
+class Peer:
+    pid: int
+    uid: int
+    gid: int
+    groups: frozenset
+
+
+def peer_of(sock) -> Peer:
+    """The kernel's record of who connected ``sock`` (a Unix stream socket)."""
+    pid, uid, gid = _CRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _CRED.size))
+    groups = {gid}
+    try:
+        raw = sock.getsockopt(socket.SOL_SOCKET, SO_PEERGROUPS, 4 * 1024)
+        groups.update(struct.unpack(f"{len(raw) // 4}I", raw[:len(raw) // 4 * 4]))
+    except OSError:
+        groups.update(_proc_groups(pid))  # older kernels: racy but close enough
+    return Peer(pid, uid, gid, frozenset(groups))
+
+
+def _proc_groups(pid: int) -> set[int]:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("Groups:"):
+                    return {int(g) for g in line.split()[1:]}
+    except (OSError, ValueError):
+        pass
+    return set()
+
+
+def _owner(uid: int) -> bool:
+    return uid == 0 or uid == os.geteuid()
+
+
+def may_connect(cfg: DaemonConfig, peer: Peer) -> bool:
+    return _owner(peer.uid) or peer.uid in cfg.allowed_uids or bool(peer.groups & cfg.allowed_gids)
+
+
+def may_administer(cfg: DaemonConfig, peer: Peer) -> bool:
+    return _owner(peer.uid) or (cfg.admin_gid is not None and cfg.admin_gid in peer.groups)

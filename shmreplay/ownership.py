@@ -1,0 +1,212 @@
+"""Who owns the shared objects of an instance, and removing those of dead owners.
+
+Every object a daemon makes lives in /dev/shm under its instance name::
+
+    shmreplay.<instance>.lock               the instance lock (this module)
+    shmreplay.<instance>.t.<table>          a table segment (kept across restarts)
+    shmreplay.<instance>.<pid>.c<n>         a client channel (unlinked once attached)
+    sem.shmreplay.<instance>.<pid>.c<n>.s   its semaphore
+    sem.shmreplay.<instance>.<pid>.bell     the daemon's doorbell
+
+A daemon holds an exclusive ``flock`` on the instance lock from before it
+makes or adopts anything until after it removed everything.  The kernel
+drops the lock when the process dies, however it dies, so "the lock can be
+taken" is exactly "no live daemon serves this instance": no pid files that
+outlive their process, no pid-reuse guesses.  A second daemon of the same
+instance is refused, and ``cleanup`` removes only objects of instances whose
+lock is free, holding the lock while it does, so it never races a daemon.
+
+Objects of an instance with no lock file at all (left by a build without
+it, or by hand) count as stale unless the pid in their name, or the owner in
+a table's header, is a live process.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import os
+import time
+from dataclasses import dataclass
+
+from .errors import ReplayError
+from .layout import HEADER, MAGIC, process_start
+
+SHM_DIR = "/dev/shm"
+PREFIX = "shmreplay."
+
+
+def lock_path(instance: str) -> str:
+    return os.path.join(SHM_DIR, f"{PREFIX}{instance}.lock")
+
+
+class InstanceLock:
+    """The exclusive claim of one daemon on an instance.  Daemon startup and
+    shutdown only; not thread-safe."""
+
+    def __init__(self, instance: str, fd: int, path: str):
+        self.instance = instance
+        self.fd = fd
+        self.path = path
+
+    @classmethod
+    def acquire(cls, instance: str, mode: int = 0o660, gid: int | None = None,
+                wait_s: float = 2.0) -> "InstanceLock":
+        path = lock_path(instance)
+        deadline = time.monotonic() + wait_s
+        while True:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, mode)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                holder = _read_owner(fd)
+                os.close(fd)
+                # a cleanup briefly holds the lock of a dead instance: wait it out
+                if time.monotonic() < deadline and not _alive(*holder):
+                    time.sleep(0.05)
+                    continue
+                raise ReplayError(
+                    f"instance {instance!r} is served by a live daemon (pid {holder[0]}); "
+                    "stop it first, or give this daemon another instance name") from None
+            # cleanup may have unlinked the file between our open and flock:
+            # then we hold a lock on nothing; open the new one and try again
+            try:
+                same = os.stat(path).st_ino == os.fstat(fd).st_ino
+            except FileNotFoundError:
+                same = False
+            if same:
+                break
+            os.close(fd)
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()} {process_start(os.getpid())}\n".encode(), 0)
+        os.fchmod(fd, mode)
+        if gid is not None:
+            os.fchown(fd, -1, gid)
+        return cls(instance, fd, path)
+
+    def release(self) -> None:
+        """Unlink, then unlock (by closing): nobody can find a file we no longer hold."""
+        try:
+            os.unlink(self.path)
+        except FileNotFoundError:
+            pass
+        os.close(self.fd)
+
+
+def _read_owner(fd: int) -> tuple[int, int]:
+    try:
+        pid, start = os.pread(fd, 64, 0).split()[:2]
+        return int(pid), int(start)
+    except (OSError, ValueError):
+        return 0, 0
+
+
+def _alive(pid: int, start: int = 0) -> bool:
+    """Is ``pid`` a live process (and, when ``start`` is known, the same one)?"""
+    if pid <= 0:
+        return False
+    now = process_start(pid)
+    return now != 0 and (start == 0 or now == start)
+
+
+@dataclass
+class StaleReport:
+    instance: str
+    owner: int | None      # pid of the live daemon, None if the owner is dead
+    objects: list[str]     # file names in /dev/shm
+
+
+def instance_of(name: str) -> str | None:
+    """The instance an object in /dev/shm belongs to, or None if not ours."""
+    if name.startswith("sem."):
+        name = name[4:]
+    if not name.startswith(PREFIX):
+        return None
+    parts = name.split(".")
+    return parts[1] if len(parts) >= 3 and parts[1] else None
+
+
+def scan(shm_dir: str = SHM_DIR) -> dict[str, list[str]]:
+    """Every shmreplay object in /dev/shm, by instance."""
+    out: dict[str, list[str]] = {}
+    for name in sorted(os.listdir(shm_dir)):
+        inst = instance_of(name)
+        if inst is not None:
+            out.setdefault(inst, []).append(name)
+    return out
+
+
+def is_table(name: str) -> bool:
+    return not name.startswith("sem.") and ".t." in name
+
+
+def _object_owner(name: str) -> tuple[int, int]:
+    """(pid, start) named by an object without an instance lock: the pid in
+    a channel's or doorbell's name, the owner in a table's header."""
+    if is_table(name):
+        try:
+            with open(os.path.join(SHM_DIR, name), "rb") as f:
+                head = f.read(HEADER.itemsize)
+        except OSError:
+            return 0, 0
+        if len(head) < HEADER.itemsize:
+            return 0, 0
+        import numpy as np
+        h = np.frombuffer(head, HEADER)[0]
+        if bytes(h["magic"]) != MAGIC:
+            return 0, 0
+        return int(h["owner_pid"]), int(h["owner_start"])
+    base = name[4:] if name.startswith("sem.") else name
+    parts = base.split(".")
+    try:
+        return int(parts[2]), 0
+    except (IndexError, ValueError):
+        return 0, 0
+
+
+def cleanup(dry_run: bool = False, keep_tables: bool = False, only: str | None = None,
+            shm_dir: str = SHM_DIR) -> list[StaleReport]:
+    """Remove the objects of every instance (or of ``only``) whose daemon is
+    dead.  Live instances are listed, never touched.  ``keep_tables`` leaves
+    table segments for the next daemon to adopt."""
+    reports = []
+    for inst, names in scan(shm_dir).items():
+        if only is not None and inst != only:
+            continue
+        lock = f"{PREFIX}{inst}.lock"
+        fd = None
+        if lock in names:
+            try:
+                fd = os.open(os.path.join(shm_dir, lock), os.O_RDWR | os.O_CLOEXEC)
+            except FileNotFoundError:
+                fd = None
+            if fd is not None:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    reports.append(StaleReport(inst, _read_owner(fd)[0], names))
+                    os.close(fd)
+                    continue
+        try:
+            stale = [n for n in names if n != lock
+                     and (fd is not None or not _alive(*_object_owner(n)))
+                     and not (keep_tables and is_table(n))]
+            if fd is not None:
+                stale.append(lock)  # last, while we hold it
+            elif fd is None and len(stale) < len(names):
+                live = [n for n in names if n not in stale and not (keep_tables and is_table(n))]
+                if live:
+                    reports.append(StaleReport(inst, _object_owner(live[0])[0], live))
+            if stale:
+                reports.append(StaleReport(inst, None, stale))
+            if not dry_run:
+                for n in stale:
+                    try:
+                        os.unlink(os.path.join(shm_dir, n))
+                    except OSError as exc:
+                        if exc.errno != errno.ENOENT:
+                            raise
+        finally:
+            if fd is not None:
+                os.close(fd)
+    return reports

@@ -1,0 +1,104 @@
+"""Startup of a daemon's tables: adopt what a dead daemon left, else restore
+a checkpoint, else create.
+
+Daemon startup only (step 4 in daemon.py), with the instance lock held, so
+no live daemon can own any of the segments found (ownership.py).
+
+For each table segment of the instance in /dev/shm (a table survives its
+daemon: SIGKILL, OOM kill, or a shutdown with ``retain_tables``):
+
+* the segment must carry the magic, this build's layout version, a
+  readable schema whose offsets match, and the size that schema implies
+  (``layout.read_spec``);
+* if the config declares a table of that name, the schema must be the
+  same; a different one is an error, never a silent reformat;
+* its owner (pid and start time in the header) must be dead;
+
+then the ``Table`` is rebuilt from it (``Table._recover``): every committed
+item stays, with its priority, times sampled and commit order; slots that
+were reserved or held are reclaimed after a quarantine.  Tables the config
+declares that were not adopted are restored from the newest complete
+checkpoint in the restore directory, and the rest are created empty.
+Checkpointed tables that the config does not declare are restored too.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+
+from . import checkpoint, ownership
+from .errors import LayoutError, ReplayError
+from .layout import TableMap
+
+log = logging.getLogger("shmreplayd.recovery")
+
+
+def adopt(name: str, expected=None) -> TableMap:
+    """Map a table segment left by a dead daemon, after every check."""
+    tmap = TableMap.attach(name)
+    try:
+        if expected is not None and tmap.spec != expected:
+            raise LayoutError(
+                f"segment {name} holds table {tmap.spec.name!r} with another definition than the "
+                f"config's ({tmap.spec} vs {expected}); restore the old definition, or remove the "
+                "segment (shmreplay cleanup) to start the table empty")
+        h = tmap.header
+        pid, start = int(h["owner_pid"]), int(h["owner_start"])
+        if pid != os.getpid() and ownership._alive(pid, start):
+            raise ReplayError(f"segment {name} belongs to live process {pid}; not adopting it")
+    except BaseException:
+        tmap.release()
+        raise
+    return tmap
+
+
+def table_segments(instance: str) -> dict[str, str]:
+    """table name -> segment name, for every table segment of ``instance``."""
+    prefix = f"{ownership.PREFIX}{instance}.t."
+    return {n[len(prefix):]: "/" + n for n in ownership.scan().get(instance, [])
+            if n.startswith(prefix)}
+
+
+async def open_tables(srv, restore_dir: str | None) -> None:
+    """Bring up every table (see the module docstring); srv is the ControlServer."""
+    cfg = srv.cfg
+    declared = {spec.name: spec for spec in cfg.tables}
+    for tname, seg in table_segments(cfg.instance).items():
+        t0 = time.monotonic()
+        tmap = await srv.loop.run_in_executor(None, adopt, seg, declared.get(tname))
+        table = await srv.add_table(tmap.spec, tmap=tmap, recover=True)
+        srv.adopted.add(tname)
+        log.info("table %s: adopted %s from a dead daemon: %d items (%.2f s)", tname, seg,
+                 table["items"], time.monotonic() - t0)
+    have = set(await srv.call(lambda: list(srv.engine.by_name)))
+    saved = checkpoint.complete(restore_dir) if restore_dir else {}
+    for tname in [n for n in declared if n not in have] + [n for n in saved if n not in declared]:
+        if tname in have:
+            continue
+        if tname in saved:
+            await restore_table(srv, saved[tname][-1], declared.get(tname))
+        else:
+            await srv.add_table(declared[tname])
+
+
+async def restore_table(srv, path: str, expected=None) -> dict:
+    t0 = time.monotonic()
+    ck = await srv.loop.run_in_executor(None, checkpoint.load, path)
+    if expected is not None and ck.spec != expected:
+        raise LayoutError(f"checkpoint {path} holds table {ck.spec.name!r} with another definition "
+                          f"than the config's ({ck.spec} vs {expected})")
+    name = srv.cfg.table_segment(ck.spec.name)
+    tmap = await srv.loop.run_in_executor(None, TableMap.create, name, ck.spec, srv.cfg.segment_mode,
+                                          srv.cfg.gid)
+    try:
+        n = await srv.loop.run_in_executor(None, checkpoint.restore, ck, tmap)
+    except BaseException:
+        tmap.seg.unlink()
+        tmap.release()
+        raise
+    table = await srv.add_table(ck.spec, tmap=tmap, recover=True)
+    log.info("table %s: restored %d items from %s (%.2f s)", ck.spec.name, n, path,
+             time.monotonic() - t0)
+    return table

@@ -1,0 +1,88 @@
+"""Helpers of the fault tests: rows that show tearing, and worker processes.
+
+A row of item ``i`` is ``id = i`` and ``obs`` filled with ``i % 251``; a
+row that mixes two writes, or was never fully written, fails ``torn()``.
+Workers run in forked processes and report through a queue.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import numpy as np
+
+import shmreplay
+from shmreplay.layout import COMMITTED, TableMap
+
+FIELDS = {"obs": ("uint8", (64,)), "id": ("int64", ())}
+
+
+def rows(ids) -> dict:
+    ids = np.asarray(ids, dtype=np.int64)
+    return {"obs": np.repeat((ids % 251).astype(np.uint8)[:, None], 64, axis=1), "id": ids}
+
+
+def torn(data: dict) -> int:
+    """How many rows are not exactly what their id says."""
+    ids = data["id"]
+    want = (ids % 251).astype(np.uint8)[:, None]
+    return int(np.sum((ids < 0) | np.any(data["obs"] != want, axis=1)))
+
+
+def committed_ids(segment: str) -> np.ndarray:
+    """The ids of every committed item, read straight from the table segment."""
+    tm = TableMap.attach(segment)
+    try:
+        slots = np.flatnonzero(tm.state == COMMITTED)
+        data = {k: tm.fields[k][slots].copy() for k in tm.fields}
+        assert torn(data) == 0, "a committed row is torn"
+        return np.sort(data["id"])
+    finally:
+        tm.release()
+
+
+def actor(sock, table, first_id, stop, out, confirm_every=64, pause=0.002):
+    """Insert ids first_id, first_id + 1, ... with priorities; after each
+    flush that returned, the ids since the previous one count as confirmed.
+    Reconnects through daemon restarts."""
+    c = shmreplay.connect(sock, timeout=10, reconnect=True, reconnect_timeout=120)
+    t = c.table(table)
+    i, pending, confirmed, lost, errors = first_id, [], [], 0, []
+    while not stop.is_set():
+        try:
+            ids = np.arange(i, i + 8)
+            i += 8
+            t.insert_batch(rows(ids), priorities=1.0 + (ids % 7))
+            pending.extend(ids.tolist())
+            if len(pending) >= confirm_every:
+                c.flush()
+                confirmed.extend(pending)
+                pending = []
+        except shmreplay.DaemonUnavailable as exc:
+            lost += len(pending)  # not vouched for: may or may not be in the table
+            pending = []
+            errors.append(str(exc)[:80])
+        time.sleep(pause)
+    try:
+        c.flush()
+        confirmed.extend(pending)
+    except shmreplay.DaemonUnavailable:
+        pass
+    out.put(("actor", os.getpid(), confirmed, lost, c.reconnects, errors[:3]))
+    c.close()
+
+
+def learner(sock, table, stop, out, batch=32):
+    c = shmreplay.connect(sock, timeout=10, reconnect=True, reconnect_timeout=120)
+    t = c.table(table)
+    n = bad = 0
+    while not stop.is_set():
+        try:
+            b = t.sample(batch, timeout=0.2)
+        except shmreplay.RateLimited:
+            continue
+        n += len(b)
+        bad += torn(b.data)
+    out.put(("learner", os.getpid(), n, bad, c.reconnects))
+    c.close()

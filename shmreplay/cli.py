@@ -1,9 +1,11 @@
-"""``shmreplay``: the admin command line (status, tables)."""
+"""``shmreplay``: the admin command line (status, tables, checkpoint,
+cleanup, shutdown, bench)."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 from .client import connect
@@ -25,6 +27,22 @@ def _status(client, args) -> None:
               f"{t['reserved']} reserved, {t['stale_priority_updates']} stale updates")
 
 
+def _cleanup(args) -> int:
+    from . import ownership
+    reports = ownership.cleanup(dry_run=args.dry_run, keep_tables=args.keep_tables,
+                                only=args.instance)
+    for r in reports:
+        if r.owner is not None:
+            print(f"instance {r.instance}: live daemon pid {r.owner}, kept {len(r.objects)} object(s)")
+        else:
+            verb = "would remove" if args.dry_run else "removed"
+            print(f"instance {r.instance}: owner dead, {verb} {len(r.objects)} object(s): "
+                  + " ".join(r.objects))
+    if not reports:
+        print("no shmreplay objects in /dev/shm")
+    return 0
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="shmreplay", description="shmreplay admin tool")
     ap.add_argument("--socket", help="daemon socket (default: $SHMREPLAY_SOCKET or the default path)")
@@ -32,6 +50,15 @@ def main(argv=None) -> int:
     st = sub.add_parser("status", help="daemon and table status")
     st.add_argument("--json", action="store_true")
     sub.add_parser("tables", help="list table names")
+    ck = sub.add_parser("checkpoint", help="write a checkpoint of one table or all")
+    ck.add_argument("table", nargs="?", help="table name (default: every table)")
+    ck.add_argument("--to", required=True, metavar="DIR", help="directory (the daemon writes it)")
+    cl = sub.add_parser("cleanup", help="list and remove shared memory left by dead daemons")
+    cl.add_argument("--dry-run", action="store_true", help="only list")
+    cl.add_argument("--keep-tables", action="store_true",
+                    help="keep table segments (a restarted daemon adopts them)")
+    cl.add_argument("--instance", help="only this instance")
+    sub.add_parser("shutdown", help="stop the daemon cleanly")
     sub.add_parser("bench", help="quick benchmark against the peers installed (< 1 min)")
     args = ap.parse_args(argv)
     if args.cmd == "bench":
@@ -39,12 +66,22 @@ def main(argv=None) -> int:
         report = runner.run(quick=True, log=lambda s: print(s, flush=True))
         print("\n" + runner.table(report))
         return 0
+    if args.cmd == "cleanup":
+        return _cleanup(args)
     try:
-        with connect(args.socket, timeout=10.0) as client:
+        with connect(args.socket, timeout=600.0 if args.cmd == "checkpoint" else 10.0) as client:
             if args.cmd == "status":
                 _status(client, args)
             elif args.cmd == "tables":
                 print("\n".join(client.list_tables()))
+            elif args.cmd == "checkpoint":
+                for r in client.checkpoint(os.path.abspath(args.to), args.table):
+                    print(f"{r['table']}: {r['items']} items, {r['bytes'] / 2**20:.1f} MiB in "
+                          f"{r['write_s']:.2f} s -> {r['path']} (inserts and samples paused "
+                          f"{1e3 * r['pause_s']:.2f} ms; {r['dropped']} items evicted during the copy "
+                          "left out)")
+            elif args.cmd == "shutdown":
+                client.shutdown()
     except ReplayError as exc:
         print(f"shmreplay: {exc}", file=sys.stderr)
         return 1

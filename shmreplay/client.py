@@ -384,6 +384,20 @@ class Client:
         self._check_fork()
         return [d["spec"]["name"] for d in self._request("list_tables")["tables"]]
 
+    def checkpoint(self, to: str, tables=None) -> list[dict]:
+        """Admin: checkpoint ``tables`` (names; None: all) into the directory
+        ``to`` (absolute, written by the daemon's user).  Returns one report
+        per table: path, items, bytes, pause_s (the only time inserts and
+        samples waited), write_s."""
+        self._check_fork()
+        names = [tables] if isinstance(tables, str) else list(tables or [])
+        return self._request("checkpoint", tables=names, to=str(to))["checkpoints"]
+
+    def shutdown(self) -> None:
+        """Admin: ask the daemon to shut down cleanly."""
+        self._check_fork()
+        self._request("shutdown")
+
     @_reconnecting
     def stats(self) -> dict:
         """Daemon-wide and per-table counters (one control round trip)."""

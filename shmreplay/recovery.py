@@ -78,9 +78,23 @@ async def open_tables(srv, restore_dir: str | None) -> None:
         if tname in have:
             continue
         if tname in saved:
-            await restore_table(srv, saved[tname][-1], declared.get(tname))
+            await restore_newest(srv, saved[tname], declared.get(tname))
         else:
             await srv.add_table(declared[tname])
+
+
+async def restore_newest(srv, paths: list[str], expected) -> dict:
+    """Restore the newest checkpoint that loads; a damaged one (CRC, size,
+    version) is logged and the one before it tried.  If none loads the
+    daemon does not start: starting empty would hide the loss."""
+    errors = []
+    for path in reversed(paths):
+        try:
+            return await restore_table(srv, path, expected)
+        except LayoutError as exc:
+            log.error("checkpoint %s cannot be restored: %s", path, exc)
+            errors.append(str(exc))
+    raise LayoutError("no checkpoint of the table could be restored: " + "; ".join(errors))
 
 
 async def restore_table(srv, path: str, expected=None) -> dict:

@@ -86,3 +86,20 @@ def learner(sock, table, stop, out, batch=32):
         bad += torn(b.data)
     out.put(("learner", os.getpid(), n, bad, c.reconnects))
     c.close()
+
+
+def table_state(segment: str) -> dict:
+    """Everything a checkpoint must carry, read from the segment: per
+    committed slot its stamp, priority, times sampled, commit number and
+    rows, plus the limiter counters."""
+    from shmreplay.layout import LIVE_DELETES, LIVE_INSERTS, LIVE_SAMPLES
+    tm = TableMap.attach(segment)
+    try:
+        slots = np.flatnonzero(tm.state == COMMITTED)
+        out = {"slots": slots, "gens": tm.gens[slots].copy(), "prios": tm.prios[slots].copy(),
+               "times": tm.times[slots].copy(), "seqno": tm.seqno[slots].copy(),
+               "counters": [int(tm.live[w]) for w in (LIVE_INSERTS, LIVE_SAMPLES, LIVE_DELETES)]}
+        out.update({f"f.{k}": v[slots].copy() for k, v in tm.fields.items()})
+        return out
+    finally:
+        tm.release()

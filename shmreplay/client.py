@@ -274,7 +274,17 @@ class Client:
         except socket.timeout:
             raise ReplayTimeout(f"daemon did not answer {op!r} within {self.timeout} s") from None
         except (BrokenPipeError, ConnectionResetError) as exc:
+            self._read_bye()  # a refused connection is closed with a reason; raise that
             raise DaemonUnavailable(f"daemon at {self.path} went away: {exc}") from None
+
+    def _read_bye(self) -> None:
+        """Raise the bye notice still buffered on a closed socket, if any."""
+        try:
+            data = self._sock.recv(1 << 16, socket.MSG_DONTWAIT)
+            for msg in FrameDecoder().feed(data):
+                self._check_bye(msg)
+        except (OSError, ProtocolError):
+            pass
 
     def _live(self) -> None:
         """Raise DaemonUnavailable (or the daemon's bye reason) if the lease ended."""

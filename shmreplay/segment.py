@@ -17,7 +17,8 @@ fault (the kernel's fault-around), which per-page write faults never do, so
 it costs a client 0.23 s per 2.8 GB at attach instead of seconds mid-run.
 
 The file descriptor is closed right after mapping; the mapping keeps the
-segment alive until it is closed, even after unlink.
+segment alive until it is unmapped, even after unlink.  Mappings are never
+closed explicitly (``Segment.close``): the last view to go unmaps them.
 """
 
 from __future__ import annotations
@@ -111,14 +112,13 @@ class Segment:
             raise
         return cls(name, mm, size)
 
-    def close(self) -> bool:
-        """Unmap.  Returns False if numpy views still hold the buffer; the
-        mapping is then released when the last view goes away."""
-        try:
-            self.buf.close()
-            return True
-        except BufferError:
-            return False
+    def close(self) -> None:
+        """Let go of the mapping.  It is unmapped when the last numpy view
+        of it dies, never before: numpy arrays over an mmap keep the mmap
+        object alive but do not pin its buffer, so ``mmap.close()`` with
+        views alive would unmap memory they still point at (a crash in
+        whichever thread touches them next)."""
+        self.buf = None
 
     def unlink(self) -> None:
         _unlink_quiet(self.name)

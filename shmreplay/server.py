@@ -317,8 +317,11 @@ class ControlConnection(asyncio.Protocol):
         self.channel.seg.unlink()
         self.sem.unlink()
         cl = ClientState(self.cid, self.conn.client_pid, self.channel, self.sem)
-        await self.srv.call(self.srv.engine.add_client, cl)
+        # attached before the await: if the connection drops meanwhile this
+        # task is cancelled, and _end_lease must still detach (engine calls
+        # run in order, so the detach follows the add if the add ran)
         self.attached = True
+        await self.srv.call(self.srv.engine.add_client, cl)
         log.debug("client %d (pid %d) attached", self.cid, self.conn.client_pid)
 
     async def _end_lease(self) -> None:

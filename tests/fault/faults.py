@@ -103,3 +103,34 @@ def table_state(segment: str) -> dict:
         return out
     finally:
         tm.release()
+
+
+POISON = 0xEE
+STEPS = ("after_reserve", "mid_copy", "after_commit", "rate_limited_wait", "learner_mid_gather")
+
+
+def victim(sock, step, first_id, ready):
+    """A client that gets as far as ``step``, says so, and waits to be SIGKILLed."""
+    from shmreplay.client import reserve
+    c = shmreplay.connect(sock, timeout=20)
+    if step in ("after_reserve", "mid_copy"):
+        t = c.table("t")
+        _, _, slots = reserve(t, 8, None)
+        if step == "mid_copy":  # half the rows written, half of those half-way
+            t._views["id"][slots[:4]] = -1
+            t._views["obs"][slots[:4], :32] = POISON
+        ready.set()
+    elif step == "after_commit":
+        c.table("t").insert_batch(rows(np.arange(first_id, first_id + 8)))
+        ready.set()
+    elif step == "rate_limited_wait":
+        q = c.table("q")
+        ready.set()
+        q.insert(**{k: v[0] for k, v in rows([first_id]).items()})  # parks: the queue is full
+    elif step == "learner_mid_gather":
+        t = c.table("once")
+        keys, _, _ = t.sample_indices(4)
+        half = (keys[:2] & np.uint64(0xFFFFFFFF)).astype(np.int64)
+        np.take(t._views["obs"], half, axis=0)
+        ready.set()
+    time.sleep(600)

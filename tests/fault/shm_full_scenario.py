@@ -1,5 +1,5 @@
 """Run inside a private mount namespace whose /dev/shm is a small tmpfs
-(see test_errors.test_full_dev_shm_...): fills /dev/shm and checks that the
+(see fault/test_exhaustion.test_full_dev_shm_...): fills /dev/shm and checks that the
 daemon reports it clearly and keeps serving.  Prints one JSON line."""
 
 import json

@@ -1,0 +1,97 @@
+"""Promise 6: running out of something is a clear error for whoever asked,
+and nobody else's problem: /dev/shm, the client and table limits, and a
+client that stops reading its replies."""
+
+import os
+import threading
+import time
+
+import numpy as np
+import pytest
+
+import shmreplay
+from shmreplay import commands as C
+
+from faults import FIELDS, rows, torn
+
+
+def test_client_and_table_limits_from_the_config(start_daemon):
+    d = start_daemon(max_clients=3, max_tables=2)
+    clients = [d.connect() for _ in range(3)]
+    with pytest.raises(shmreplay.CapacityError, match="max_clients 3"):
+        d.connect()
+    t = clients[0].create_table("a", capacity=8, fields=FIELDS)
+    clients[1].create_table("b", capacity=8, fields=FIELDS)
+    with pytest.raises(shmreplay.CapacityError, match="max_tables 2"):
+        clients[2].create_table("c", capacity=8, fields=FIELDS)
+    t.insert(**{k: v[0] for k, v in rows([1]).items()})  # the others carry on
+    clients[0].flush()
+    clients.pop().close()
+    with d.connect() as late:  # a freed place is usable again
+        assert len(late.table("a")) == 1
+    for c in clients:
+        c.close()
+
+
+def test_a_client_that_never_reads_its_replies_stalls_nobody(start_daemon):
+    d = start_daemon()
+    good = d.connect()
+    t = good.create_table("t", capacity=256, fields=FIELDS, sampler="uniform")
+    t.insert_batch(rows(np.arange(256)))
+    good.flush()
+    bad = d.connect(timeout=5)
+    bt = bad.table("t")
+    sent = {"n": 0}
+
+    def flood():  # SAMPLE after SAMPLE, never a reply read
+        try:
+            for _ in range(20_000):
+                bad._send(C.SAMPLE, bt.id, a0=64, a1=0, f0=0.4)
+                sent["n"] += 1
+        except shmreplay.ReplayError as exc:
+            sent["error"] = exc
+
+    th = threading.Thread(target=flood)
+    th.start()
+    samples = 0
+    while th.is_alive() and samples < 2000:
+        assert torn(t.sample(32).data) == 0  # the honest learner keeps being served
+        samples += 1
+    th.join(60)
+    assert not th.is_alive()
+    assert isinstance(sent.get("error"), shmreplay.ProtocolError), sent
+    assert "responses unread" in str(sent["error"])
+    assert samples > 0
+    assert "responses unread; disconnecting it" in d.log()
+    assert len(t.sample(8)) == 8
+    bad._abandon()
+    good.close()
+
+
+def test_full_dev_shm_fails_create_and_attach_clearly_and_harms_no_one():
+    """A real full /dev/shm: a 48 MiB tmpfs in a private mount namespace."""
+    import json
+    import shutil
+    import subprocess
+    import sys
+    if shutil.which("unshare") is None:
+        pytest.skip("needs unshare(1) to mount a small /dev/shm privately")
+    here = os.path.dirname(os.path.abspath(__file__))
+    root = os.path.dirname(os.path.dirname(here))
+    script = (f"mount -t tmpfs -o size=48m tmpfs /dev/shm && "
+              f"exec {sys.executable} {os.path.join(here, 'shm_full_scenario.py')}")
+    probe = subprocess.run(["unshare", "--mount", "--propagation", "private", "sh", "-c",
+                            "mount -t tmpfs -o size=1m tmpfs /dev/shm"], capture_output=True)
+    if probe.returncode != 0:
+        pytest.skip(f"cannot mount a private /dev/shm here: {probe.stderr.decode().strip()}")
+    run = subprocess.run(["unshare", "--mount", "--propagation", "private", "sh", "-c", script],
+                         capture_output=True, text=True, timeout=300,
+                         env=dict(os.environ, PYTHONPATH=root))
+    assert run.returncode == 0, run.stderr
+    out = json.loads(run.stdout.strip().splitlines()[-1])
+    assert "/dev/shm has" in out["create"] and "MiB free but segment" in out["create"]
+    assert "/dev/shm has" in out["attach"] and ".c" in out["attach"]
+    assert out["still_serving"] and out["recovered"]
+    assert out["daemon_exit"] == 0 and out["left"] == []
+
+

@@ -1,0 +1,60 @@
+"""Promise 4: ``shmreplay cleanup`` removes what dead daemons left and
+never touches a live daemon's objects."""
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import posix_ipc
+
+from conftest import shm_entries
+from faults import FIELDS, rows
+
+TABLE = [{"name": "t", "capacity": 16, "fields": FIELDS}]
+
+
+def cleanup(*args):
+    run = subprocess.run([sys.executable, "-m", "shmreplay.cli", "cleanup", *args],
+                         capture_output=True, text=True, timeout=60)
+    assert run.returncode == 0, run.stderr
+    return run.stdout
+
+
+def test_cleanup_removes_only_what_dead_daemons_left(start_daemon):
+    live = start_daemon(tables=TABLE)
+    dead = start_daemon(tables=TABLE)
+    with dead.connect() as c:
+        c.table("t").insert_batch(rows(np.arange(4)))
+        c.flush()
+    dead.crash()
+    left = shm_entries(f"shmreplay.{dead.instance}.")
+    assert len(left) == 3  # lock, table, doorbell
+    # an object of an instance with no lock whose creator pid is dead
+    orphan = f"/shmreplay.{dead.instance}z.999999999.c1"
+    posix_ipc.SharedMemory(orphan, posix_ipc.O_CREX, size=4096).close_fd()
+    mine = shm_entries(f"shmreplay.{live.instance}.")
+
+    out = cleanup("--dry-run", "--instance", live.instance)
+    assert f"live daemon pid {live.pid}" in out
+    out = cleanup("--dry-run", "--instance", dead.instance)
+    assert "would remove 3 object(s)" in out
+    assert shm_entries(f"shmreplay.{dead.instance}.") == left
+
+    out = cleanup("--keep-tables", "--instance", dead.instance)
+    assert shm_entries(f"shmreplay.{dead.instance}.") == {f"shmreplay.{dead.instance}.t.t"}
+    dead.start()  # the kept table is adopted
+    with dead.connect() as c:
+        assert len(c.table("t")) == 4
+    dead.crash()
+    for inst in (live.instance, dead.instance, dead.instance + "z"):
+        cleanup("--instance", inst)
+    assert shm_entries(f"shmreplay.{dead.instance}.") == set()
+    assert shm_entries(f"shmreplay.{dead.instance}z.") == set()
+    assert shm_entries(f"shmreplay.{live.instance}.") == mine  # never touched
+    with live.connect() as c:
+        c.table("t").insert(**{k: v[0] for k, v in rows([1]).items()})
+        c.flush()
+    dead.start()  # empty again: its table was removed
+    with dead.connect() as c:
+        assert len(c.table("t")) == 0

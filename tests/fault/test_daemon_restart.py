@@ -164,3 +164,49 @@ def test_retain_tables_keeps_data_across_a_clean_restart(start_daemon):
     with d.connect() as c:
         assert len(c.table("fifo")) == 7
         c.drop_table("fifo")  # so the fixture's leak check sees nothing left
+
+
+def own_a_table(name, ready):
+    from shmreplay.schema import make_spec
+    TableMap.create(name, make_spec("other", 8, FIELDS))
+    ready.set()
+    time.sleep(600)
+
+
+def test_adoption_checks_magic_version_and_owner(start_daemon):
+    from shmreplay import recovery
+    d = start_daemon(tables=TABLES[1:])
+    with d.connect() as c:
+        c.table("fifo").insert_batch(rows(np.arange(3)))
+        c.flush()
+    d.crash()
+    seg = f"/shmreplay.{d.instance}.t.fifo"
+    tm = TableMap.attach(seg)
+    try:
+        tm.header["layout_version"] = 99
+        with pytest.raises(RuntimeError, match="layout version 99, this build reads version 3"):
+            d.start()
+        tm.header["layout_version"] = 3
+        tm.header["magic"] = b"NOTMINE\x00"
+        with pytest.raises(RuntimeError, match="is not a shmreplay table"):
+            d.start()
+        tm.header["magic"] = b"SHMRTBL\x00"
+    finally:
+        tm.release()
+    # a segment whose owner is alive (another process) is never adopted
+    name = f"/shmreplay.{d.instance}x.t.other"
+    ctx = mp.get_context("fork")
+    ready = ctx.Event()
+    owner = ctx.Process(target=own_a_table, args=(name, ready))
+    owner.start()
+    try:
+        assert ready.wait(30)
+        with pytest.raises(shmreplay.ReplayError, match=f"belongs to live process {owner.pid}"):
+            recovery.adopt(name)
+    finally:
+        owner.kill()
+        owner.join(10)
+        TableMap.attach(name).seg.unlink()
+    d.start()
+    with d.connect() as c:
+        assert len(c.table("fifo")) == 3

@@ -2,7 +2,6 @@
 taken while inserts and samples go on, periodic if configured, restored at
 start, and leave the rate limiter able to move (Reverb issue #103)."""
 
-import json
 import multiprocessing as mp
 import os
 import subprocess
@@ -18,8 +17,7 @@ import shmreplay
 from shmreplay import checkpoint, ratelimiter
 from shmreplay.schema import make_spec
 
-from conftest import remove_entries
-from faults import FIELDS, rows, table_state, torn
+from faults import FIELDS, rows, table_state
 
 MIXED = {"obs": ("uint8", (4, 5)), "vec": ("float32", (3,)), "id": ("int64", ()), "done": ("bool", ())}
 TABLES = [{"name": "per", "capacity": 512, "sampler": "prioritized", "alpha": 0.6, "fields": MIXED},

@@ -1,7 +1,6 @@
 """Promise 4: ``shmreplay cleanup`` removes what dead daemons left and
 never touches a live daemon's objects."""
 
-import os
 import subprocess
 import sys
 

@@ -4,7 +4,6 @@ client that stops reading its replies."""
 
 import os
 import threading
-import time
 
 import numpy as np
 import pytest

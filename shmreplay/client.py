@@ -524,6 +524,9 @@ class Client:
                 "may be lost (those since are applied)")
 
 
+_TABLE_CALLS = ("insert", "insert_batch", "sample", "sample_indices", "update_priorities")
+
+
 class Table:
     """A handle on one table; cheap, cached per client.  Same threading rule as Client."""
 
@@ -535,6 +538,9 @@ class Table:
         self._names = frozenset(f.name for f in self._fields)
         self._map = None
         self._bind(desc)
+        if client.reconnect:  # per handle, so the hot paths of others pay nothing
+            for name in _TABLE_CALLS:
+                setattr(self, name, _reconnecting(getattr(Table, name)).__get__(self))
         # a writer fills a lease of reserved slots across calls and asks for
         # the next one before it runs out, so inserts need no round trip;
         # at most two leases of capacity/256 slots each, i.e. < 1% of the
@@ -552,8 +558,10 @@ class Table:
             old.release()  # arrays handed out keep their mapping alive
         self._views = self._map.fields
         self._view_list = [self._views[f.name] for f in self._fields]
-        # a writer's leases are valid while this stays (Client durability notes)
-        self._epoch = int(self._map.live[LIVE_EPOCH])
+        # a writer's leases are valid while this stays (Client durability notes);
+        # read through a memoryview: a Python int, cheaper than a numpy scalar
+        self._live_words = memoryview(self._map.live).cast("B").cast("Q")
+        self._epoch = self._live_words[LIVE_EPOCH]
 
     def _rebind(self, desc: dict) -> None:
         """After a reconnect: the daemon's table of this name, new leases."""
@@ -632,7 +640,6 @@ class Table:
             arrays.append(a)
         return arrays, (n if batch else 1)
 
-    @_reconnecting
     def insert(self, priority=None, timeout: float | None = None, **fields) -> None:
         """Insert one item; ``priority=None`` means the max priority seen so
         far.  Waits up to ``timeout`` s (None: no limit) for the rate limiter."""
@@ -641,7 +648,6 @@ class Table:
         self._client._begin()
         self._write(arrays, 1, prios, single=True, deadline=_deadline_of(timeout))
 
-    @_reconnecting
     def insert_batch(self, data: dict, priorities=None, timeout: float | None = None) -> None:
         """Insert n items; every field's leading dimension is n.  On a
         rate-limited table the items go in as the limiter admits them; if
@@ -660,7 +666,7 @@ class Table:
 
     def _write(self, arrays: list, n: int, prios, single: bool, deadline: float | None) -> None:
         cl = self._client
-        if self._map.live[LIVE_EPOCH] != self._epoch:
+        if self._live_words[LIVE_EPOCH] != self._epoch:
             raise DaemonUnavailable(f"table {self.name!r} was taken over by a restarted daemon; "
                                     "this client's slot leases died with the old one")
         lo = 0
@@ -751,7 +757,6 @@ class Table:
         self._client._begin()
         return n, beta
 
-    @_reconnecting
     def sample_indices(self, batch_size: int, beta: float = 0.4, timeout: float | None = None):
         """Draw without gathering: (keys, probabilities, weights).  For a
         learner that reads rows itself (``indices = keys & 0xFFFFFFFF``); it
@@ -778,7 +783,6 @@ class Table:
         for hid in held:
             self._client._send(C.RELEASE, self.id, a0=hid)
 
-    @_reconnecting
     def sample(self, batch_size: int, beta: float = 0.4, out: SampleBatch | None = None,
                timeout: float | None = None) -> SampleBatch:
         """Draw ``batch_size`` items.  With ``out=`` (an earlier batch of the
@@ -851,7 +855,6 @@ class Table:
             else:
                 out.data[f.name][rows] = self._views[f.name][slots]
 
-    @_reconnecting
     def update_priorities(self, keys, priorities) -> None:
         """Set new priorities for sampled keys; keys whose slot has been
         overwritten since are ignored (and counted in the table's stats)."""

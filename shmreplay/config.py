@@ -26,7 +26,7 @@ ENV_SOCKET = "SHMREPLAY_SOCKET"
 _INSTANCE = re.compile(r"^[A-Za-z0-9_-]{1,32}$")
 DAEMON_KEYS = {"socket", "instance", "segment_mode", "spin_us", "idle_timeout_s", "log_level", "seed",
                "retain_tables", "recovery_quarantine_s", "checkpoint_dir", "checkpoint_interval_s",
-               "checkpoint_keep", "group", "allowed_users", "allowed_groups", "admin_group",
+               "checkpoint_keep", "checkpoint_buffer_mb", "group", "allowed_users", "allowed_groups", "admin_group",
                "max_clients", "max_tables"}
 
 
@@ -53,6 +53,7 @@ class DaemonConfig:
     checkpoint_dir: str = ""          # periodic checkpoints go here; restored at start
     checkpoint_interval_s: float = 0.0  # 0: no periodic checkpoints
     checkpoint_keep: int = 2
+    checkpoint_buffer_mb: float = 1024.0  # rows gathered ahead of the disk (checkpoint.py)
     # access control: the socket and every segment are owned by ``gid`` with
     # segment_mode; connections are checked with SO_PEERCRED (server.py)
     gid: int | None = None            # None: the daemon's own group
@@ -127,6 +128,7 @@ def parse_config(doc: dict, where: str = "config") -> DaemonConfig:
     if cfg.checkpoint_interval_s and not cfg.checkpoint_dir:
         raise SchemaError(f"{where}: checkpoint_interval_s needs checkpoint_dir")
     cfg.checkpoint_keep = int(_number(d, "checkpoint_keep", 2, where, lo=1))
+    cfg.checkpoint_buffer_mb = _number(d, "checkpoint_buffer_mb", 1024.0, where)
     cfg.max_clients = int(_number(d, "max_clients", 256, where, lo=1))
     cfg.max_tables = int(_number(d, "max_tables", 64, where, lo=1))
     if d.get("group", ""):

@@ -158,9 +158,12 @@ class ControlServer:
                 names = await self.call(lambda: sorted(self.engine.by_name))
             for name in names:
                 table = await self.call(self.engine.table_named, check_table_name(name))
-                snap = await self.call(checkpoint.snapshot, table)
+                bufs = await self.loop.run_in_executor(None, checkpoint.buffers, table.spec.capacity)
+                snap = await self.call(checkpoint.snapshot, table, bufs)
                 try:
-                    rep = await self.loop.run_in_executor(None, checkpoint.write, snap, directory, keep)
+                    rep = await self.loop.run_in_executor(
+                        None, checkpoint.write, snap, directory, keep,
+                        int(self.cfg.checkpoint_buffer_mb * 2**20))
                 except OSError as exc:
                     raise ReplayError(f"checkpoint of table {name!r} into {directory} failed: {exc}")
                 log.info("checkpoint of table %s: %d items (%d evicted during the copy), %.1f MiB "

@@ -119,7 +119,8 @@ class ControlServer:
         ``recover``: rebuild the table from what it holds)."""
         name = self.cfg.table_segment(spec.name)
         t0 = time.monotonic()
-        if tmap is None:
+        fresh = tmap is None
+        if fresh:
             tmap = await self.loop.run_in_executor(None, TableMap.create, name, spec,
                                                    self.cfg.segment_mode, self.cfg.gid)
         seed = None if self.cfg.seed is None else self.cfg.seed + self.next_table_id
@@ -127,6 +128,8 @@ class ControlServer:
             table = Table(self.next_table_id, spec, tmap, seed, recover=recover,
                           quarantine_s=self.cfg.recovery_quarantine_s)
         except BaseException:
+            if fresh:  # an adopted or restored segment is the caller's to keep or drop
+                tmap.seg.unlink()
             tmap.release()
             raise
         self.next_table_id += 1

@@ -54,7 +54,6 @@ from .schema import TableSpec, spec_from_wire
 FORMAT = "shmreplay-checkpoint"
 FORMAT_VERSION = 1
 CHUNK_BYTES = 32 << 20  # rows copied per gather: bounded extra memory
-ITEM_ARRAYS = {"slots": np.int64, "prios": np.float64, "times": np.uint32, "seqno": np.uint64}
 
 
 @dataclass
@@ -104,18 +103,37 @@ def _stamp() -> str:
     return time.strftime("%Y%m%dT%H%M%S", time.gmtime(ns // 10**9)) + f".{ns % 10**9:09d}Z"
 
 
+class _SealedFile:
+    """A file written in parts, its CRC-32 kept as it goes, fsynced when sealed."""
+
+    def __init__(self, path: str):
+        self.f = open(path, "wb")
+        self.crc = self.size = 0
+
+    def write(self, a: np.ndarray) -> None:
+        mv = memoryview(np.ascontiguousarray(a)).cast("B")
+        self.f.write(mv)
+        self.crc = zlib.crc32(mv, self.crc)
+        self.size += mv.nbytes
+
+    def seal(self) -> tuple[int, int]:
+        """fsync and close; (bytes, crc32)."""
+        self.f.flush()
+        os.fsync(self.f.fileno())
+        self.f.close()
+        return self.size, self.crc
+
+
 def _write_file(path: str, arrays) -> tuple[int, int]:
     """Write the arrays' bytes one after another; fsync; (bytes, crc32)."""
-    crc, size = 0, 0
-    with open(path, "wb") as f:
+    out = _SealedFile(path)
+    try:
         for a in arrays:
-            mv = memoryview(np.ascontiguousarray(a)).cast("B")
-            f.write(mv)
-            crc = zlib.crc32(mv, crc)
-            size += mv.nbytes
-        f.flush()
-        os.fsync(f.fileno())
-    return size, crc
+            out.write(a)
+    except BaseException:
+        out.f.close()
+        raise
+    return out.seal()
 
 
 def _fsync_dir(path: str) -> None:
@@ -143,8 +161,7 @@ def _write_rows(snap: Snapshot, tmp: str, buffer_bytes: int):
     n = slots.shape[0]
     fields = snap.spec.fields
     valid = np.zeros(n, np.uint8)
-    outs = {f.name: open(os.path.join(tmp, f"f.{f.name}.bin"), "wb") for f in fields}
-    crc = {f.name: 0 for f in fields}
+    outs = {f.name: _SealedFile(os.path.join(tmp, f"f.{f.name}.bin")) for f in fields}
     ahead: collections.deque = collections.deque()
     held = 0
 
@@ -152,9 +169,7 @@ def _write_rows(snap: Snapshot, tmp: str, buffer_bytes: int):
         nonlocal held
         rows = ahead.popleft()
         for name, r in rows.items():
-            mv = memoryview(r).cast("B")
-            outs[name].write(mv)
-            crc[name] = zlib.crc32(mv, crc[name])
+            outs[name].write(r)
             held -= r.nbytes
 
     try:
@@ -169,13 +184,11 @@ def _write_rows(snap: Snapshot, tmp: str, buffer_bytes: int):
                 flush_one()
         while ahead:
             flush_one()
-        for out in outs.values():
-            out.flush()
-            os.fsync(out.fileno())
+        sealed = {name: out.seal() for name, out in outs.items()}
     finally:
         for out in outs.values():
-            out.close()
-    files = {f"f.{f.name}": (f.dtype, (n, *f.shape), n * f.item_bytes, crc[f.name]) for f in fields}
+            out.f.close()  # after seal: a no-op
+    files = {f"f.{f.name}": (f.dtype, (n, *f.shape), *sealed[f.name]) for f in fields}
     return slots, valid, files
 
 

@@ -56,7 +56,7 @@ class DaemonConfig:
     checkpoint_buffer_mb: float = 1024.0  # rows gathered ahead of the disk (checkpoint.py)
     # access control: the socket and every segment are owned by ``gid`` with
     # segment_mode; connections are checked with SO_PEERCRED (server.py)
-    gid: int | None = None            # None: the daemon's own group
+    gid: int = -1                     # -1: the daemon's own group (chown's "unchanged")
     allowed_uids: set = field(default_factory=set)
     allowed_gids: set = field(default_factory=set)
     admin_gid: int | None = None

@@ -123,7 +123,7 @@ class Daemon:
         if stale:
             log.info("removed %d channel(s) and doorbell(s) of a dead daemon", len(stale))
         self.doorbell = create_semaphore(cfg.doorbell(os.getpid()), cfg.segment_mode,
-                                         (-1, -1 if cfg.gid is None else cfg.gid))
+                                         (-1, cfg.gid))
         self.engine = Engine(self.doorbell, cfg.spin_us, cfg.idle_timeout_s)
         self.control = ControlServer(cfg, self.engine)
         self.control.request_shutdown = lambda: self._stop("shutdown requested")

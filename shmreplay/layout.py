@@ -145,9 +145,9 @@ class TableMap:
 
     @classmethod
     def create(cls, name: str, spec: TableSpec, mode: int = 0o600,
-               gid: int | None = None) -> "TableMap":
+               gid: int = -1) -> "TableMap":
         layout = TableLayout(spec)
-        seg = Segment.create(name, layout.size, mode, (-1, -1 if gid is None else gid))
+        seg = Segment.create(name, layout.size, mode, (-1, gid))
         tm = cls(seg, layout)
         h = tm.header
         h["layout_version"] = LAYOUT_VERSION

@@ -50,7 +50,7 @@ class InstanceLock:
         self.path = path
 
     @classmethod
-    def acquire(cls, instance: str, mode: int = 0o660, gid: int | None = None,
+    def acquire(cls, instance: str, mode: int = 0o660, gid: int = -1,
                 wait_s: float = 2.0) -> "InstanceLock":
         path = lock_path(instance)
         deadline = time.monotonic() + wait_s
@@ -80,8 +80,7 @@ class InstanceLock:
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"{os.getpid()} {process_start(os.getpid())}\n".encode(), 0)
         os.fchmod(fd, mode)
-        if gid is not None:
-            os.fchown(fd, -1, gid)
+        os.fchown(fd, -1, gid)
         return cls(instance, fd, path)
 
     def release(self) -> None:

@@ -61,8 +61,7 @@ class ControlServer:
         _claim_socket_path(path)
         self.server = await self.loop.create_unix_server(lambda: ControlConnection(self), path=path)
         os.chmod(path, self.cfg.segment_mode)
-        if self.cfg.gid is not None:
-            os.chown(path, -1, self.cfg.gid)
+        os.chown(path, -1, self.cfg.gid)
         self.path = path
 
     async def close(self) -> None:
@@ -310,7 +309,7 @@ class ControlConnection(asyncio.Protocol):
             raise ProtocolError(f"hello: pid {pid} is not a process id")
         name = cfg.channel_segment(srv.pid, self.cid)
         # the client must open both: give them to its user when we can (root)
-        owner = (self.peer.uid if os.geteuid() == 0 else -1, -1 if cfg.gid is None else cfg.gid)
+        owner = (self.peer.uid if os.geteuid() == 0 else -1, cfg.gid)
         self.channel = Channel.create(name, CHANNEL, pid, srv.pid, cfg.segment_mode, owner)
         self.sem = create_semaphore(name + ".s", cfg.segment_mode, owner)
         return {"protocol": PROTOCOL_VERSION, "daemon_pid": srv.pid, "instance": cfg.instance,

@@ -75,7 +75,7 @@ def main() -> int:
         f.write(f'[daemon]\nsocket = "{sock}"\ninstance = "ckbench{os.getpid()}"\n'
                 f'[[tables]]\nname = "ck"\ncapacity = {a.capacity}\nsampler = "prioritized"\n'
                 f'[tables.fields]\nx = {{ dtype = "uint8", shape = [{a.row_bytes}] }}\n')
-    daemon = subprocess.Popen([sys.executable, "-m", "shmreplay.daemon", "--config", cfg],
+    daemon = subprocess.Popen([sys.executable, "-m", "shmreplay.server.daemon", "--config", cfg],
                               stderr=subprocess.DEVNULL)
     try:
         deadline = time.monotonic() + 120

@@ -53,7 +53,7 @@ def main(argv=None) -> int:
     instance = f"demo{os.getpid()}"
     env = dict(os.environ, SHMREPLAY_SOCKET=sock)
     print(f"starting shmreplayd ({args.config}, socket {sock})", flush=True)
-    daemon = subprocess.Popen([sys.executable, "-m", "shmreplay.daemon", "--config", args.config,
+    daemon = subprocess.Popen([sys.executable, "-m", "shmreplay.server.daemon", "--config", args.config,
                                "--socket", sock, "--instance", instance], env=env)
     workers = []
     try:

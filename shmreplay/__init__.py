@@ -6,17 +6,20 @@
         t.insert(obs=o, action=a, reward=r)
         batch = t.sample(256, beta=0.4)
         t.update_priorities(batch.keys, new_priorities)
+
+The package has three wings: ``client/`` (what actors and learners import),
+``server/`` (the daemon) and ``wire/`` (every byte format both agree on),
+plus shared pure logic at the root (errors, schema, rate-limiter
+predicates, priority checks).  docs/layout.md, "Where things are", maps it.
 """
 
-__version__ = "0.1.0"
-
-from .client import Client, SampleBatch, Table, connect  # noqa: E402
-from .writers import NStepWriter, SequenceWriter  # noqa: E402
-from .errors import (  # noqa: E402
+from .client import Client, NStepWriter, SampleBatch, SequenceWriter, Table, connect
+from .errors import (
     CapacityError, DaemonUnavailable, EmptyTable, FieldError, LayoutError, PriorityError,
     PermissionDenied, ProtocolError, RateLimited, ReplayError, ReplayTimeout, SchemaError, ShmFull,
     TableExists, UnknownTable,
 )
+from .version import __version__
 
 __all__ = [
     "connect", "Client", "Table", "SampleBatch", "SequenceWriter", "NStepWriter",

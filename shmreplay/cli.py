@@ -1,5 +1,6 @@
 """``shmreplay``: the admin command line (status, tables, checkpoint,
-cleanup, shutdown, bench)."""
+cleanup, shutdown, bench).  A tool at the package root: it talks to a daemon
+as a client, and ``cleanup`` uses the daemon's own ownership rules."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import sys
 
 from .client import connect
 from .errors import ReplayError
+from .server import ownership
 
 
 def _status(client, args) -> None:
@@ -28,7 +30,6 @@ def _status(client, args) -> None:
 
 
 def _cleanup(args) -> int:
-    from . import ownership
     reports = ownership.cleanup(dry_run=args.dry_run, keep_tables=args.keep_tables,
                                 only=args.instance)
     for r in reports:

@@ -1,12 +1,24 @@
 """Priority validation, shared by the client (to fail fast, in the caller's
-stack) and the daemon (which trusts no client)."""
+stack) and the daemon (which trusts no client).  Pure functions; any thread.
+``first_invalid_priority`` has a plain-numpy twin in tests/sumtree_reference.py."""
 
 from __future__ import annotations
 
+import numba
 import numpy as np
 
 from .errors import PriorityError
-from .sumtree import first_invalid_priority
+from .numbaconf import JIT
+
+@numba.njit(**JIT)
+def first_invalid_priority(priorities):
+    """Index of the first NaN, infinite or negative priority, or -1."""
+    for k in range(priorities.shape[0]):
+        v = priorities[k]
+        if not (v >= 0.0 and v < np.inf):
+            return k
+    return -1
+
 
 # the tree's total must stay finite even with 2**32 leaves at the maximum
 MAX_TREE_VALUE = 1e290

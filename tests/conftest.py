@@ -83,7 +83,7 @@ class DaemonProcess:
         """(Re)start the daemon process with this config; wait until it serves."""
         if self._log.closed:
             self._log = open(self.log_path, "ab")
-        self.proc = subprocess.Popen([sys.executable, "-m", "shmreplay.daemon", "--config", self.config,
+        self.proc = subprocess.Popen([sys.executable, "-m", "shmreplay.server.daemon", "--config", self.config,
                                       *args], stdout=self._log, stderr=subprocess.STDOUT)
         self.wait_ready()
 

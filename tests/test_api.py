@@ -168,7 +168,7 @@ def test_stats_and_cli_status(daemon, client):
     t.insert_batch(rows(0, 4))
     t.flush()
     st = client.stats()
-    assert st["protocol"] == shmreplay.protocol.PROTOCOL_VERSION and st["daemon_pid"] == daemon.pid
+    assert st["protocol"] == shmreplay.wire.control.PROTOCOL_VERSION and st["daemon_pid"] == daemon.pid
     assert st["tables"]["s"]["size"] == 4
     out = subprocess.run([sys.executable, "-m", "shmreplay.cli", "--socket", daemon.socket, "status"],
                          capture_output=True, text=True, timeout=60)
@@ -184,7 +184,8 @@ def test_connect_uses_env_socket(daemon, monkeypatch):
 
 
 def test_default_socket_path_is_shared_by_daemon_and_client(monkeypatch):
-    from shmreplay.config import DaemonConfig, client_socket_path
+    from shmreplay.server.config import DaemonConfig
+    from shmreplay.wire.names import client_socket_path
     monkeypatch.delenv("SHMREPLAY_SOCKET", raising=False)
     assert DaemonConfig().socket_path() == client_socket_path()
     monkeypatch.setenv("SHMREPLAY_SOCKET", "/tmp/elsewhere.sock")

@@ -7,7 +7,7 @@ import time
 import numpy as np
 import pytest
 
-from shmreplay.channel import CTL_REQ_HEAD, Channel, ChannelLayout
+from shmreplay.wire.channel import CTL_REQ_HEAD, Channel, ChannelLayout
 from shmreplay.errors import ProtocolError
 
 LAYOUT = ChannelLayout(req_slots=16, resp_slots=16, req_payload=8192, resp_payload=8192)
@@ -31,7 +31,7 @@ def produce(name: str) -> None:
             time.sleep(0)
         off, view = placed
         view[:] = p
-        ring.put(op=1, seq=seq, a0=int(p.sum()), pay_off=off, pay_len=p.shape[0])
+        ring.put(1, 0, seq, int(p.sum()), 0, 0, 0.0, off, p.shape[0], 0)
         if seq % 3 == 0 or seq == N_RECORDS:  # publish in batches, as clients do
             ring.publish()
     os._exit(0)
@@ -81,7 +81,7 @@ def test_a_corrupt_head_is_a_protocol_error(channel):
 
 def test_a_payload_outside_the_area_is_a_protocol_error(channel):
     ring = channel.requests
-    ring.put(op=1, seq=1, pay_off=8000, pay_len=1000)  # runs past the end of the area
+    ring.put(1, 0, 1, 0, 0, 0, 0.0, 8000, 1000, 0)  # runs past the end of the area
     ring.publish()
     with pytest.raises(ProtocolError, match="outside the payload area"):
         ring.payload_of(ring.peek(0))
@@ -91,7 +91,7 @@ def test_producer_sees_no_room_until_consumer_frees_it(channel):
     ring = channel.requests
     for seq in range(LAYOUT.req_slots):
         assert ring.room() > 0
-        ring.put(op=1, seq=seq)
+        ring.put(1, 0, seq, 0, 0, 0, 0.0, 0, 0, 0)
     ring.publish()
     assert ring.room() == 0
     assert ring.pending() == LAYOUT.req_slots

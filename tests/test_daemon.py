@@ -90,11 +90,11 @@ def test_every_wait_has_a_timeout(start_daemon):
 def test_bad_config_exits_with_a_message(tmp_path):
     path = tmp_path / "bad.toml"
     path.write_text('[daemon]\ninstance = "x"\nspin_usec = 3\n')
-    out = subprocess.run([sys.executable, "-m", "shmreplay.daemon", "--config", str(path)],
+    out = subprocess.run([sys.executable, "-m", "shmreplay.server.daemon", "--config", str(path)],
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 2 and "unknown [daemon] keys ['spin_usec']" in out.stderr
     cfg = write_config(tmp_path / "bad2.toml", tables=[dict(TABLE, capacity=-5)], instance="x")
-    out = subprocess.run([sys.executable, "-m", "shmreplay.daemon", "--config", cfg],
+    out = subprocess.run([sys.executable, "-m", "shmreplay.server.daemon", "--config", cfg],
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 2 and "capacity -5 outside" in out.stderr
 
@@ -102,7 +102,7 @@ def test_bad_config_exits_with_a_message(tmp_path):
 def test_second_daemon_on_the_same_socket_is_refused(start_daemon, tmp_path):
     d = start_daemon()
     cfg = write_config(tmp_path / "second.toml", instance="testsecond", socket=d.socket)
-    out = subprocess.run([sys.executable, "-m", "shmreplay.daemon", "--config", cfg],
+    out = subprocess.run([sys.executable, "-m", "shmreplay.server.daemon", "--config", cfg],
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 1 and "another daemon is serving" in out.stderr
     assert not shm_entries("shmreplay.testsecond.")
@@ -163,7 +163,7 @@ def test_tells_systemd_when_ready_and_when_stopping(tmp_path):
     sink.settimeout(120)
     cfg = write_config(tmp_path / "n.toml", instance=f"testnotify{os.getpid()}",
                        socket=str(tmp_path / "n.sock"))
-    proc = subprocess.Popen([sys.executable, "-m", "shmreplay.daemon", "--config", cfg],
+    proc = subprocess.Popen([sys.executable, "-m", "shmreplay.server.daemon", "--config", cfg],
                             env=dict(os.environ, NOTIFY_SOCKET=addr), stderr=subprocess.DEVNULL)
     try:
         assert sink.recv(256) == b"READY=1"

@@ -5,7 +5,7 @@ import threading
 
 import posix_ipc
 
-from shmreplay.engine import Engine
+from shmreplay.server.engine import Engine
 
 
 class BreakableBell:

@@ -12,8 +12,9 @@ import numpy as np
 import pytest
 
 import shmreplay
-from shmreplay import commands as C
-from shmreplay.client import _take_reservation
+from shmreplay.wire import records as C
+
+from rawclient import commit, reserve, send_raw
 from conftest import SMALL_FIELDS
 
 
@@ -107,10 +108,9 @@ def test_priority_whose_power_overflows_the_tree_is_rejected(client):
 
 def test_daemon_rejects_bad_priorities_that_bypass_the_client(daemon, table):
     """A client that skips validation still cannot poison the tree."""
-    c = table._client
-    seq = c._send(C.RESERVE, table.id, a0=1)
-    rid, _, slots = c._wait(seq, _take_reservation)
-    c._send(C.COMMIT, table.id, a0=rid, a1=1, payload=(np.array([np.nan]),))
+    c = table.client
+    rid, _, slots = reserve(table, 1)
+    commit(table, rid, 1, prios=np.array([np.nan]))
     with pytest.raises(shmreplay.PriorityError, match="not a finite number"):
         table.flush()
     assert len(table) == 0
@@ -259,7 +259,7 @@ def test_out_of_range_keys_in_update_disconnect_the_sender(daemon, client):
     t.insert(**good_row())
     bad = daemon.connect()
     bt = bad.table("t")
-    bad._send(C.UPDATE, bt.id, a0=1, payload=(np.array([99], np.uint64), np.array([1.0])))
+    send_raw(bad, C.UPDATE, bt.id, a0=1, payload=(np.array([99], np.uint64), np.array([1.0])))
     with pytest.raises(shmreplay.ProtocolError, match="beyond capacity"):
         bt.sample(1)
     bad.close()
@@ -268,16 +268,15 @@ def test_out_of_range_keys_in_update_disconnect_the_sender(daemon, client):
 
 def test_committing_someone_elses_reservation_is_refused(daemon, client):
     t = client.create_table("t", capacity=10, fields=SMALL_FIELDS)
-    c = t._client
-    rid, _, _ = c._wait(c._send(C.RESERVE, t.id, a0=2), _take_reservation)
+    rid, _, _ = reserve(t, 2)
     thief = daemon.connect()
     tt = thief.table("t")
-    thief._send(C.COMMIT, tt.id, a0=rid, a1=2)
+    commit(tt, rid, 2)
     with pytest.raises(shmreplay.ProtocolError, match="not yours"):
         thief.flush()
     thief.close()
-    c._send(C.COMMIT, t.id, a0=rid, a1=2)
-    c.flush()
+    commit(t, rid, 2)
+    client.flush()
     assert len(t) == 2
 
 
@@ -289,7 +288,7 @@ POISON = 0xEE
 def die_mid_write(sock, ready):
     c = shmreplay.connect(sock)
     t = c.table("t")
-    rid, _, slots = c._wait(c._send(C.RESERVE, t.id, a0=8), _take_reservation)
+    rid, _, slots = reserve(t, 8)
     t._views["obs"][slots[:5]] = POISON  # a partial copy, then the process dies
     ready.set()
     time.sleep(60)
@@ -324,8 +323,8 @@ def test_client_killed_mid_write_loses_nothing_of_others(daemon, client):
 
 
 def test_scribbled_control_words_disconnect_only_the_offender(start_daemon):
-    from shmreplay import atomics
-    from shmreplay.channel import CTL_REQ_HEAD, CTL_RESP_TAIL
+    from shmreplay.wire import atomics
+    from shmreplay.wire.channel import CTL_REQ_HEAD, CTL_RESP_TAIL
     # a 1 s spin makes the scribble land while the engine spins re-reading heads
     daemon = start_daemon(spin_us=1_000_000)
     client = daemon.connect()
@@ -333,11 +332,11 @@ def test_scribbled_control_words_disconnect_only_the_offender(start_daemon):
     for word in (CTL_REQ_HEAD, CTL_RESP_TAIL):
         bad = daemon.connect(timeout=10)
         bt = bad.table("t")
-        atomics.store(bad._chan.ctl, word, np.uint64(2**63 + 12345))
-        bad._doorbell.release()
+        atomics.store(bad._pipe.chan.ctl, word, np.uint64(2**63 + 12345))
+        bad._pipe.doorbell.release()
         with pytest.raises(shmreplay.ProtocolError, match="impossible position"):
             for _ in range(100):  # the offender learns it from its next waits
-                bad._live()
+                bad._link.live()
                 bt.sample(1) if len(t) else time.sleep(0.05)
         bad.close()
         t.insert(**good_row(len(t)))

@@ -18,7 +18,7 @@ def stats(c, name="big"):
 
 def test_single_inserts_share_a_few_reservations(client):
     t = client.create_table("big", capacity=100_000, fields=FIELDS)
-    lease = t._lease_size
+    lease = t.lease_size
     assert lease == 100_000 // 256
     for i in range(2000):
         t.insert(v=i, w=np.full(3, i, np.float32))
@@ -48,7 +48,7 @@ def test_batches_span_lease_boundaries_in_order(client):
 def test_leases_do_not_cross_a_fork(client):
     t = client.create_table("big", capacity=10_000, fields=FIELDS)
     t.insert(v=1, w=np.ones(3, np.float32))  # the parent now holds a lease
-    assert t._lease is not None
+    assert t._lease.cur is not None
     pid = os.fork()
     if pid == 0:
         code = 1

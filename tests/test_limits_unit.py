@@ -10,10 +10,11 @@ import pytest
 
 from shmreplay import ratelimiter
 from shmreplay.errors import CapacityError, EmptyTable, ProtocolError, RateLimited, SchemaError
-from shmreplay.layout import FREE, HELD, TableMap
-from shmreplay.order import CommitOrder
+from shmreplay.wire.layout import FREE, HELD, TableMap
+from shmreplay.server.order import CommitOrder
 from shmreplay.schema import make_spec
-from shmreplay.table import Blocked, Table
+from shmreplay.server.counters import Blocked
+from shmreplay.server.table import Table
 
 
 # ---- commit order ----
@@ -166,8 +167,8 @@ def test_random_draws_never_exceed_an_items_uses_left(make_table):
     t = make_table(capacity=64, sampler="prioritized", alpha=1.0, max_times_sampled=3)
     fill(t, 64)
     seen = {}
-    while t.uses_left:
-        keys, *_ = t.sample(1, min(50, t.uses_left), 0.4)
+    while t.counters.uses_left:
+        keys, *_ = t.sample(1, min(50, t.counters.uses_left), 0.4)
         for v in values(t, keys):
             seen[v] = seen.get(v, 0) + 1
     assert seen == {v: 3 for v in range(1, 65)}
@@ -184,11 +185,11 @@ def test_a_blocked_sample_takes_nothing(make_table):
     t.update_priorities(np.array([], np.uint64), np.array([]))
     # the two left have zero priority: uses remain, but nothing can be drawn
     live = np.flatnonzero(t.map.state == 2)
-    t.update_priorities(t._keys(live), np.zeros(live.shape[0]))
-    before = (t.size, t.uses_left, t.samples, t.map.times.copy())
+    t.update_priorities(t.keys_of(live), np.zeros(live.shape[0]))
+    before = (t.size, t.counters.uses_left, t.counters.samples, t.map.times.copy())
     with pytest.raises(Blocked):
         t.sample(1, 2, 0.4)
-    assert (t.size, t.uses_left, t.samples) == before[:3]
+    assert (t.size, t.counters.uses_left, t.counters.samples) == before[:3]
     assert np.array_equal(t.map.times, before[3])
 
 
@@ -206,4 +207,4 @@ def test_rate_limited_reserve_grants_only_what_the_ratio_allows(make_table):
     assert slots.shape[0] == 2
     with pytest.raises(CapacityError, match="never be admitted"):
         t.sample(1, 11, 0.4)
-    assert math.isclose(t.map.mass[0], 5.0)
+    assert math.isclose(t.map.words.mass, 5.0)

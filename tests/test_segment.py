@@ -7,7 +7,7 @@ import resource
 
 import numpy as np
 
-from shmreplay.segment import Segment
+from shmreplay.wire.segment import Segment
 
 SIZE = 16 << 20  # 4,096 pages of 4 KiB
 

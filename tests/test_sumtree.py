@@ -8,8 +8,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 
-from shmreplay import sumtree as fast
-from shmreplay import sumtree_reference as ref
+from shmreplay.priorities import first_invalid_priority
+from shmreplay.server import sumtree as fast
+import sumtree_reference as ref
 
 priorities = st.one_of(
     st.just(0.0),
@@ -105,7 +106,7 @@ def test_min_tree_ignores_zero_leaves():
 @settings(max_examples=200, deadline=None)
 @given(arrays(np.float64, st.integers(0, 50), elements=st.floats(allow_nan=True, allow_infinity=True)))
 def test_first_invalid_priority_matches_reference(p):
-    assert fast.first_invalid_priority(p) == ref.first_invalid_priority(p)
+    assert first_invalid_priority(p) == ref.first_invalid_priority(p)
 
 
 @settings(max_examples=200, deadline=None)
@@ -122,8 +123,8 @@ def test_tree_values_match_reference_and_zero_stays_zero(p, alpha):
 def test_rejects_nan_negative_and_infinite():
     for bad in (np.nan, -1e-9, np.inf, -np.inf):
         p = np.array([1.0, 2.0, bad, 3.0])
-        assert fast.first_invalid_priority(p) == 2
-    assert fast.first_invalid_priority(np.array([0.0, 1.0])) == -1
+        assert first_invalid_priority(p) == 2
+    assert first_invalid_priority(np.array([0.0, 1.0])) == -1
 
 
 @settings(max_examples=100, deadline=None)

@@ -7,9 +7,10 @@ import numpy as np
 import pytest
 
 from shmreplay.errors import CapacityError, ProtocolError
-from shmreplay.layout import COMMITTED, FREE, RESERVED, TableMap
+from shmreplay.wire.layout import COMMITTED, FREE, RESERVED, TableMap
 from shmreplay.schema import make_spec
-from shmreplay.table import Blocked, Table
+from shmreplay.server.counters import Blocked
+from shmreplay.server.table import Table
 
 
 @pytest.fixture
@@ -41,7 +42,7 @@ def test_reserve_takes_free_slots_then_evicts_oldest(table):
 
 def test_reservation_bumps_the_generation_before_the_writer_sees_it(table):
     slots = fill(table, 2)
-    keys = table._keys(slots)
+    keys = table.keys_of(slots)
     gens_before = table.map.gens[slots].copy()
     _, again, _ = table.reserve(1, 8)  # evicts both
     assert np.all(table.map.gens[slots] == gens_before + 1)
@@ -76,7 +77,7 @@ def test_drift_beyond_the_bound_is_detected_and_rebuilt_from_the_segment(table):
     # updates of slot 0 recompute only its own path (8 -> 4 -> 2 -> 1), so
     # the damage survives them; the periodic check runs after `capacity`
     # leaf writes and rebuilds from the segment's priorities
-    key0 = table._keys(np.zeros(8, dtype=np.int64))
+    key0 = table.keys_of(np.zeros(8, dtype=np.int64))
     table.update_priorities(key0, np.ones(8))
     assert table.stats["tree_rebuilds"] == 1
     np.testing.assert_array_equal(sums, good)  # slot 0 had priority 1 before and after

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 import shmreplay
-from shmreplay.layout import COMMITTED
+from shmreplay.wire.layout import COMMITTED
 
 
 def committed(t):

@@ -73,7 +73,7 @@ class Daemon:
         self.dir = tempfile.mkdtemp(prefix="shmreplay-bench-")
         self.socket = os.path.join(self.dir, "d.sock")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "shmreplay.daemon", "--socket", self.socket,
+            [sys.executable, "-m", "shmreplay.server.daemon", "--socket", self.socket,
              "--instance", f"bench{os.getpid()}", "--log-level", "warning"],
             preexec_fn=lambda: _nice(DAEMON_NICE))
         import shmreplay

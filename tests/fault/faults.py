@@ -13,7 +13,7 @@ import time
 import numpy as np
 
 import shmreplay
-from shmreplay.layout import COMMITTED, TableMap
+from shmreplay.wire.layout import COMMITTED, TableMap
 
 FIELDS = {"obs": ("uint8", (64,)), "id": ("int64", ())}
 
@@ -92,13 +92,12 @@ def table_state(segment: str) -> dict:
     """Everything a checkpoint must carry, read from the segment: per
     committed slot its stamp, priority, times sampled, commit number and
     rows, plus the limiter counters."""
-    from shmreplay.layout import LIVE_DELETES, LIVE_INSERTS, LIVE_SAMPLES
     tm = TableMap.attach(segment)
     try:
         slots = np.flatnonzero(tm.state == COMMITTED)
         out = {"slots": slots, "gens": tm.gens[slots].copy(), "prios": tm.prios[slots].copy(),
                "times": tm.times[slots].copy(), "seqno": tm.seqno[slots].copy(),
-               "counters": [int(tm.live[w]) for w in (LIVE_INSERTS, LIVE_SAMPLES, LIVE_DELETES)]}
+               "counters": [tm.words.inserts, tm.words.samples, tm.words.deletes]}
         out.update({f"f.{k}": v[slots].copy() for k, v in tm.fields.items()})
         return out
     finally:
@@ -111,11 +110,11 @@ STEPS = ("after_reserve", "mid_copy", "after_commit", "rate_limited_wait", "lear
 
 def victim(sock, step, first_id, ready):
     """A client that gets as far as ``step``, says so, and waits to be SIGKILLed."""
-    from shmreplay.client import reserve
+    from rawclient import reserve
     c = shmreplay.connect(sock, timeout=20)
     if step in ("after_reserve", "mid_copy"):
         t = c.table("t")
-        _, _, slots = reserve(t, 8, None)
+        _, _, slots = reserve(t, 8)
         if step == "mid_copy":  # half the rows written, half of those half-way
             t._views["id"][slots[:4]] = -1
             t._views["obs"][slots[:4], :32] = POISON

@@ -23,7 +23,7 @@ def main() -> int:
     cfg = os.path.join(tmp, "d.toml")
     with open(cfg, "w") as f:
         f.write(f'[daemon]\ninstance = "testfull"\nsocket = "{sock}"\n')
-    d = subprocess.Popen([sys.executable, "-m", "shmreplay.daemon", "--config", cfg],
+    d = subprocess.Popen([sys.executable, "-m", "shmreplay.server.daemon", "--config", cfg],
                          stderr=subprocess.DEVNULL)
     out = {}
     try:

@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 
 import shmreplay
-from shmreplay import checkpoint, ratelimiter
+from shmreplay import ratelimiter
+from shmreplay.server import checkpoint
 from shmreplay.schema import make_spec
 
 from faults import FIELDS, rows, table_state

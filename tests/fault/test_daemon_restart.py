@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import shmreplay
-from shmreplay.layout import COMMITTED, LIVE_EPOCH, TableMap
+from shmreplay.wire.layout import COMMITTED, TableMap
 
 from faults import FIELDS, actor, committed_ids, learner, rows, torn
 
@@ -101,7 +101,7 @@ def test_restart_keeps_priorities_order_and_keys(start_daemon):
     d.start()
     seg = TableMap.attach(f"/shmreplay.{d.instance}.t.per")
     try:
-        assert int(seg.live[LIVE_EPOCH]) == 1
+        assert seg.words.epoch == 1
         slots = np.flatnonzero(seg.state == COMMITTED)
         assert slots.shape[0] == 500
         p = seg.prios[slots] ** 0.7
@@ -145,7 +145,7 @@ def test_a_second_daemon_of_a_live_instance_is_refused(start_daemon):
     import subprocess
     import sys
     d = start_daemon(tables=TABLES[1:])
-    run = subprocess.run([sys.executable, "-m", "shmreplay.daemon", "--config", d.config,
+    run = subprocess.run([sys.executable, "-m", "shmreplay.server.daemon", "--config", d.config,
                           "--socket", d.socket + ".other"], capture_output=True, text=True, timeout=60)
     assert run.returncode == 1
     assert f"is served by a live daemon (pid {d.pid})" in run.stderr
@@ -174,7 +174,7 @@ def own_a_table(name, ready):
 
 
 def test_adoption_checks_magic_version_and_owner(start_daemon):
-    from shmreplay import recovery
+    from shmreplay.server import recovery
     d = start_daemon(tables=TABLES[1:])
     with d.connect() as c:
         c.table("fifo").insert_batch(rows(np.arange(3)))

@@ -9,9 +9,10 @@ import numpy as np
 import pytest
 
 import shmreplay
-from shmreplay import commands as C
+from shmreplay.wire import records as C
 
 from faults import FIELDS, rows, torn
+from rawclient import send_raw
 
 
 def test_client_and_table_limits_from_the_config(start_daemon):
@@ -45,7 +46,7 @@ def test_a_client_that_never_reads_its_replies_stalls_nobody(start_daemon):
     def flood():  # SAMPLE after SAMPLE, never a reply read
         try:
             for _ in range(20_000):
-                bad._send(C.SAMPLE, bt.id, a0=64, a1=0, f0=0.4)
+                send_raw(bad, C.SAMPLE, bt.id, a0=64, a1=0, f0=0.4)
                 sent["n"] += 1
         except shmreplay.ReplayError as exc:
             sent["error"] = exc

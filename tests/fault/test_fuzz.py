@@ -13,10 +13,11 @@ import numpy as np
 import pytest
 
 import shmreplay
-from shmreplay import commands as C
-from shmreplay.protocol import MAX_FRAME, PROTOCOL_VERSION
+from shmreplay.wire import records as C
+from shmreplay.wire.control import MAX_FRAME, PROTOCOL_VERSION
 
 from faults import FIELDS, rows, torn
+from rawclient import send_raw
 
 SOCKET_ROUNDS = 400
 RING_ROUNDS = 120
@@ -158,7 +159,7 @@ def test_fuzzed_command_rings(victims, capsys):
     for round_ in range(RING_ROUNDS):
         bad = d.connect(timeout=10)
         bt = bad.table("fuzz")
-        ring = bad._req
+        ring = bad._pipe.req
         n = int(rng.integers(1, 64))
         recs = ring.records[:n]
         recs.view(np.uint8).reshape(n, -1)[:] = rng.integers(0, 256, (n, recs.dtype.itemsize),
@@ -174,7 +175,7 @@ def test_fuzzed_command_rings(victims, capsys):
         ring.head += n
         records += n
         if ring.publish():
-            bad._doorbell.release()
+            bad._pipe.doorbell.release()
         try:
             bt.sample(1, timeout=0.2)
             bad.flush()
@@ -205,7 +206,7 @@ def test_out_of_range_indices_counts_and_keys_are_rejected(victims, op, a0, a1, 
     d, c, t = victims
     bad = d.connect(timeout=10)
     bt = bad.table("t")
-    bad._send(op, bt.id, a0=a0, a1=a1, a2=a2, payload=payload)
+    send_raw(bad, op, bt.id, a0=a0, a1=a1, a2=a2, payload=payload)
     with pytest.raises(shmreplay.ReplayError, match=match):
         bad.flush()
         bt.sample(1, timeout=0.2)
@@ -215,7 +216,7 @@ def test_out_of_range_indices_counts_and_keys_are_rejected(victims, op, a0, a1, 
 def test_unknown_table_id_in_a_record_is_an_error_not_a_crash(victims):
     d, c, t = victims
     bad = d.connect(timeout=10)
-    bad._send(C.SAMPLE, 2**32 - 1, a0=1)
+    send_raw(bad, C.SAMPLE, 2**32 - 1, a0=1)
     with pytest.raises(shmreplay.UnknownTable, match="no table with id"):
         bad.flush()
     bad.close()

@@ -1,5 +1,9 @@
 """``shmreplayd``: the daemon process, its startup and its shutdown.
 
+Runs on the process's main thread, inside the uvloop event loop that also
+runs the control plane (``control.py``); the engine (``engine.py``) has its
+own thread.  Signals are handled here and nowhere else.
+
 Startup, in order (nothing is served until all of it succeeded):
   1. read the config; set up logging to stderr
   2. compile the numba kernels, or load them from numba's cache
@@ -39,12 +43,15 @@ import numpy as np
 import posix_ipc
 import uvloop
 
-from . import __version__, atomics, ownership, recovery, sumtree
+from ..errors import ReplayError
+from ..priorities import first_invalid_priority
+from ..version import __version__
+from ..wire import atomics, names
+from ..wire.segment import create_semaphore, shmem_huge_pages, unlink_semaphore_quiet
+from . import ownership, recovery, sumtree
 from .config import DaemonConfig, check_instance, load_config
+from .control import ControlServer
 from .engine import Engine
-from .errors import ReplayError
-from .segment import create_semaphore, shmem_huge_pages, unlink_semaphore_quiet
-from .server import ControlServer
 
 log = logging.getLogger("shmreplayd")
 
@@ -60,7 +67,7 @@ def compile_kernels() -> float:
     sumtree.tree_rebuild(sums, mins, vals)
     sumtree.tree_sample_stratified(sums, np.zeros(2), idx, vals)
     sumtree.tree_check(sums, mins)
-    sumtree.first_invalid_priority(vals)
+    first_invalid_priority(vals)
     words = np.zeros(16, dtype=np.uint64)
     atomics.store(words, 0, 1)
     atomics.load(words, 0)
@@ -117,12 +124,12 @@ class Daemon:
         cfg = self.cfg
         self.lock = ownership.InstanceLock.acquire(cfg.instance, cfg.segment_mode, cfg.gid)
         stale = [n for n in ownership.scan().get(cfg.instance, [])
-                 if not ownership.is_table(n) and not n.endswith(".lock")]
+                 if not names.is_table(n) and not n.endswith(".lock")]
         for n in stale:  # we hold the lock: their daemon is dead
-            os.unlink(os.path.join(ownership.SHM_DIR, n))
+            os.unlink(os.path.join(names.SHM_DIR, n))
         if stale:
             log.info("removed %d channel(s) and doorbell(s) of a dead daemon", len(stale))
-        self.doorbell = create_semaphore(cfg.doorbell(os.getpid()), cfg.segment_mode,
+        self.doorbell = create_semaphore(names.doorbell(cfg.instance, os.getpid()), cfg.segment_mode,
                                          (-1, cfg.gid))
         self.engine = Engine(self.doorbell, cfg.spin_us, cfg.idle_timeout_s)
         self.control = ControlServer(cfg, self.engine)
@@ -135,7 +142,7 @@ class Daemon:
         await self.control.start(self.socket_path)
         if cfg.checkpoint_interval_s > 0:
             self.periodic = asyncio.get_running_loop().create_task(self._checkpoint_periodically())
-        n = await self.control.call(lambda: len(self.engine.tables))
+        n = len(await self.control.call(self.engine.table_names))
         log.info("serving %s with %d table(s)", self.socket_path, n)
         self.started = True
         sd_notify("READY=1")

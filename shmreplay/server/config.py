@@ -1,9 +1,8 @@
-"""Daemon configuration (TOML) and the names both sides agree on.
+"""Daemon configuration: the TOML file (daemon/shmreplayd.toml documents every key).
 
-Socket path, in order: ``--socket``, the config's ``daemon.socket``,
-``$SHMREPLAY_SOCKET``, then ``default_socket_path()``.  A client uses its
-``path`` argument, ``$SHMREPLAY_SOCKET``, then the same default, so a daemon
-and a client started with no configuration always meet.
+Read once at startup by the daemon's main thread; a ``DaemonConfig`` is not
+changed afterwards.  Object names and the socket path come from
+``wire.names``, which clients share.
 """
 
 from __future__ import annotations
@@ -19,23 +18,14 @@ try:
 except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib
 
-from .errors import SchemaError
-from .schema import TableSpec, spec_from_dict
-
-ENV_SOCKET = "SHMREPLAY_SOCKET"
+from ..errors import SchemaError
+from ..schema import TableSpec, spec_from_dict
+from ..wire import names
 _INSTANCE = re.compile(r"^[A-Za-z0-9_-]{1,32}$")
 DAEMON_KEYS = {"socket", "instance", "segment_mode", "spin_us", "idle_timeout_s", "log_level", "seed",
                "retain_tables", "recovery_quarantine_s", "checkpoint_dir", "checkpoint_interval_s",
                "checkpoint_keep", "checkpoint_buffer_mb", "group", "allowed_users", "allowed_groups", "admin_group",
                "max_clients", "max_tables"}
-
-
-def default_socket_path() -> str:
-    return f"/tmp/shmreplay-{os.getuid()}.sock"
-
-
-def client_socket_path(path: str | None = None) -> str:
-    return path or os.environ.get(ENV_SOCKET) or default_socket_path()
 
 
 @dataclass
@@ -65,18 +55,7 @@ class DaemonConfig:
     tables: list[TableSpec] = field(default_factory=list)
 
     def socket_path(self, override: str | None = None) -> str:
-        return override or self.socket or os.environ.get(ENV_SOCKET) or default_socket_path()
-
-    # names of shared objects: tables are stable per instance (a restarted
-    # daemon finds them); channels and the doorbell carry the daemon's pid
-    def table_segment(self, table: str) -> str:
-        return f"/shmreplay.{self.instance}.t.{table}"
-
-    def channel_segment(self, pid: int, cid: int) -> str:
-        return f"/shmreplay.{self.instance}.{pid}.c{cid}"
-
-    def doorbell(self, pid: int) -> str:
-        return f"/shmreplay.{self.instance}.{pid}.bell"
+        return override or self.socket or os.environ.get(names.ENV_SOCKET) or names.default_socket_path()
 
 
 def check_instance(name: str) -> str:

@@ -29,9 +29,9 @@ import os
 
 import posix_ipc
 
-from .errors import LayoutError, ReplayError, ShmFull
+from ..errors import LayoutError, ReplayError, ShmFull
 
-SHM_DIR = "/dev/shm"
+from .names import SHM_DIR
 # madvise(2) advice numbers (Linux >= 5.14); older kernels answer EINVAL and
 # the pages fault in on first use as before
 MADV_POPULATE_READ = 22

@@ -12,6 +12,10 @@ so keep (copy) what must outlive that.  Priority updates made for batch k
 reach the daemon while batches k+1..k+prefetch are already drawn: samples
 are at most ``prefetch`` updates stale, the bound the asynchronous-update
 literature uses.  Stop it with ``close()`` or a ``with`` block.
+
+Threads: the caller's (``__next__``, ``close``) and the prefetch thread,
+which alone uses the iterator's connection.  It uses only the table's
+public and pipelined-draw API (``begin_sample``/``finish_sample``).
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ from __future__ import annotations
 import queue
 import threading
 
-from .errors import RateLimited, ReplayError, ReplayTimeout
+from ..errors import RateLimited, ReplayError, ReplayTimeout
 
 # with no timeout, the prefetch thread waits for the table's limits in slices
 # of this length, so close() never waits on a request parked in the daemon
@@ -29,16 +33,15 @@ _POLL_S = 0.25
 class BatchIterator:
     def __init__(self, table, batch_size: int, beta: float, prefetch: int,
                  timeout: float | None = None):
-        from .client import Client
         if prefetch < 1:
             raise ReplayError(f"prefetch must be >= 1, got {prefetch}")
-        owner = table._client
+        owner = table.client
         # a batch may wait for the table's limits (timeout; None: no limit),
         # then for the reply
         self._wait_s = timeout
         self.timeout = None if timeout is None else timeout + owner.timeout
         self._join_s = owner.timeout + _POLL_S
-        self._client = Client(owner.path, owner.timeout)
+        self._client = owner.clone()
         self._table = self._client.table(table.name)
         self._n, self._beta = int(batch_size), float(beta)
         self._batches = [None] * (prefetch + 1)
@@ -57,7 +60,6 @@ class BatchIterator:
         t, n, beta = self._table, self._n, self._beta
         ahead = None
         try:
-            t._check_draw(n, beta)
             while not self._stop.is_set():
                 try:
                     i = self._free.get(timeout=0.1)
@@ -65,11 +67,10 @@ class BatchIterator:
                     continue
                 w = _POLL_S if self._wait_s is None else self._wait_s
                 while True:
-                    seq = ahead if ahead is not None else t._send_draw(n, beta, w)
-                    ahead = t._send_draw(n, beta, w)
-                    t._client._pending.add(ahead)
+                    seq = ahead if ahead is not None else t.begin_sample(n, beta, w)
+                    ahead = t.begin_sample(n, beta, w)
                     try:
-                        self._batches[i] = t._complete(n, beta, self._batches[i], seq, w)
+                        self._batches[i] = t.finish_sample(seq, n, beta, self._batches[i], w)
                         break
                     except RateLimited:
                         if self._wait_s is not None or self._stop.is_set():

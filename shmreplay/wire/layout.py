@@ -1,4 +1,10 @@
-"""Byte layout of a table segment (docs/layout.md draws it).
+"""Byte layout of a table segment (docs/layout.md draws it), and typed access to it.
+
+``TableMap`` maps a segment as numpy views; ``LiveWords`` reads and writes
+its live counter words by name.  Who writes what: the daemon's engine
+thread writes the header's owner, the live words, gens, prios, state,
+times and seqno; a client writes only the field rows of slots it reserved,
+and reads the rest.
 
 ::
 
@@ -33,8 +39,8 @@ import time
 import msgpack
 import numpy as np
 
-from .errors import LayoutError
-from .schema import TableSpec, spec_from_wire
+from ..errors import LayoutError
+from ..schema import TableSpec, spec_from_wire
 from .segment import Segment
 
 MAGIC = b"SHMRTBL\x00"
@@ -64,6 +70,58 @@ LIVE_MASS = 7      # float64: the sampler's total mass; 0 means nothing can be d
 # that daemon died and its leases are void (recovery.py).
 LIVE_EPOCH = 8
 SCHEMA_OFF = 256
+
+
+
+class LiveWords:
+    """The live words by name.  Reads go through a memoryview, so each is a
+    plain Python int (cheaper on a writer's hot path than a numpy scalar);
+    the engine thread is the only writer."""
+
+    __slots__ = ("_w", "_mass")
+
+    def __init__(self, words: np.ndarray):
+        self._w = memoryview(words).cast("B").cast("Q")
+        self._mass = words[LIVE_MASS:LIVE_MASS + 1].view(np.float64)
+
+    size = property(lambda self: self._w[LIVE_SIZE])
+    inserts = property(lambda self: self._w[LIVE_INSERTS])
+    pending = property(lambda self: self._w[LIVE_PENDING])
+    samples = property(lambda self: self._w[LIVE_SAMPLES])
+    deletes = property(lambda self: self._w[LIVE_DELETES])
+    free = property(lambda self: self._w[LIVE_FREE])
+    uses = property(lambda self: self._w[LIVE_USES])
+
+    @property
+    def epoch(self) -> int:
+        return self._w[LIVE_EPOCH]
+
+    @epoch.setter
+    def epoch(self, value: int) -> None:
+        self._w[LIVE_EPOCH] = int(value)
+
+    @property
+    def mass(self) -> float:
+        return float(self._mass[0])
+
+    @mass.setter
+    def mass(self, value: float) -> None:
+        self._mass[0] = value
+
+    def publish(self, size: int, inserts: int, pending: int, samples: int, deletes: int,
+                free: int, uses: int, mass: float) -> None:
+        """Engine thread: the counters clients read for len() and the
+        rate-limiter probes."""
+        w = self._w
+        w[LIVE_SIZE], w[LIVE_INSERTS], w[LIVE_PENDING] = size, inserts, pending
+        w[LIVE_SAMPLES], w[LIVE_DELETES], w[LIVE_FREE], w[LIVE_USES] = samples, deletes, free, uses
+        self._mass[0] = mass
+
+    def set_counters(self, inserts: int, samples: int, deletes: int) -> None:
+        """Checkpoint restore: the limiter counters a table restarts from."""
+        w = self._w
+        w[LIVE_INSERTS], w[LIVE_SAMPLES], w[LIVE_DELETES] = int(inserts), int(samples), int(deletes)
+
 
 # HELD: sampled for the last time (max_times_sampled) and no longer in the
 # table, but a learner may still be reading the row: the slot is reused only
@@ -137,7 +195,7 @@ class TableMap:
         self.state = np.ndarray((c,), np.uint8, buffer=buf, offset=layout.state_off)
         self.times = np.ndarray((c,), np.uint32, buffer=buf, offset=layout.times_off)
         self.seqno = np.ndarray((c,), np.uint64, buffer=buf, offset=layout.seqno_off)
-        self.mass = self.live[LIVE_MASS:LIVE_MASS + 1].view(np.float64)
+        self.words = LiveWords(self.live)
         self.fields = {
             f.name: np.ndarray((c, *f.shape), f.dtype, buffer=buf, offset=layout.field_offs[f.name])
             for f in self.spec.fields
@@ -183,7 +241,7 @@ class TableMap:
     def release(self) -> None:
         """Drop the views and unmap (views handed to users keep it mapped)."""
         self.header = self.live = self.gens = self.prios = self.state = None
-        self.times = self.seqno = self.mass = None
+        self.times = self.seqno = self.words = None
         self.fields = {}
         self.seg.close()
 

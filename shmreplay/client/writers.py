@@ -6,10 +6,15 @@ straight into reserved slots (no staging copy of whole items).
 
 Both hold a few slots open at a time (an item starts before it is complete)
 and commit them in the order they were opened, which is also the order they
-complete in, so one writer's slots come from its own leases (``SlotStream``)
-and are committed in lease order like any insert.  A writer that dies holding
-slots loses only its unfinished items: the daemon reclaims the slots with its
-lease.  Same threading rule as ``Table``: one thread per writer.
+complete in, so one writer's slots come from its own ``SlotLease`` and are
+committed in lease order like any insert.  The lease checks, before every
+copy, that its slots are still this client's; a writer whose client
+reconnected after a daemon restart drops the items it had open (their
+slots died with the old daemon; the next ``flush()`` says items may be
+lost) and goes on with the next step.  A writer that dies holding slots
+loses only its unfinished items: the daemon reclaims the slots with its
+lease.  Writers use only the table's public and lease API.  Same threading
+rule as ``Table``: one thread per writer.
 """
 
 from __future__ import annotations
@@ -18,47 +23,8 @@ import collections
 
 import numpy as np
 
-from . import commands as C
-from .client import _deadline_of, reserve
-from .errors import FieldError, ReplayError
-
-
-class SlotStream:
-    """A writer's own slot leases: ``take()`` the next slot; ``commit()``
-    slots in the order they were taken.  Rate-limited tables lease one slot
-    at a time, so the limiter admits each item as it starts."""
-
-    def __init__(self, table, timeout: float | None):
-        self.table = table
-        self.timeout = timeout
-        self.size = max(1, table._lease_size)
-        self.lease = None  # [rid, slots, next position]
-
-    def take(self) -> tuple[int, int, int]:
-        """(reservation id, position in it, slot) of the next free slot."""
-        lease = self.lease
-        if lease is None or lease[2] == lease[1].shape[0]:
-            rid, _, slots = reserve(self.table, self.size, _deadline_of(self.timeout))
-            lease = self.lease = [rid, slots, 0]
-        pos = lease[2]
-        lease[2] = pos + 1
-        return lease[0], pos, int(lease[1][pos])
-
-    def commit(self, rid: int, pos: int, priority: float | None) -> None:
-        t = self.table
-        prio = () if priority is None else (t._priorities([priority], 1, "commit"),)
-        t._client._send(C.COMMIT, t.id, a0=rid, a1=1, a2=pos, payload=prio)
-
-    def close(self, abandoned=()) -> None:
-        """Hand back the unused slots, and the slots of ``abandoned`` items
-        ((rid, pos, slot) taken but never to be committed; none may precede
-        a committed one in its lease)."""
-        lease, self.lease = self.lease, None
-        rids = {rid for rid, _, _ in abandoned}
-        if lease is not None and lease[2] < lease[1].shape[0]:
-            rids.add(lease[0])
-        for rid in sorted(rids):
-            self.table._client._send(C.ABORT, self.table.id, a0=rid)
+from ..errors import FieldError, ReplayError
+from .pipe import deadline_of
 
 
 def _as_step(table, field, value, shape) -> np.ndarray:
@@ -113,8 +79,8 @@ class SequenceWriter:
         self.step_shapes.update({n: names[n].shape for n in self.seq_fields})
         self.table, self.length, self.period = table, length, period
         self.length_field, self.priority_fn = length_field, priority_fn
-        self.views = table._views
-        self.stream = SlotStream(table, timeout)
+        self.timeout = timeout
+        self.lease = table.lease()
         self.open: collections.deque = collections.deque()  # [rid, pos, slot, steps written]
         self.t = 0  # steps of the current episode so far
 
@@ -124,15 +90,30 @@ class SequenceWriter:
             raise FieldError(f"table {self.table.name!r}: a step needs exactly the fields "
                              f"{sorted(self.step_shapes)}, got {sorted(step)}")
         arrays = {k: _as_step(self.table, k, v, self.step_shapes[k]) for k, v in step.items()}
+        self.lease.run(self._append, arrays)
+
+    def _sync(self) -> None:
+        """Start of every call that writes: deferred errors, and open
+        sequences dropped if their slots died with a daemon."""
+        lease = self.lease
+        lease.begin()
+        if lease.renewed:
+            lease.renewed = False
+            self.open.clear()
+        lease.check()
+
+    def _append(self, arrays: dict) -> None:
+        self._sync()
+        views = self.lease.views
         if self.t % self.period == 0:
-            rid, pos, slot = self.stream.take()
+            rid, pos, slot = self.lease.take(deadline_of(self.timeout))
             for name in self.seq_fields:
-                self.views[name][slot] = arrays[name]
+                views[name][slot] = arrays[name]
             self.open.append([rid, pos, slot, 0])
         for item in self.open:
             slot, i = item[2], item[3]
             for name in self.time_fields:
-                self.views[name][slot, i] = arrays[name]
+                views[name][slot, i] = arrays[name]
             item[3] = i + 1
         self.t += 1
         while self.open and self.open[0][3] == self.length:
@@ -140,17 +121,22 @@ class SequenceWriter:
 
     def _commit(self, item) -> None:
         rid, pos, slot, n = item
+        views = self.lease.views
         if n < self.length:
             for name in self.time_fields:
-                self.views[name][slot, n:] = 0
-        self.views[self.length_field][slot] = n
+                views[name][slot, n:] = 0
+        views[self.length_field][slot] = n
         prio = None
         if self.priority_fn is not None:
-            prio = self.priority_fn({f: self.views[f][slot] for f in self.views})
-        self.stream.commit(rid, pos, prio)
+            prio = self.priority_fn({f: views[f][slot] for f in views})
+        self.lease.commit(rid, pos, prio)
 
     def end_episode(self) -> None:
         """Pad and commit every open sequence; the next step starts an episode."""
+        self.lease.run(self._end_episode)
+
+    def _end_episode(self) -> None:
+        self._sync()
         while self.open:
             self._commit(self.open.popleft())
         self.t = 0
@@ -158,7 +144,7 @@ class SequenceWriter:
     def close(self) -> None:
         """End the episode (open sequences are committed, padded) and hand back unused slots."""
         self.end_episode()
-        self.stream.close()
+        self.lease.release()
 
     def __enter__(self) -> "SequenceWriter":
         return self
@@ -207,8 +193,8 @@ class NStepWriter:
         self.extras = [f.name for f in spec.fields if f.name not in self.REQUIRED]
         self.step_shapes = {k: names[k].shape for k in ("obs", "action", "next_obs", *self.extras)}
         self.table, self.n, self.gamma, self.priority_fn = table, n, float(gamma), priority_fn
-        self.views = table._views
-        self.stream = SlotStream(table, timeout)
+        self.timeout = timeout
+        self.lease = table.lease()
         self.open: collections.deque = collections.deque()  # [rid, pos, slot, return, steps]
 
     def append(self, obs, action, reward, next_obs, terminated: bool = False,
@@ -223,9 +209,19 @@ class NStepWriter:
         r = float(reward)
         if not np.isfinite(r):
             raise ReplayError(f"reward must be finite, got {reward!r}")
-        rid, pos, slot = self.stream.take()
+        self.lease.run(self._append, arrays, r, bool(terminated), bool(truncated))
+
+    def _append(self, arrays: dict, r: float, terminated: bool, truncated: bool) -> None:
+        lease = self.lease
+        lease.begin()
+        if lease.renewed:  # the open transitions' slots died with a daemon
+            lease.renewed = False
+            self.open.clear()
+        lease.check()
+        rid, pos, slot = lease.take(deadline_of(self.timeout))
+        views = lease.views
         for k in ("obs", "action", *self.extras):
-            self.views[k][slot] = arrays[k]
+            views[k][slot] = arrays[k]
         self.open.append([rid, pos, slot, 0.0, 0])
         for item in self.open:
             item[3] += self.gamma ** item[4] * r
@@ -239,14 +235,14 @@ class NStepWriter:
 
     def _commit(self, item, next_obs, terminated: bool) -> None:
         rid, pos, slot, ret, m = item
-        v = self.views
+        v = self.lease.views
         v["reward"][slot] = ret
         v["discount"][slot] = 0.0 if terminated else self.gamma ** m
         v["next_obs"][slot] = next_obs
         prio = None
         if self.priority_fn is not None:
             prio = self.priority_fn({f: v[f][slot] for f in v})
-        self.stream.commit(rid, pos, prio)
+        self.lease.commit(rid, pos, prio)
 
     def close(self) -> None:
         """Drop unfinished transitions (their slots go back) and unused slots.
@@ -254,9 +250,9 @@ class NStepWriter:
         A transition is finished only by n steps or the episode's end; one
         cut short by close() has no next_obs to bootstrap from."""
         # open items are the newest taken, so nothing committed follows them
-        abandoned = [item[:3] for item in self.open]
+        abandoned = [] if self.lease.renewed else [item[:3] for item in self.open]
         self.open.clear()
-        self.stream.close(abandoned)
+        self.lease.release(abandoned)
 
     def __enter__(self) -> "NStepWriter":
         return self

@@ -14,9 +14,9 @@ daemon: SIGKILL, OOM kill, or a shutdown with ``retain_tables``):
   same; a different one is an error, never a silent reformat;
 * its owner (pid and start time in the header) must be dead;
 
-then the ``Table`` is rebuilt from it (``Table._recover``): every committed
-item stays, with its priority, times sampled and commit order; slots that
-were reserved or held are reclaimed after a quarantine.  Tables the config
+then the ``Table`` is rebuilt from it (``rebuild``): every committed item
+stays, with its priority, times sampled and commit order; slots that were
+reserved or held are reclaimed after a quarantine.  Tables the config
 declares that were not adopted are restored from the newest complete
 checkpoint in the restore directory, and the rest are created empty.
 Checkpointed tables that the config does not declare are restored too.
@@ -28,9 +28,13 @@ import logging
 import os
 import time
 
+import numpy as np
+
+from ..errors import LayoutError, ReplayError
+from ..wire import names
+from ..wire.layout import COMMITTED, FREE, HELD, RESERVED, TableMap, process_start
 from . import checkpoint, ownership
-from .errors import LayoutError, ReplayError
-from .layout import TableMap
+from .table import Table
 
 log = logging.getLogger("shmreplayd.recovery")
 
@@ -54,9 +58,57 @@ def adopt(name: str, expected=None) -> TableMap:
     return tmap
 
 
+def rebuild(table_id: int, spec, tmap: TableMap, seed=None, quarantine_s: float = 0.0) -> Table:
+    """A table rebuilt from a segment a dead daemon served (or a restored
+    checkpoint): the committed items (state, priority, times sampled,
+    commit number) are the truth; everything else is derived.  Slots a
+    writer had reserved, or a learner held, under the dead daemon are void:
+    their stamps are bumped (any key a client kept for them is stale) and
+    they stay out of use for ``quarantine_s``, in case a writer of the old
+    daemon is still copying into one (writers check the epoch before they
+    copy).  Engine thread, or before the table is served."""
+    t = Table(table_id, spec, tmap, seed, fresh=False)
+    m = tmap
+    st = m.state
+    mts = spec.max_times_sampled
+    if mts:  # the daemon died between counting an item's last use and removing it
+        st[(st == COMMITTED) & (m.times >= mts)] = HELD
+    committed = np.flatnonzero(st == COMMITTED)
+    committed = committed[np.argsort(m.seqno[committed], kind="stable")]
+    orphans = np.flatnonzero((st == RESERVED) | (st == HELD))
+    if orphans.shape[0]:
+        st[orphans] = FREE
+        m.prios[orphans] = 0.0
+        m.gens[orphans] += np.uint32(1)
+    free = np.flatnonzero(st == FREE)
+    if orphans.shape[0] and quarantine_s > 0:
+        free = np.setdiff1d(free, orphans, assume_unique=True)
+        t.ledger.quarantine = (orphans, time.monotonic() + quarantine_s)
+    t.ledger.free.push(free)
+    prios = m.prios[committed]
+    if committed.shape[0]:
+        t.sampler.add(committed, prios)
+        t.remover.add(committed, prios)
+        t.order.push(t.keys_of(committed))
+        t.max_priority = max(1.0, float(prios.max()))
+        t.seqno = int(m.seqno[committed].max())
+    uses = int((mts - m.times[committed].astype(np.int64)).sum()) if mts else 0
+    size = committed.shape[0]
+    can_sample = (size >= spec.min_size_to_sample and t.sampler.mass > 0
+                  and (not mts or uses > 0))
+    t.counters.restore(size, uses, can_sample)
+    m.words.epoch = m.words.epoch + 1
+    m.header["owner_pid"] = os.getpid()
+    m.header["owner_start"] = process_start(os.getpid())
+    t.stats["recovered_items"] = size
+    t.stats["recovered_orphans"] = orphans.shape[0]
+    t.publish()
+    return t
+
+
 def table_segments(instance: str) -> dict[str, str]:
     """table name -> segment name, for every table segment of ``instance``."""
-    prefix = f"{ownership.PREFIX}{instance}.t."
+    prefix = names.table_segment(instance, "")[1:]
     return {n[len(prefix):]: "/" + n for n in ownership.scan().get(instance, [])
             if n.startswith(prefix)}
 
@@ -72,7 +124,7 @@ async def open_tables(srv, restore_dir: str | None) -> None:
         srv.adopted.add(tname)
         log.info("table %s: adopted %s from a dead daemon: %d items (%.2f s)", tname, seg,
                  table["items"], time.monotonic() - t0)
-    have = set(await srv.call(lambda: list(srv.engine.by_name)))
+    have = set(await srv.call(srv.engine.table_names))
     saved = checkpoint.complete(restore_dir) if restore_dir else {}
     for tname in [n for n in declared if n not in have] + [n for n in saved if n not in declared]:
         if tname in have:
@@ -103,7 +155,7 @@ async def restore_table(srv, path: str, expected=None) -> dict:
     if expected is not None and ck.spec != expected:
         raise LayoutError(f"checkpoint {path} holds table {ck.spec.name!r} with another definition "
                           f"than the config's ({ck.spec} vs {expected})")
-    name = srv.cfg.table_segment(ck.spec.name)
+    name = names.table_segment(srv.cfg.instance, ck.spec.name)
     tmap = await srv.loop.run_in_executor(None, TableMap.create, name, ck.spec, srv.cfg.segment_mode,
                                           srv.cfg.gid)
     try:

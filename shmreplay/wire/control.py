@@ -19,8 +19,10 @@ Rules (docs/protocol.md has the message sequences):
    daemon applies what the client's ring still holds and then reclaims every
    slot the client reserved but did not commit.
 
-This module never touches a socket; the daemon (``server.py``) and the
-client (``client.py``) feed it bytes and send what it returns.
+This module never touches a socket: the daemon (``server/control.py``)
+wraps ``ServerConnection`` and the client (``client/link.py``) wraps
+``ClientConnection``; each feeds it bytes and sends what it returns.
+Both classes are for one thread at a time.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ import struct
 
 import msgpack
 
-from .errors import ProtocolError
+from ..errors import ProtocolError, ReplayError, error_from_name
 
 PROTOCOL_VERSION = 2  # 2: checkpoint and shutdown ops; access control
 MAX_FRAME = 1 << 20
@@ -149,3 +151,37 @@ def reply_error(rid: int, exc: BaseException) -> bytes:
 
 def notice_bye(exc: BaseException) -> bytes:
     return encode({"op": "bye", "error": type(exc).__name__, "message": str(exc)})
+
+
+class ClientConnection:
+    """Client-side state of one control connection: frames requests, files
+    replies by id (rule 2) and keeps the daemon's bye notice (rule 4)."""
+
+    def __init__(self):
+        self.decoder = FrameDecoder()
+        self.next_id = 1
+        self.replies: dict[int, dict] = {}
+        self.bye: ReplayError | None = None
+
+    def request(self, op: str, **args) -> tuple[int, bytes]:
+        """(request id, the frame to send)."""
+        rid = self.next_id
+        self.next_id += 1
+        return rid, encode({"op": op, "id": rid, **args})
+
+    def receive(self, data: bytes) -> None:
+        """Feed bytes read from the socket.  Raises ProtocolError for a
+        broken frame; a bye notice is kept in ``bye``."""
+        for msg in self.decoder.feed(data):
+            if msg.get("op") == "bye":
+                self.bye = error_from_name(msg.get("error"), str(msg.get("message")))
+            elif isinstance(msg.get("id"), int):
+                self.replies[msg["id"]] = msg
+
+    def result(self, rid: int) -> dict | None:
+        """The reply to ``rid`` if it arrived (None if not yet); raises the
+        error a failed reply names."""
+        msg = self.replies.pop(rid, None)
+        if msg is None or msg.get("ok"):
+            return msg
+        raise error_from_name(msg.get("error"), str(msg.get("message")))

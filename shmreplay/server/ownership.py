@@ -1,14 +1,7 @@
 """Who owns the shared objects of an instance, and removing those of dead owners.
 
-Every object a daemon makes lives in /dev/shm under its instance name::
-
-    shmreplay.<instance>.lock               the instance lock (this module)
-    shmreplay.<instance>.t.<table>          a table segment (kept across restarts)
-    shmreplay.<instance>.<pid>.c<n>         a client channel (unlinked once attached)
-    sem.shmreplay.<instance>.<pid>.c<n>.s   its semaphore
-    sem.shmreplay.<instance>.<pid>.bell     the daemon's doorbell
-
-A daemon holds an exclusive ``flock`` on the instance lock from before it
+Every object a daemon makes lives in /dev/shm under its instance name
+(``wire.names`` lists them).  A daemon holds an exclusive ``flock`` on the instance lock from before it
 makes or adopts anything until after it removed everything.  The kernel
 drops the lock when the process dies, however it dies, so "the lock can be
 taken" is exactly "no live daemon serves this instance": no pid files that
@@ -29,15 +22,11 @@ import os
 import time
 from dataclasses import dataclass
 
-from .errors import ReplayError
-from .layout import HEADER, MAGIC, process_start
+import numpy as np
 
-SHM_DIR = "/dev/shm"
-PREFIX = "shmreplay."
-
-
-def lock_path(instance: str) -> str:
-    return os.path.join(SHM_DIR, f"{PREFIX}{instance}.lock")
+from ..errors import ReplayError
+from ..wire.layout import HEADER, MAGIC, process_start
+from ..wire.names import PREFIX, SHM_DIR, instance_of, is_table, lock_path, pid_in_name
 
 
 class InstanceLock:
@@ -115,16 +104,6 @@ class StaleReport:
     objects: list[str]     # file names in /dev/shm
 
 
-def instance_of(name: str) -> str | None:
-    """The instance an object in /dev/shm belongs to, or None if not ours."""
-    if name.startswith("sem."):
-        name = name[4:]
-    if not name.startswith(PREFIX):
-        return None
-    parts = name.split(".")
-    return parts[1] if len(parts) >= 3 and parts[1] else None
-
-
 def scan(shm_dir: str = SHM_DIR) -> dict[str, list[str]]:
     """Every shmreplay object in /dev/shm, by instance."""
     out: dict[str, list[str]] = {}
@@ -133,10 +112,6 @@ def scan(shm_dir: str = SHM_DIR) -> dict[str, list[str]]:
         if inst is not None:
             out.setdefault(inst, []).append(name)
     return out
-
-
-def is_table(name: str) -> bool:
-    return not name.startswith("sem.") and ".t." in name
 
 
 def _object_owner(name: str) -> tuple[int, int]:
@@ -150,17 +125,11 @@ def _object_owner(name: str) -> tuple[int, int]:
             return 0, 0
         if len(head) < HEADER.itemsize:
             return 0, 0
-        import numpy as np
         h = np.frombuffer(head, HEADER)[0]
         if bytes(h["magic"]) != MAGIC:
             return 0, 0
         return int(h["owner_pid"]), int(h["owner_start"])
-    base = name[4:] if name.startswith("sem.") else name
-    parts = base.split(".")
-    try:
-        return int(parts[2]), 0
-    except (IndexError, ValueError):
-        return 0, 0
+    return pid_in_name(name), 0
 
 
 def cleanup(dry_run: bool = False, keep_tables: bool = False, only: str | None = None,

@@ -1,18 +1,8 @@
 """Samplers: which committed slots a sample returns, and with what probability.
 
-A sampler sees slot indices and priorities, never data (TorchRL's split).
-Interface, called by the owning ``Table`` from the engine thread only, never
-concurrently:
-
-* ``add(slots, priorities)``  newly committed slots become sampleable
-* ``set(slots, priorities)``  sampleable slots get new priorities
-* ``remove(slots)``           slots leave the sampler
-* ``sample(u01, beta)``       random samplers: -> (slots, probabilities, importance weights)
-* ``draw(n, uses_left)``      order samplers (``ordered = True``): n draws from one end
-* ``mass``                    > 0 iff something can be drawn
-
-Random samplers draw with replacement; the table enforces reuse limits on
-top (``Table._draw_limited``).  Order samplers (fifo, lifo) are Reverb's:
+Each implements ``selectors.Selector`` (see there for who calls it and
+when).  Random samplers (prioritized, uniform) draw with replacement; the
+table enforces reuse limits on top (``reuse.draw_limited``).  Order samplers (fifo, lifo) are Reverb's:
 each draw returns the oldest (newest) item, so without a reuse limit a batch
 holds one item n times, and with ``max_times_sampled=N`` each item is
 returned N times before the next one.
@@ -22,6 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..wire.records import key_slots
 from . import sumtree
 
 
@@ -58,6 +49,9 @@ class PrioritizedSampler:
     @property
     def mass(self) -> float:
         return float(self.sums[1])
+
+    def pick(self, n: int, rng, beta: float = 0.0, uses_left=None):
+        return self.sample(rng.random(n), beta)
 
     def sample(self, u01: np.ndarray, beta: float):
         n = u01.shape[0]
@@ -120,6 +114,9 @@ class UniformSampler:
     def mass(self) -> float:
         return float(self.count)
 
+    def pick(self, n: int, rng, beta: float = 0.0, uses_left=None):
+        return self.sample(rng.random(n), beta)
+
     def sample(self, u01: np.ndarray, beta: float):
         n = u01.shape[0]
         picks = np.minimum((u01 * self.count).astype(np.int64), self.count - 1)
@@ -134,8 +131,7 @@ class UniformSampler:
         self.count = 0
         self.set(slots, priorities)
 
-
-    def pick(self, n: int, rng) -> np.ndarray:
+    def distinct(self, n: int, rng) -> np.ndarray:
         """n distinct members chosen uniformly (the uniform remover's victims)."""
         return self.members[rng.choice(self.count, size=n, replace=False)].copy()
 
@@ -166,12 +162,16 @@ class OrderSampler:
     def mass(self) -> float:
         return float(self.count)
 
+    def pick(self, n: int, rng=None, beta: float = 0.0, uses_left=None):
+        slots = self.draw(n, uses_left)
+        return slots, np.ones(n), np.ones(n)
+
     def draw(self, n: int, uses_left) -> np.ndarray:
         """Slots of n successive draws.  ``uses_left(slots)`` gives how many
         more samples each item may give, or is None for no limit; the caller
         has checked the items hold at least n uses between them."""
         keys = self.order.peek(1 if uses_left is None else n, self.back)
-        slots = (keys & np.uint64(0xFFFFFFFF)).astype(np.int64)
+        slots = key_slots(keys)
         if uses_left is None:
             return np.full(n, slots[0])
         quota = np.minimum(uses_left(slots), n).astype(np.int64)
@@ -186,12 +186,3 @@ class OrderSampler:
     def rebuild(self, slots: np.ndarray, priorities: np.ndarray) -> None:
         self.count = slots.shape[0]
 
-
-def make_sampler(kind: str, capacity: int, alpha: float, order):
-    if kind == "prioritized":
-        return PrioritizedSampler(capacity, alpha)
-    if kind == "uniform":
-        return UniformSampler(capacity)
-    if kind in ("fifo", "lifo"):
-        return OrderSampler(order, back=kind == "lifo")
-    raise ValueError(kind)

@@ -28,8 +28,9 @@ Numerics (defended here, not by callers):
   positive leaf.
 
 All functions are pure functions of their array arguments; randomness comes
-in as an array of uniforms in [0, 1).  ``sumtree_reference`` holds a plain
-numpy twin of each, with the same names, that the tests compare against.
+in as an array of uniforms in [0, 1).  ``tests/sumtree_reference.py`` holds
+a plain numpy twin of each, with the same names, that the tests compare
+against.
 Callers: the daemon's engine thread only; not safe to call concurrently on
 the same arrays.
 """
@@ -39,7 +40,7 @@ from __future__ import annotations
 import numba
 import numpy as np
 
-from .numbaconf import JIT
+from ..numbaconf import JIT
 
 DRIFT_SAFETY = 4.0
 
@@ -166,13 +167,3 @@ def tree_values(priorities, alpha, out):
     for k in range(priorities.shape[0]):
         v = priorities[k]
         out[k] = v ** alpha if v > 0.0 else 0.0
-
-
-@numba.njit(**JIT)
-def first_invalid_priority(priorities):
-    """Index of the first NaN, infinite or negative priority, or -1."""
-    for k in range(priorities.shape[0]):
-        v = priorities[k]
-        if not (v >= 0.0 and v < np.inf):
-            return k
-    return -1

@@ -20,7 +20,7 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from .numbaconf import JIT
+from ..numbaconf import JIT
 
 
 def _pointer(context, builder, aryty, ary_value, idx):

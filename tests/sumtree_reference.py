@@ -1,4 +1,5 @@
-"""Plain-numpy twins of the kernels in ``sumtree``, with the same names.
+"""Plain-numpy twins of the kernels in ``shmreplay.server.sumtree`` (and of
+``shmreplay.priorities.first_invalid_priority``), with the same names.
 
 Slow and obviously correct: updates rebuild the whole tree level by level
 from the leaves; sampling advances all descents with vectorised numpy.  The
@@ -12,7 +13,7 @@ import math
 
 import numpy as np
 
-from .sumtree import DRIFT_SAFETY, new_trees, tree_size  # noqa: F401  (same public names)
+from shmreplay.server.sumtree import DRIFT_SAFETY, new_trees, tree_size  # noqa: F401  (same public names)
 
 
 def _rebuild_internal(sums: np.ndarray, mins: np.ndarray) -> None:

@@ -32,7 +32,7 @@ The checkpoint is the table as the snapshot saw it, minus items evicted
 before their rows were copied.  Restoring (``restore``) writes the items back into the
 same slots with the same stamps, so the round trip is bit-exact and keys a
 learner holds stay valid; the table then starts through the same recovery
-path as a table adopted after a crash (``Table._recover``).
+path as a table adopted after a crash (``recovery.rebuild``).
 """
 
 from __future__ import annotations
@@ -46,10 +46,9 @@ from dataclasses import dataclass
 import msgpack
 import numpy as np
 
-from .errors import LayoutError, ReplayError
-from .layout import COMMITTED, LAYOUT_VERSION, LIVE_DELETES, LIVE_EPOCH, LIVE_INSERTS, \
-    LIVE_SAMPLES, TableMap
-from .schema import TableSpec, spec_from_wire
+from ..errors import LayoutError, ReplayError
+from ..schema import TableSpec, spec_from_wire
+from ..wire.layout import COMMITTED, LAYOUT_VERSION, TableMap
 
 FORMAT = "shmreplay-checkpoint"
 FORMAT_VERSION = 1
@@ -87,13 +86,13 @@ def snapshot(table, bufs: dict) -> Snapshot:
     ``bufs`` and read the counters.  Picking the committed items out of the
     copies happens in ``write``, off the engine thread."""
     t0 = time.perf_counter()
-    m = table.map
+    m, c = table.map, table.counters
     for name, _ in _META:
         np.copyto(bufs[name], getattr(m, name))
     snap = Snapshot(table.spec, bufs["state"], bufs["gens"], bufs["prios"], bufs["times"],
                     bufs["seqno"],
-                    {"inserts": table.inserts, "samples": table.samples, "deletes": table.deletes,
-                     "epoch": int(m.live[LIVE_EPOCH])}, 0.0, dict(m.fields), m.gens)
+                    {"inserts": c.inserts, "samples": c.samples, "deletes": c.deletes,
+                     "epoch": m.words.epoch}, 0.0, dict(m.fields), m.gens)
     snap.pause_s = time.perf_counter() - t0
     return snap
 
@@ -324,7 +323,7 @@ def load(path: str) -> Checkpoint:
 def restore(ck: Checkpoint, tmap: TableMap) -> int:
     """Write a loaded checkpoint into a freshly created, empty table segment
     of the same spec; returns how many items.  The caller then builds the
-    ``Table`` with ``recover=True``."""
+    table with ``recovery.rebuild``."""
     if tmap.spec != ck.spec:
         raise ReplayError(f"checkpoint {ck.path} holds table {ck.spec}, not {tmap.spec}")
     a = ck.arrays
@@ -345,8 +344,6 @@ def restore(ck: Checkpoint, tmap: TableMap) -> int:
             view[slots[lo:lo + step]] = src[rows[lo:lo + step]]
     tmap.state[slots] = COMMITTED
     c = ck.counters
-    tmap.live[LIVE_INSERTS] = c["inserts"]
-    tmap.live[LIVE_SAMPLES] = c["samples"]
-    tmap.live[LIVE_DELETES] = c["deletes"]
-    tmap.live[LIVE_EPOCH] = c["epoch"]
+    tmap.words.set_counters(c["inserts"], c["samples"], c["deletes"])
+    tmap.words.epoch = c["epoch"]
     return int(slots.shape[0])

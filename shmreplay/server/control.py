@@ -1,10 +1,12 @@
 """The daemon's control plane: a Unix-socket server on asyncio/uvloop.
 
-One ``ControlConnection`` per client wraps ``protocol.ServerConnection``
-(the sans-IO rules) around a transport.  Requests of one connection are
-answered in order by one task; anything that touches tables runs on the
-engine thread through ``Engine.submit``; slow work (creating a multi-GiB
-segment) runs in the default executor so the loop keeps serving.
+Runs on the daemon's event-loop thread.  One ``ControlConnection`` per
+client wraps ``wire.control.ServerConnection`` (the sans-IO rules) around a
+transport.  Requests of one connection are answered in order by one task;
+anything that touches tables runs on the engine thread, through the
+engine's named entry points (``ControlServer.call``); slow work (creating
+a multi-GiB segment, writing a checkpoint) runs in the default executor so
+the loop keeps serving.
 """
 
 from __future__ import annotations
@@ -17,25 +19,27 @@ import time
 
 import posix_ipc
 
-from . import access, checkpoint, commands, protocol
-from .channel import Channel, ChannelLayout
+from ..errors import (CapacityError, DaemonUnavailable, PermissionDenied, ProtocolError,
+                      ReplayError, TableExists, UnknownTable)
+from ..schema import check_table_name, spec_from_wire
+from ..wire import control as protocol
+from ..wire import names, records
+from ..wire.channel import Channel, ChannelLayout
+from ..wire.control import ADMIN_OPS, PROTOCOL_VERSION
+from ..wire.layout import TableMap
+from ..wire.segment import create_semaphore, unlink_semaphore_quiet
+from . import access, checkpoint, recovery
 from .config import DaemonConfig
 from .engine import ClientState, Engine
-from .errors import (CapacityError, DaemonUnavailable, PermissionDenied, ProtocolError, ReplayError,
-                     TableExists, UnknownTable)
-from .layout import TableMap
-from .protocol import ADMIN_OPS, PROTOCOL_VERSION
-from .schema import check_table_name, spec_from_wire
-from .segment import create_semaphore, unlink_semaphore_quiet
 from .table import Table
 
 log = logging.getLogger("shmreplayd.control")
 
-# a channel holds the largest batch: SAMPLE replies need 24 bytes per item,
-# UPDATE requests 16; 256 records a ring lets a client stream commands
+# a channel holds two of the largest batch each way; 256 records a ring
+# lets a client stream commands
 CHANNEL = ChannelLayout(req_slots=256, resp_slots=256,
-                        req_payload=2 * 16 * commands.MAX_BATCH,
-                        resp_payload=2 * 24 * commands.MAX_BATCH)
+                        req_payload=records.REQUEST_PAYLOAD_BYTES,
+                        resp_payload=records.REPLY_PAYLOAD_BYTES)
 
 
 class ControlServer:
@@ -95,7 +99,7 @@ class ControlServer:
     # ---- table management ----
     async def create_table(self, wire: dict, exist_ok: bool) -> dict:
         spec = spec_from_wire(wire)
-        existing = await self.call(self.engine.find_table, spec.name)
+        existing = await self.call(self.engine.describe_table, spec.name)
         if existing is not None:
             if exist_ok and spec_from_wire(existing["spec"]) == spec:
                 return existing
@@ -103,7 +107,7 @@ class ControlServer:
                               + (" with a different schema" if exist_ok else ""))
         if spec.name in self.creating:
             raise TableExists(f"table {spec.name!r} is being created by another client")
-        count = await self.call(lambda: len(self.engine.tables))
+        count = len(await self.call(self.engine.table_names))
         if count + len(self.creating) >= self.cfg.max_tables:
             raise CapacityError(f"the daemon serves {count} tables, its limit (max_tables "
                                 f"{self.cfg.max_tables}); drop one or raise the limit")
@@ -116,7 +120,7 @@ class ControlServer:
     async def add_table(self, spec, tmap: TableMap | None = None, recover: bool = False) -> dict:
         """Serve a table: a new segment, or ``tmap`` (adopted or restored,
         ``recover``: rebuild the table from what it holds)."""
-        name = self.cfg.table_segment(spec.name)
+        name = names.table_segment(self.cfg.instance, spec.name)
         t0 = time.monotonic()
         fresh = tmap is None
         if fresh:
@@ -124,8 +128,11 @@ class ControlServer:
                                                    self.cfg.segment_mode, self.cfg.gid)
         seed = None if self.cfg.seed is None else self.cfg.seed + self.next_table_id
         try:
-            table = Table(self.next_table_id, spec, tmap, seed, recover=recover,
-                          quarantine_s=self.cfg.recovery_quarantine_s)
+            if recover:
+                table = recovery.rebuild(self.next_table_id, spec, tmap, seed,
+                                         self.cfg.recovery_quarantine_s)
+            else:
+                table = Table(self.next_table_id, spec, tmap, seed)
         except BaseException:
             if fresh:  # an adopted or restored segment is the caller's to keep or drop
                 tmap.seg.unlink()
@@ -146,7 +153,7 @@ class ControlServer:
         log.info("table %s %s", name, "dropped" if unlink else "left in /dev/shm for the next daemon")
 
     async def drop_all_tables(self, unlink: bool = True, keep_adopted: bool = False) -> None:
-        for name in list(await self.call(lambda: list(self.engine.by_name))):
+        for name in await self.call(self.engine.table_names):
             await self.drop_table(name, unlink and not (keep_adopted and name in self.adopted))
 
     async def checkpoint(self, names: list, directory: str, keep: int = 0) -> list[dict]:
@@ -157,7 +164,7 @@ class ControlServer:
         reports = []
         async with self.checkpointing:
             if not names:
-                names = await self.call(lambda: sorted(self.engine.by_name))
+                names = sorted(await self.call(self.engine.table_names))
             for name in names:
                 table = await self.call(self.engine.table_named, check_table_name(name))
                 bufs = await self.loop.run_in_executor(None, checkpoint.buffers, table.spec.capacity)
@@ -282,7 +289,7 @@ class ControlConnection(asyncio.Protocol):
         if op == "create_table":
             return {"table": await srv.create_table(msg["spec"], msg["exist_ok"])}
         if op == "open_table":
-            d = await srv.call(srv.engine.find_table, check_table_name(msg["name"]))
+            d = await srv.call(srv.engine.describe_table, check_table_name(msg["name"]))
             if d is None:
                 raise UnknownTable(f"no table named {msg['name']!r}")
             return {"table": d}
@@ -290,7 +297,7 @@ class ControlConnection(asyncio.Protocol):
             await srv.drop_table(msg["name"])
             return None
         if op == "list_tables":
-            return {"tables": await srv.call(lambda: [t.describe() for t in srv.engine.tables.values()])}
+            return {"tables": await srv.call(srv.engine.describe_tables)}
         if op in ("stats", "status"):
             return await srv.status()
         if op == "checkpoint":
@@ -307,14 +314,15 @@ class ControlConnection(asyncio.Protocol):
         cfg, srv = self.srv.cfg, self.srv
         if not 0 < pid < 2**32:
             raise ProtocolError(f"hello: pid {pid} is not a process id")
-        name = cfg.channel_segment(srv.pid, self.cid)
+        name = names.channel_segment(cfg.instance, srv.pid, self.cid)
+        sem = names.channel_semaphore(name)
         # the client must open both: give them to its user when we can (root)
         owner = (self.peer.uid if os.geteuid() == 0 else -1, cfg.gid)
         self.channel = Channel.create(name, CHANNEL, pid, srv.pid, cfg.segment_mode, owner)
-        self.sem = create_semaphore(name + ".s", cfg.segment_mode, owner)
+        self.sem = create_semaphore(sem, cfg.segment_mode, owner)
         return {"protocol": PROTOCOL_VERSION, "daemon_pid": srv.pid, "instance": cfg.instance,
-                "channel": name, "channel_sem": name + ".s", "doorbell": cfg.doorbell(srv.pid),
-                "max_batch": commands.MAX_BATCH}
+                "channel": name, "channel_sem": sem, "doorbell": names.doorbell(cfg.instance, srv.pid),
+                "max_batch": records.MAX_BATCH}
 
     async def _ready(self) -> None:
         # the client has both open: drop the names now, so nothing is left in

@@ -1,49 +1,47 @@
 """The daemon's data plane: one thread that owns every table and channel.
 
 All table state is touched by this thread only, so tables need no locks.
-The control plane (asyncio thread) reaches it in two ways:
-
-* ``submit(fn, *args)`` queues a call to run on the engine thread between
-  bursts and returns a ``concurrent.futures.Future`` (table create/drop,
-  client attach/detach, stats);
-* it rings the doorbell semaphore so a sleeping engine notices the call.
+The control plane (the event-loop thread) reaches it through ``submit``:
+it queues a call of one of the entry points below (table create/drop,
+client attach/detach, stats) to run between bursts, rings the doorbell so
+a sleeping engine notices, and gets a ``concurrent.futures.Future``.
+Entry points assert, in debug mode, that they run on the engine thread.
 
 Loop: run queued calls; serve every channel (up to BURST records each, for
-fairness, then one publish of the responses); if nothing was found, spin for
-``spin_us`` re-checking the ring heads, then announce sleep in every channel
-and wait on the doorbell (clients post it when they see the announcement).
-An idle engine therefore sleeps in ``sem_wait`` and uses no CPU.
+fairness, then one publish of the replies); retry parked requests
+(``parking.py``); if nothing was found, spin for ``spin_us`` re-checking the
+ring heads, then announce sleep in every channel and wait on the doorbell
+(clients post it when they see the announcement).  An idle engine
+therefore sleeps in ``sem_wait`` and uses no CPU.
 
-Parked requests.  A RESERVE or SAMPLE that a table's limits hold back
-(``table.Blocked``) waits in that table's queue, oldest first per kind,
-instead of holding up the loop; after every pass that did work the queues
-are retried, and a request still blocked at its deadline is answered with
-the error the table gave.  A sleeping engine wakes for the earliest
-deadline.  Later requests of the same kind on that table queue behind a
-parked one, so a large batch is not starved by small ones.
+Each record is decoded by ``wire.records`` and applied by the handler of
+its op.  Replies wait in the client's outbox until its ring has room; a
+client that leaves MAX_OUTBOX replies unread is cut off.
 """
 
 from __future__ import annotations
 
 import collections
 import concurrent.futures
+import functools
 import logging
 import queue
 import threading
 import time
 
-import numpy as np
 import posix_ipc
 
-from . import commands as C
-from .channel import Channel
-from .errors import CapacityError, ProtocolError, ReplayError, UnknownTable
-from .table import Blocked, Table
+from ..errors import ProtocolError, ReplayError, UnknownTable
+from ..wire import records as R
+from ..wire.channel import Channel
+from .counters import Blocked
+from .parking import Parking, Waiter
+from .table import Table
 
 log = logging.getLogger("shmreplayd.engine")
 
 BURST = 64
-MAX_OUTBOX = 1024  # responses a client may leave unread before it is cut off
+MAX_OUTBOX = 1024  # replies a client may leave unread before it is cut off
 
 
 class ClientState:
@@ -57,13 +55,15 @@ class ClientState:
         self.outbox: collections.deque = collections.deque()
 
 
-class Waiter:
-    """A parked RESERVE or SAMPLE."""
-
-    __slots__ = ("cl", "op", "seq", "n", "beta", "deadline")
-
-    def __init__(self, cl: ClientState, op: int, seq: int, n: int, beta: float, deadline: float):
-        self.cl, self.op, self.seq, self.n, self.beta, self.deadline = cl, op, seq, n, beta, deadline
+def entry_point(method):
+    """A call the control plane submits; in debug mode, checks it runs on
+    the engine thread (or with no engine thread left to race)."""
+    @functools.wraps(method)
+    def call(self, *args):
+        assert not self.running or threading.current_thread() is self.thread, \
+            f"Engine.{method.__name__} called off the engine thread"
+        return method(self, *args)
+    return call
 
 
 class Engine:
@@ -81,16 +81,20 @@ class Engine:
         self.by_name: dict[str, Table] = {}
         self.clients: dict[int, ClientState] = {}
         self.dropped: dict[int, ClientState] = {}  # cut off, awaiting unmap by the control plane
+        self.parking = Parking()
         self.calls: queue.SimpleQueue = queue.SimpleQueue()
         self.stopping = False
         self.running = False  # True while the thread serves; guarded by lock
         self.lock = threading.Lock()
         self.thread: threading.Thread | None = None
-        self.parked = 0  # requests waiting in tables' queues
         self._doomed: list = []  # (client, error): cut off once the queues are walked
-        self.stats = {"commands": 0, "wakeups": 0, "sleeps": 0, "disconnects": 0, "parked": 0}
+        self.stats = {"commands": 0, "wakeups": 0, "sleeps": 0, "disconnects": 0}
+        # one handler per op; COMMIT runs are merged in _serve
+        self._handlers = {R.RESERVE: self._on_draw, R.SAMPLE: self._on_draw, R.ABORT: self._on_abort,
+                          R.RELEASE: self._on_release, R.UPDATE: self._on_update,
+                          R.FLUSH: self._on_flush}
 
-    # ---- control-plane entry points (any thread) ----
+    # ---- any thread ----
     def start(self) -> None:
         self.running = True
         self.thread = threading.Thread(target=self._run, name="shmreplay-engine", daemon=True)
@@ -121,8 +125,9 @@ class Engine:
             while not self.stopping:
                 worked = self._run_calls()
                 worked = self._serve_all() or worked
-                if self.parked:
-                    self._serve_waiters()
+                if self.parking.count:
+                    self.parking.settle(self.tables, self._settle, time.monotonic())
+                    self._cut_off_doomed()
                 if worked or self._spin():
                     continue
                 self._sleep()
@@ -155,108 +160,93 @@ class Engine:
             try:
                 worked = self._serve(cl) or worked
             except ProtocolError as exc:
-                log.warning("client %d (pid %d): %s; disconnecting it", cl.id, cl.pid, exc)
-                self._drop(cl)
-                self.on_client_error(cl.id, exc)
+                self._cut_off(cl, exc)
             except Exception as exc:  # a bug one client's input reached: cut off that client only
-                log.exception("client %d (pid %d): unexpected error; disconnecting it", cl.id, cl.pid)
-                self._drop(cl)
-                self.on_client_error(cl.id, ProtocolError(f"daemon could not apply a command: {exc!r}"))
+                log.exception("client %d (pid %d): unexpected error", cl.id, cl.pid)
+                self._cut_off(cl, ProtocolError(f"daemon could not apply a command: {exc!r}"))
         return worked
 
     def _serve(self, cl: ClientState, limit: int = BURST) -> bool:
-        n = min(cl.req.pending(), limit)
+        ring = cl.req
+        n = min(ring.pending(), limit)
         pay_end = None
         i = 0
         while i < n:
-            rec = cl.req.peek(i)
-            if int(rec["op"]) == C.COMMIT:
-                i, end = self._commit_run(cl, i, n)
+            rec = ring.peek(i)
+            op, tid, seq = R.envelope(rec)
+            if op == R.COMMIT:
+                run = R.read_commit_run(ring, i, n)
+                self._on_commit(cl, run)
+                i, end = run.next, run.pay_end
             else:
-                end = self._handle(cl, rec)
+                handler = self._handlers.get(op)
+                if handler is None:
+                    raise ProtocolError(f"unknown command op {op} in the request ring")
+                pay = ring.payload_of(rec)  # bounds-checked; ProtocolError cuts the client off
+                end = ring.payload_end(rec)
+                try:
+                    handler(cl, rec, pay, op, tid, seq)
+                except ProtocolError:
+                    raise
+                except ReplayError as exc:
+                    self._respond(cl, R.error_reply(op, seq, exc))
                 i += 1
             if end is not None:
                 pay_end = end
         if n:
-            cl.req.consume(n, pay_end)
+            ring.consume(n, pay_end)
             self.stats["commands"] += n
         self._flush(cl)
         return n > 0
 
-    def _handle(self, cl: ClientState, rec) -> int | None:
-        """Apply one request; returns the end of its payload (or None)."""
-        op, seq = int(rec["op"]), int(rec["seq"])
-        pay = cl.req.payload_of(rec)   # bounds-checked; ProtocolError disconnects
-        end = cl.req.payload_end(rec)
-        if op not in C.NAMES:
-            raise ProtocolError(f"unknown command op {op} in the request ring")
+    # ---- handlers: one per op (records.py says what each record holds) ----
+    def _on_commit(self, cl: ClientState, run: R.CommitRun) -> None:
         try:
-            if op == C.FLUSH:
-                self._respond(cl, op, seq)
-                return end
-            table = self._table(int(rec["table"]))
-            if op in (C.RESERVE, C.SAMPLE):
-                n = _count(rec["a0"], C.NAMES[op])
-                w = Waiter(cl, op, seq, n, float(rec["f0"]), _deadline(int(rec["a1"])))
-                queue_ = table.waiting_inserts if op == C.RESERVE else table.waiting_samples
-                if queue_:  # behind a parked one of its kind: keep the order
-                    self._park(table, queue_, w)
-                else:
-                    try:
-                        self._run_waiter(table, w)
-                    except Blocked as b:
-                        if w.deadline <= time.monotonic():
-                            raise b.error from None
-                        self._park(table, queue_, w)
-            elif op == C.ABORT:
-                table.abort(cl.id, int(rec["a0"]))
-            elif op == C.RELEASE:
-                table.release(cl.id, int(rec["a0"]))
-            elif op == C.UPDATE:
-                n = _count(rec["a0"], "UPDATE")
-                if pay.shape[0] != 16 * n:
-                    raise ProtocolError(f"UPDATE of {n} keys carries {pay.shape[0]} payload bytes")
-                keys = pay[:8 * n].view(np.uint64)
-                table.update_priorities(keys, pay[8 * n:].view(np.float64))
+            self._table(run.table).commit(cl.id, run.rid, run.prios, offset=run.offset, n=run.n)
         except ProtocolError:
             raise
         except ReplayError as exc:
-            self._respond_error(cl, op, seq, exc)
-        return end
+            self._respond(cl, R.error_reply(R.COMMIT, run.seq, exc))
 
-    # ---- parked requests ----
+    def _on_draw(self, cl, rec, pay, op, tid, seq) -> None:
+        """RESERVE and SAMPLE: run now, or park behind the table's limits."""
+        if op == R.RESERVE:
+            (n, wait_us), beta = R.read_reserve(rec), 0.0
+        else:
+            n, wait_us, beta = R.read_sample(rec)
+        table = self._table(tid)
+        w = Waiter(cl, op, seq, n, beta, _deadline(wait_us))
+        if self.parking.busy(tid, op):  # behind a parked one of its kind: keep the order
+            self.parking.park(table, w)
+            return
+        try:
+            self._run_waiter(table, w)
+        except Blocked as b:
+            if w.deadline <= time.monotonic():
+                raise b.error from None
+            self.parking.park(table, w)
+
+    def _on_abort(self, cl, rec, pay, op, tid, seq) -> None:
+        self._table(tid).abort(cl.id, R.read_abort(rec))
+
+    def _on_release(self, cl, rec, pay, op, tid, seq) -> None:
+        self._table(tid).release(cl.id, R.read_release(rec))
+
+    def _on_update(self, cl, rec, pay, op, tid, seq) -> None:
+        table = self._table(tid)
+        table.update_priorities(*R.read_update(rec, pay))
+
+    def _on_flush(self, cl, rec, pay, op, tid, seq) -> None:
+        self._respond(cl, R.flush_reply(seq))
+
     def _run_waiter(self, table: Table, w: Waiter) -> None:
         """Run a RESERVE or SAMPLE and queue its reply; raises Blocked."""
-        if w.op == C.RESERVE:
+        if w.op == R.RESERVE:
             rid, slots, contiguous = table.reserve(w.cl.id, w.n)
-            self._respond(w.cl, w.op, w.seq, a0=rid, a1=int(contiguous), a2=slots.shape[0],
-                          payload=(slots.astype(np.uint32),))
+            self._respond(w.cl, R.reserve_reply(w.seq, rid, slots, contiguous))
         else:
             keys, probs, weights, hid = table.sample(w.cl.id, w.n, w.beta)
-            self._respond(w.cl, w.op, w.seq, a0=w.n, a1=hid, payload=(keys, probs, weights))
-
-    def _park(self, table: Table, queue_, w: Waiter) -> None:
-        queue_.append(w)
-        self.parked += 1
-        self.stats["parked"] += 1
-        table.stats["insert_waits" if w.op == C.RESERVE else "sample_waits"] += 1
-
-    def _serve_waiters(self) -> None:
-        """Retry parked requests, oldest first per queue, and answer those
-        whose deadline passed with the error that still holds them (also
-        behind a head that stays blocked).  Queues change only here."""
-        now = time.monotonic()
-        for table in self.tables.values():
-            for queue_ in (table.waiting_inserts, table.waiting_samples):
-                while queue_ and self._settle(table, queue_[0], now):
-                    queue_.popleft()
-                    self.parked -= 1
-                if any(w.deadline <= now for w in queue_):
-                    keep = [w for w in queue_ if not (w.deadline <= now and self._settle(table, w, now))]
-                    self.parked -= len(queue_) - len(keep)
-                    queue_.clear()
-                    queue_.extend(keep)
-        self._cut_off_doomed()
+            self._respond(w.cl, R.sample_reply(w.seq, keys, probs, weights, hid))
 
     def _settle(self, table: Table, w: Waiter, now: float) -> bool:
         """Run a parked request, or answer it with its error once its
@@ -284,7 +274,7 @@ class Engine:
         is cut off after the pass, so no queue changes while walked."""
         try:
             if exc is not None:
-                self._respond_error(w.cl, w.op, w.seq, exc)
+                self._respond(w.cl, R.error_reply(w.op, w.seq, exc))
             self._flush(w.cl)
         except ProtocolError as err:
             self._doomed.append((w.cl, err))
@@ -293,62 +283,12 @@ class Engine:
         doomed, self._doomed = self._doomed, []
         for cl, exc in doomed:
             if cl.id in self.clients:
-                log.warning("client %d (pid %d): %s; disconnecting it", cl.id, cl.pid, exc)
-                self._drop(cl)
-                self.on_client_error(cl.id, exc)
+                self._cut_off(cl, exc)
 
-    def _unpark(self, pred) -> list[Waiter]:
-        """Take every parked request matching ``pred(table, waiter)`` out of its queue."""
-        out = []
-        for table in self.tables.values():
-            for queue_ in (table.waiting_inserts, table.waiting_samples):
-                gone = [w for w in queue_ if pred(table, w)]
-                if gone:
-                    out.extend(gone)
-                    keep = [w for w in queue_ if w not in gone]
-                    queue_.clear()
-                    queue_.extend(keep)
-        self.parked -= len(out)
-        return out
-
-    def next_deadline(self) -> float | None:
-        if not self.parked:
-            return None
-        return min((w.deadline for t in self.tables.values()
-                    for q in (t.waiting_inserts, t.waiting_samples) for w in q), default=None)
-
-    def _commit_run(self, cl: ClientState, i: int, n: int) -> tuple[int, int | None]:
-        """Apply COMMIT records i.. that continue one lease as one commit.
-
-        A writer streams a COMMIT per insert call; the parts of one lease
-        arrive back to back, and one table update for all of them costs
-        about what one part costs.  Returns (next record, payload end)."""
-        ring = cl.req
-        first = ring.peek(i)
-        table_id, rid, offset = int(first["table"]), int(first["a0"]), int(first["a2"])
-        with_prios = int(first["pay_len"]) > 0
-        total, parts, end, j = 0, [], None, i
-        while j < n:
-            rec = ring.peek(j)
-            if j > i and (int(rec["op"]) != C.COMMIT or int(rec["table"]) != table_id
-                          or int(rec["a0"]) != rid or int(rec["a2"]) != offset + total
-                          or (int(rec["pay_len"]) > 0) != with_prios):
-                break
-            k = _count(rec["a1"], "COMMIT")
-            pay = ring.payload_of(rec)
-            if with_prios:
-                parts.append(_f64(pay, k, "COMMIT"))
-                end = ring.payload_end(rec)
-            total += k
-            j += 1
-        prios = (parts[0] if len(parts) == 1 else np.concatenate(parts)) if with_prios else None
-        try:
-            self._table(table_id).commit(cl.id, rid, prios, offset=offset, n=total)
-        except ProtocolError:
-            raise
-        except ReplayError as exc:
-            self._respond_error(cl, C.COMMIT, int(first["seq"]), exc)
-        return j, end
+    def _cut_off(self, cl: ClientState, exc: ProtocolError) -> None:
+        log.warning("client %d (pid %d): %s; disconnecting it", cl.id, cl.pid, exc)
+        self._drop(cl)
+        self.on_client_error(cl.id, exc)
 
     def _table(self, table_id: int) -> Table:
         table = self.tables.get(table_id)
@@ -356,12 +296,9 @@ class Engine:
             raise UnknownTable(f"no table with id {table_id} (dropped?)")
         return table
 
-    def _respond_error(self, cl: ClientState, op: int, seq: int, exc: ReplayError) -> None:
-        self._respond(cl, op, seq, status=exc.code, payload=(str(exc).encode(),))
-
-    def _respond(self, cl: ClientState, op: int, seq: int, status: int = 0,
-                 a0: int = 0, a1: int = 0, a2: int = 0, payload=()) -> None:
-        cl.outbox.append((op, seq, status, a0, a1, a2, payload))
+    # ---- the outbox ----
+    def _respond(self, cl: ClientState, reply: R.Reply) -> None:
+        cl.outbox.append(reply)
         if len(cl.outbox) > MAX_OUTBOX:
             raise ProtocolError(f"client left {MAX_OUTBOX} responses unread")
 
@@ -371,14 +308,14 @@ class Engine:
         if ring.room() < 0:  # the client scribbled its tail
             raise ProtocolError("response ring tail moved to an impossible position")
         while cl.outbox:
-            op, seq, status, a0, a1, a2, payload = cl.outbox[0]
-            if not ring.try_put(payload, op, 0, seq, a0, a1, a2, 0.0, status):
+            if not R.put_reply(ring, cl.outbox[0]):
                 break
             cl.outbox.popleft()
             wrote += 1
         if wrote and ring.publish():
             cl.sem.release()
 
+    # ---- idling ----
     def _spin(self) -> bool:
         """Re-check the rings for up to the current spin budget.
 
@@ -414,7 +351,7 @@ class Engine:
                 return
             self.stats["sleeps"] += 1
             timeout = self.idle_timeout
-            deadline = self.next_deadline()
+            deadline = self.parking.next_deadline()
             if deadline is not None:
                 timeout = max(0.0, min(timeout, deadline - time.monotonic()))
             try:
@@ -427,33 +364,48 @@ class Engine:
             for r in rings:
                 r.clear_sleeping()
 
-    # ---- calls the control plane submits (run on this thread) ----
+    # ---- entry points the control plane submits ----
+    @entry_point
     def add_table(self, table: Table) -> None:
         self.tables[table.id] = table
         self.by_name[table.spec.name] = table
+        self.parking.add_table(table.id)
 
+    @entry_point
     def table_named(self, name: str) -> Table:
         t = self.by_name.get(name)
         if t is None:
             raise UnknownTable(f"no table named {name!r}")
         return t
 
-    def find_table(self, name: str) -> dict | None:
+    @entry_point
+    def table_names(self) -> list[str]:
+        return list(self.by_name)
+
+    @entry_point
+    def describe_table(self, name: str) -> dict | None:
         t = self.by_name.get(name)
         return t.describe() if t is not None else None
 
+    @entry_point
+    def describe_tables(self) -> list[dict]:
+        return [t.describe() for t in self.tables.values()]
+
+    @entry_point
     def drop_table(self, name: str) -> Table:
         t = self.table_named(name)
-        for w in self._unpark(lambda table, w: table is t):
+        for w in self.parking.drop_table(t.id):
             self._reply_error(w, UnknownTable(f"table {name!r} was dropped"))
         self._cut_off_doomed()
         del self.by_name[name]
         del self.tables[t.id]
         return t
 
+    @entry_point
     def add_client(self, cl: ClientState) -> None:
         self.clients[cl.id] = cl
 
+    @entry_point
     def detach_client(self, cid: int) -> ClientState | None:
         """The client's lease ended: apply what its ring still holds, then
         reclaim its reservations.  Returns its state for the caller to unmap."""
@@ -472,34 +424,25 @@ class Engine:
             return
         self.dropped[cl.id] = cl
         cl.outbox.clear()
-        self._unpark(lambda table, w: w.cl is cl)
+        self.parking.unpark_client(cl)
         self.stats["disconnects"] += 1
         reclaimed = sum(t.release_owner(cl.id) for t in self.tables.values())
         if reclaimed:
             log.info("client %d (pid %d): reclaimed %d reserved slots", cl.id, cl.pid, reclaimed)
 
+    @entry_point
     def snapshot(self) -> dict:
-        return {
-            "engine": dict(self.stats),
-            "clients": len(self.clients),
-            "tables": {t.spec.name: t.snapshot_stats() for t in self.tables.values()},
-        }
+        tables = {}
+        for t in self.tables.values():
+            st = t.snapshot_stats()
+            st["limiter"]["waiting_inserts"], st["limiter"]["waiting_samples"] = \
+                self.parking.waiting(t.id)
+            tables[t.spec.name] = st
+        return {"engine": {**self.stats, "parked": self.parking.total}, "clients": len(self.clients),
+                "tables": tables}
 
 
 def _deadline(timeout_us: int) -> float:
-    if timeout_us >= C.FOREVER:
+    if timeout_us >= R.FOREVER:
         return float("inf")
     return time.monotonic() + timeout_us * 1e-6
-
-
-def _count(value, what: str) -> int:
-    n = int(value)
-    if not 1 <= n <= C.MAX_BATCH:
-        raise CapacityError(f"{what} of {n} items: allowed 1..{C.MAX_BATCH}")
-    return n
-
-
-def _f64(pay: np.ndarray, n: int, what: str) -> np.ndarray:
-    if pay.shape[0] != 8 * n:
-        raise ProtocolError(f"{what} of {n} items carries {pay.shape[0]} payload bytes")
-    return pay.view(np.float64)

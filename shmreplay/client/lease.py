@@ -1,0 +1,187 @@
+"""A writer's slot lease: slots reserved ahead, handed out in order, committed in order.
+
+Every way of inserting goes through one: ``Table.insert``/``insert_batch``
+use the table handle's own lease, each ``SequenceWriter``/``NStepWriter``
+has one of its own (its items stay open across calls).  A lease
+
+* reserves slots from the daemon, ``size`` at a time (capacity/256), and
+  asks for the next reservation at half time, so inserts need no round
+  trip (``size`` 0: reserve exactly what each call needs, as rate-limited
+  tables do, so the limiter counts an insert when it starts);
+* hands slots out in reservation order, and commits them in that order
+  (the daemon refuses a commit out of order);
+* checks the table's epoch before every copy into a slot: a restarted
+  daemon bumps it, and the slots leased from the dead one are void;
+* resolves field views through the table handle, which rebinds them after
+  a reconnect;
+* is voided when its client reconnects or forks (no reservation id of the
+  old connection is ever sent again): its writer is told (``renewed``), and
+  slots it had handed out and not committed count as possibly lost, so the
+  next ``flush()`` says so;
+* hands back unused slots on ``release`` (the table's lease at ``flush()``,
+  a writer's at its ``close()``);
+* raises the client's deferred errors (``begin``).
+
+Same threading rule as the table handle: one thread at a time.
+"""
+
+from __future__ import annotations
+
+from ..errors import DaemonUnavailable, ReplayError
+from ..wire import records as R
+from .pipe import in_slices
+
+
+class SlotLease:
+    def __init__(self, table, size: int):
+        self.table = table
+        self.size = size
+        self.cur: list | None = None    # [rid, slots, next position, contiguous]
+        self.ahead: int | None = None   # seq of a RESERVE sent for the next reservation
+        self.taken = 0                  # slots handed to a writer, not committed or abandoned
+        self.renewed = False            # voided since the writer last looked
+        table._leases.add(self)
+
+    # ---- state ----
+    @property
+    def views(self) -> dict:
+        """The table's field arrays, as mapped now (after any reconnect)."""
+        return self.table._views
+
+    def begin(self) -> None:
+        """Prologue of a writer's call: fork check, deferred errors."""
+        self.table._client._begin()
+
+    def check(self) -> None:
+        """Before a copy into leased slots: are they still ours?"""
+        t = self.table
+        if t._words.epoch != t._epoch:
+            raise DaemonUnavailable(f"table {t.name!r} was taken over by a restarted daemon; "
+                                    "this client's slot leases died with the old one")
+
+    def void(self) -> bool:
+        """The connection these slots were reserved on is gone (reconnect,
+        fork).  Returns True if slots were handed out and not committed."""
+        lost = self.taken > 0
+        self.cur = self.ahead = None
+        self.taken = 0
+        self.renewed = True
+        return lost
+
+    def run(self, fn, *args):
+        """Run a writer's call; if the daemon went away during it and the
+        client reconnects, reconnect (voiding this lease) and run it again."""
+        try:
+            return fn(*args)
+        except DaemonUnavailable:
+            cl = self.table._client
+            if not cl.reconnect or cl._closed:
+                raise
+            cl._reconnect()
+            return fn(*args)
+
+    # ---- reserving ----
+    def _reserve(self, n: int, deadline: float | None) -> list:
+        t = self.table
+        pipe = t._client._pipe
+        if self.ahead is not None:
+            seq, self.ahead = self.ahead, None
+            rid, contiguous, slots = pipe.wait(seq, R.read_reserve_reply, pipe.timeout)
+        else:
+            def attempt(w):
+                return pipe.wait(pipe.send(R.put_reserve, t.id, n, R.timeout_us(w)),
+                                 R.read_reserve_reply, w)
+            rid, contiguous, slots = in_slices(deadline, attempt)
+        self.cur = [rid, slots, 0, contiguous]
+        return self.cur
+
+    def _ask_ahead(self, n: int) -> None:
+        """Ask for the next reservation at half time, so its reply is there when needed."""
+        cur = self.cur
+        if (self.ahead is None and 0 < n <= self.size
+                and cur[1].shape[0] - cur[2] < max(n, self.size // 2)):
+            pipe = self.table._client._pipe
+            self.ahead = pipe.send(R.put_reserve, self.table.id, self.size,
+                                   R.timeout_us(pipe.timeout))
+            pipe.expect(self.ahead)
+
+    # ---- inserts: copy and commit in one call ----
+    def write(self, arrays: list, n: int, prios, single: bool, deadline: float | None) -> None:
+        """Copy n rows (``arrays`` in field order; ``single``: one item,
+        unbatched) into leased slots and commit them with ``prios``."""
+        self.check()
+        t = self.table
+        cl = t._client
+        views = t._view_list
+        lo = 0
+        while lo < n:
+            cur = self.cur
+            if cur is None or cur[2] == cur[1].shape[0]:
+                cur = self._reserve(min(max(n - lo, self.size), cl.max_batch), deadline)
+                self.check()
+            rid, slots, pos, contiguous = cur
+            k = min(n - lo, slots.shape[0] - pos)
+            whole = lo == 0 and k == n  # the usual case: no need to slice the input
+            try:
+                if single or contiguous:
+                    s0 = int(slots[pos])
+                    for view, a in zip(views, arrays):
+                        if single:
+                            view[s0] = a
+                        else:
+                            view[s0:s0 + k] = a if whole else a[lo:lo + k]
+                else:
+                    part = slots[pos:pos + k]
+                    for view, a in zip(views, arrays):
+                        view[part] = a if whole else a[lo:lo + k]
+            except BaseException:
+                self.release()  # the rows of this part may be half written
+                raise
+            cur[2] = pos + k
+            cl._dirty = True
+            cl._pipe.send(R.put_commit, t.id, rid, k, pos,
+                          None if prios is None else (prios if whole else prios[lo:lo + k]))
+            lo += k
+        self._ask_ahead(n)
+
+    # ---- writers: items that stay open across calls ----
+    def take(self, deadline: float | None) -> tuple[int, int, int]:
+        """The next slot for an item: (reservation id, position, slot).
+        Commit items in the order they were taken."""
+        cur = self.cur
+        if cur is None or cur[2] == cur[1].shape[0]:
+            cur = self._reserve(max(1, self.size), deadline)
+        self.check()
+        pos = cur[2]
+        cur[2] = pos + 1
+        self.taken += 1
+        self._ask_ahead(1)
+        return cur[0], pos, int(cur[1][pos])
+
+    def commit(self, rid: int, pos: int, priority: float | None) -> None:
+        t = self.table
+        prio = None if priority is None else t._priorities([priority], 1, "commit")
+        cl = t._client
+        cl._dirty = True
+        cl._pipe.send(R.put_commit, t.id, rid, 1, pos, prio)
+        self.taken -= 1
+
+    def release(self, abandoned=()) -> None:
+        """Hand back the slots not handed out, and those of ``abandoned``
+        items ((rid, pos, slot) taken but never to be committed; none may
+        precede a committed one in its reservation)."""
+        cl = self.table._client
+        rids = {rid for rid, _, _ in abandoned}
+        self.taken -= len(abandoned)
+        if self.ahead is not None:
+            seq, self.ahead = self.ahead, None
+            try:
+                rids.add(cl._pipe.wait(seq, R.read_reserve_reply, cl._pipe.timeout)[0])
+            except ReplayError:
+                pass  # the RESERVE failed: nothing to hand back
+        cur, self.cur = self.cur, None
+        if cur is not None and cur[2] < cur[1].shape[0]:
+            rids.add(cur[0])
+        for rid in sorted(rids):
+            cl._pipe.send(R.put_abort, self.table.id, rid)
+

@@ -1,0 +1,101 @@
+"""A client's control link: the Unix socket to the daemon, around the sans-IO
+``wire.control.ClientConnection``.
+
+The link carries the handshake, table management and admin requests, and
+is the client's lease: while it is open the daemon keeps the client's
+reservations.  The daemon's last word before closing it (a bye notice:
+shutdown, refusal, a protocol error) becomes the exception of every later
+call.  One thread at a time (the ``Client``'s).
+"""
+
+from __future__ import annotations
+
+import select
+import socket
+
+from ..errors import DaemonUnavailable, ProtocolError, ReplayError, ReplayTimeout
+from ..wire.control import ClientConnection
+
+
+class ControlLink:
+    def __init__(self, path: str, timeout: float):
+        self.path = path
+        self.timeout = timeout
+        self.conn = ClientConnection()
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(timeout)
+        try:
+            sock.connect(path)
+        except (FileNotFoundError, ConnectionRefusedError) as exc:
+            sock.close()
+            raise DaemonUnavailable(
+                f"no shmreplay daemon at {path} ({exc.strerror}); start shmreplayd or "
+                "set $SHMREPLAY_SOCKET") from None
+        except socket.timeout:
+            sock.close()
+            raise ReplayTimeout(f"connecting to {path} timed out after {timeout} s") from None
+        self.sock = sock
+        self._poll = select.poll()
+        self._poll.register(sock.fileno(), select.POLLIN)
+
+    @property
+    def bye(self) -> ReplayError | None:
+        return self.conn.bye
+
+    def request(self, op: str, **args) -> dict:
+        """Send a request and wait for its reply; raises the error it names."""
+        if self.conn.bye is not None:
+            raise self.conn.bye
+        rid, frame = self.conn.request(op, **args)
+        try:
+            self.sock.sendall(frame)
+            while True:
+                data = self.sock.recv(1 << 16)
+                if not data:
+                    self._closed()
+                self.conn.receive(data)
+                msg = self.conn.result(rid)
+                if msg is not None:
+                    return msg
+                if self.conn.bye is not None:
+                    raise self.conn.bye
+        except socket.timeout:
+            raise ReplayTimeout(f"daemon did not answer {op!r} within {self.timeout} s") from None
+        except (BrokenPipeError, ConnectionResetError) as exc:
+            self._read_bye()  # a refused connection is closed with a reason; raise that
+            raise DaemonUnavailable(f"daemon at {self.path} went away: {exc}") from None
+
+    def _closed(self):
+        if self.conn.bye is None:
+            self.conn.bye = DaemonUnavailable(f"daemon at {self.path} closed the connection")
+        raise self.conn.bye
+
+    def _read_bye(self) -> None:
+        """Raise the bye notice still buffered on a closed socket, if any."""
+        try:
+            self.conn.receive(self.sock.recv(1 << 16, socket.MSG_DONTWAIT))
+        except (OSError, ProtocolError):
+            pass
+        if self.conn.bye is not None:
+            raise self.conn.bye
+
+    def live(self) -> None:
+        """Raise DaemonUnavailable (or the daemon's bye reason) if the lease ended."""
+        if self.conn.bye is not None:
+            raise self.conn.bye
+        if not self._poll.poll(0):
+            return
+        try:
+            data = self.sock.recv(1 << 16, socket.MSG_DONTWAIT)
+        except BlockingIOError:
+            return
+        except OSError as exc:
+            raise DaemonUnavailable(f"daemon at {self.path} went away: {exc}") from None
+        if not data:
+            self._closed()
+        self.conn.receive(data)
+        if self.conn.bye is not None:
+            raise self.conn.bye
+
+    def close(self) -> None:
+        self.sock.close()

@@ -1,0 +1,189 @@
+"""A client's command pipe: its channel to the daemon's engine.
+
+Requests go out as records (encoded by ``wire.records``) with increasing
+sequence numbers; replies come back in the order the engine ran the
+requests, which is not always the order they were sent (a parked RESERVE or
+SAMPLE answers later).  ``wait`` therefore stashes replies to other
+requests the caller said it will collect (``expect``), and turns error
+replies to streamed commands (COMMIT, UPDATE, which have no reply
+otherwise) into a *deferred* error that the next call raises.
+
+Waiting spins briefly on the reply ring, then sleeps on the channel's
+semaphore (docs/protocol.md, "Waking"), waking every 50 ms to ask the
+control link whether the daemon is still there.  One thread at a time.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import posix_ipc
+
+from ..errors import RateLimited, ReplayError, ReplayTimeout
+from ..wire import atomics
+from ..wire.channel import CTL_RESP_HEAD, Channel
+from ..wire.records import read_error
+from .link import ControlLink
+
+# Spin budget before sleeping on the semaphore, set from how long the last
+# reply took: twice that if it fits under SPIN_MAX_S, else the minimum.  On
+# an idle box replies come in tens to a few hundred microseconds (a learner's
+# UPDATE then SAMPLE: ~160 us) and spinning saves a ~35 us wake-up on each
+# side; on a saturated one the daemon waits for a CPU and spinning would only
+# take that CPU from it.  Budgets are counted in atomic loads, calibrated
+# once per process (2.5e9/s on this VM; a fixed guess of 1e9/s made the cap
+# 80 us instead of 200, so every learner round trip slept).
+SPIN_MIN_S, SPIN_MAX_S = 1e-6, 400e-6
+
+
+class CommandPipe:
+    def __init__(self, link: ControlLink, hello: dict):
+        """Attach the channel and semaphores the daemon's hello reply names."""
+        self.link = link
+        self.timeout = link.timeout
+        self.chan = Channel.attach(hello["channel"])
+        try:
+            self.sem = posix_ipc.Semaphore(hello["channel_sem"])
+            self.doorbell = posix_ipc.Semaphore(hello["doorbell"])
+        except BaseException:
+            self.chan.release()
+            raise
+        self.req = self.chan.requests
+        self.resp = self.chan.responses
+        self.seq = 0
+        self.expected: set[int] = set()   # replies to keep if they arrive while waiting for another
+        self.stash: dict[int, tuple] = {}
+        self.deferred: ReplayError | None = None
+        self.loads_per_s = atomics.loads_per_second()
+        self.spin = int(16 * SPIN_MIN_S * self.loads_per_s)
+
+    def send(self, put, *args) -> int:
+        """Send one request: ``put(ring, seq, *args)`` is a ``wire.records``
+        encoder.  Returns its sequence number."""
+        ring = self.req
+        seq = self.seq + 1
+        deadline = None
+        while not put(ring, seq, *args):
+            # the daemon is behind; it frees room without waking us, so poll
+            if deadline is None:
+                deadline = time.monotonic() + self.timeout
+            self.link.live()
+            if time.monotonic() > deadline:
+                raise ReplayTimeout(f"command ring stayed full for {self.timeout} s")
+            time.sleep(20e-6)
+        self.seq = seq
+        if ring.publish():
+            self.doorbell.release()
+        return seq
+
+    def expect(self, seq: int) -> None:
+        """The reply to ``seq`` will be collected later: stash it if it comes
+        while waiting for another."""
+        self.expected.add(seq)
+
+    def wait(self, seq: int, take, timeout: float = 0.0):
+        """Wait for the reply to ``seq`` and return ``take(rec, payload)``
+        (a ``wire.records`` decoder, run before the payload is handed back to
+        the daemon); raise the error it carries instead.  ``seq == 0`` only
+        drains.  ``timeout``: how long the daemon may hold the request; the
+        wait is that plus the client's own timeout."""
+        if seq in self.stash:
+            self.expected.discard(seq)
+            return _finish(*self.stash.pop(seq), take)
+        ring = self.resp
+        started = time.perf_counter()
+        deadline = time.monotonic() + self.timeout + timeout
+        while True:
+            while ring.pending():
+                rec = ring.peek(0)
+                pay = ring.payload_of(rec)
+                rseq = int(rec["seq"])
+                try:
+                    if rseq == seq:
+                        self.expected.discard(seq)
+                        self._learn_wait(time.perf_counter() - started)
+                        return _finish(rec, pay, take)
+                    if rseq in self.expected:
+                        self.expected.discard(rseq)
+                        self.stash[rseq] = (rec.copy(), pay.copy())
+                    elif self.deferred is None:
+                        self.deferred = read_error(rec, pay)
+                finally:
+                    ring.consume(1, ring.payload_end(rec))
+            if seq == 0:
+                return None
+            self._sleep(ring, deadline)
+
+    def drain(self) -> None:
+        """Read whatever replies arrived (deferred errors among them)."""
+        if self.resp.pending():
+            self.wait(0, None)
+
+    def raise_deferred(self) -> None:
+        if self.deferred is not None:
+            err, self.deferred = self.deferred, None
+            raise err
+
+    def _learn_wait(self, waited: float) -> None:
+        spin = 2 * waited if waited < SPIN_MAX_S else SPIN_MIN_S
+        self.spin = int(max(SPIN_MIN_S, min(SPIN_MAX_S, spin)) * self.loads_per_s)
+
+    def _sleep(self, ring, deadline: float) -> None:
+        if atomics.spin_until_changed(ring.ctl, CTL_RESP_HEAD, ring.tail, self.spin) != ring.tail:
+            return
+        if ring.set_sleeping():
+            ring.clear_sleeping()
+            return
+        remaining = deadline - time.monotonic()
+        try:
+            # wake at least every 50 ms to notice a daemon that died
+            self.sem.acquire(max(0.0, min(0.05, remaining)))
+            return
+        except posix_ipc.BusyError:
+            pass
+        finally:
+            ring.clear_sleeping()
+        self.link.live()
+        if time.monotonic() > deadline:
+            raise ReplayTimeout(f"daemon did not answer within {self.timeout} s")
+
+    def close(self) -> None:
+        for sem in (self.sem, self.doorbell):
+            sem.close()
+        self.req = self.resp = None
+        self.chan.release()
+
+
+def _finish(rec, pay: np.ndarray, take):
+    err = read_error(rec, pay)
+    if err is not None:
+        raise err
+    return take(rec, pay)
+
+
+# Waits for a table's limits happen in the daemon, asked for in slices of at
+# most WAIT_SLICE_S, each answered by the daemon, so a daemon that dies
+# raises DaemonUnavailable within ~50 ms and one that hangs raises
+# ReplayTimeout within a slice plus the client's timeout.
+WAIT_SLICE_S = 1.0
+
+
+def deadline_of(timeout: float | None) -> float | None:
+    """A caller's ``timeout`` (None: no limit) as a monotonic deadline."""
+    if timeout is not None and not timeout >= 0:
+        raise ReplayError(f"timeout must be >= 0 seconds or None, got {timeout}")
+    return None if timeout is None else time.monotonic() + timeout
+
+
+def in_slices(deadline: float | None, attempt):
+    """Run ``attempt(wait_s)`` (a request the daemon may hold up to wait_s)
+    until it succeeds or ``deadline`` (None: none) passes, asking for at
+    most WAIT_SLICE_S at a time."""
+    while True:
+        left = WAIT_SLICE_S if deadline is None else max(0.0, deadline - time.monotonic())
+        try:
+            return attempt(min(WAIT_SLICE_S, left))
+        except RateLimited:
+            if deadline is not None and time.monotonic() >= deadline:
+                raise

@@ -1,0 +1,315 @@
+"""A client's handle on one table: insert, sample, update priorities.
+
+Cheap, cached per client (``Client.table``); same threading rule as its
+``Client``: one thread at a time.  Inserts go through a ``SlotLease``
+(``lease.py``); samples draw in the daemon (keys, probabilities, weights)
+and gather rows here (``gather.py``).  The rate-limiter probes read the
+counters the daemon mirrors into the segment, with no round trip.
+
+Handles of a client made with ``reconnect=True`` are ``ReconnectingTable``:
+every call marked ``@retried`` runs again, once, after a reconnect, if the
+daemon went away during it.  Other clients' handles are plain ``Table`` so
+their hot paths pay nothing for it.
+"""
+
+from __future__ import annotations
+
+import time
+import weakref
+
+import numpy as np
+
+from .. import ratelimiter
+from ..errors import FieldError, PriorityError, ReplayError, ReplayTimeout
+from ..priorities import as_priorities
+from ..schema import spec_from_wire
+from ..wire import records as R
+from ..wire.layout import TableMap
+from .gather import SampleBatch, new_batch, stale_rows, take_rows
+from .iterator import BatchIterator
+from .lease import SlotLease
+from .pipe import deadline_of, in_slices
+from .retry import retried, with_retries
+
+
+class Table:
+    def __init__(self, client, desc: dict):
+        self._client = client
+        self.spec = spec_from_wire(desc["spec"])
+        self.name = self.spec.name
+        self._fields = self.spec.fields
+        self._names = frozenset(f.name for f in self._fields)
+        self._map = None
+        self._leases: weakref.WeakSet = weakref.WeakSet()
+        self._held: list[int] = []  # holds of sample_indices() batches
+        self._bind(desc)
+        # a writer fills a lease of reserved slots across calls; at most two
+        # leases of capacity/256 slots each, i.e. < 1% of the table withheld
+        # from sampling per writer (0: reserve per call)
+        self.lease_size = 0 if self.spec.rate_limited else min(
+            4096, self.spec.capacity // 256, client.max_batch)
+        self._lease = SlotLease(self, self.lease_size)
+
+    def _bind(self, desc: dict) -> None:
+        self.id = int(desc["id"])
+        old, self._map = self._map, TableMap.attach(desc["segment"], self.spec)
+        if old is not None:
+            old.release()  # arrays handed out keep their mapping alive
+        self._views = self._map.fields
+        self._view_list = [self._views[f.name] for f in self._fields]
+        self._words = self._map.words
+        self._epoch = self._words.epoch  # leases are valid while this stays (lease.py)
+
+    def _rebind(self, desc: dict) -> None:
+        """After a reconnect: the daemon's table of this name, every lease void."""
+        if spec_from_wire(desc["spec"]) != self.spec:
+            raise ReplayError(f"table {self.name!r} came back with another definition")
+        self._bind(desc)
+        self._held = []
+
+    def _void_leases(self) -> bool:
+        """The connection the leases were made on is gone; True if a writer
+        had items open in them (possibly lost)."""
+        return any([lease.void() for lease in list(self._leases)])
+
+    def __reduce__(self):
+        return (_reopen, (self._client, self.name))
+
+    @property
+    def client(self):
+        """The ``Client`` this handle belongs to."""
+        return self._client
+
+    def __len__(self) -> int:
+        return self._words.size
+
+    def __repr__(self) -> str:
+        return f"<shmreplay.Table {self.name!r} {len(self)}/{self.spec.capacity}>"
+
+    @property
+    def capacity(self) -> int:
+        return self.spec.capacity
+
+    # ---- rate-limiter probes (no round trip: the daemon's counters are in the segment) ----
+    def can_insert(self, n: int = 1) -> bool:
+        """True if an insert of n items would run now without waiting for
+        the rate limiter.  A snapshot: other clients may change it at once."""
+        w = self._words
+        return ratelimiter.insert_room(self.spec, w.size, w.inserts, w.pending, w.samples, n) >= n
+
+    def can_sample(self, n: int = 1) -> bool:
+        """True if a sample of n would run now without waiting (min size,
+        ratio, reuse limits, something with positive priority)."""
+        w = self._words
+        if ratelimiter.sample_blocker(self.spec, w.size, w.inserts, w.samples, n) is not None:
+            return False
+        if self.spec.max_times_sampled and w.uses < n:
+            return False
+        return w.mass > 0
+
+    def _priorities(self, values, n: int, what: str) -> np.ndarray:
+        return as_priorities(values, n, f"{what} on table {self.name!r}", self.spec.alpha)
+
+    # ---- writing ----
+    def _check(self, data, batch: bool) -> tuple[list, int]:
+        if not isinstance(data, dict):
+            raise FieldError(f"table {self.name!r}: data must be a dict of field -> array")
+        if data.keys() != self._names:
+            missing = sorted(self._names - data.keys())
+            unknown = sorted(data.keys() - self._names)
+            parts = ([f"missing field(s) {missing}"] if missing else []) + (
+                [f"unknown field(s) {unknown}"] if unknown else [])
+            raise FieldError(f"table {self.name!r}: {', '.join(parts)}; "
+                             f"its fields are {sorted(self._names)}")
+        arrays, n = [], None
+        for f in self._fields:
+            v = data[f.name]
+            a = v if isinstance(v, np.ndarray) else np.asarray(v)
+            if a.dtype != f.dtype and not np.can_cast(a.dtype, f.dtype, "same_kind"):
+                raise FieldError(f"table {self.name!r}, field {f.name!r}: dtype {a.dtype} "
+                                 f"cannot be stored as {f.dtype}")
+            if batch:
+                if a.ndim != len(f.shape) + 1 or a.shape[1:] != f.shape:
+                    expect = "(n" + "".join(f", {d}" for d in f.shape) + ")"
+                    raise FieldError(f"table {self.name!r}, field {f.name!r}: shape {a.shape}, "
+                                     f"expected {expect}")
+                if n is None:
+                    n = a.shape[0]
+                elif a.shape[0] != n:
+                    raise FieldError(f"table {self.name!r}: field {f.name!r} has {a.shape[0]} "
+                                     f"items, earlier fields have {n}")
+            elif a.shape != f.shape:
+                raise FieldError(f"table {self.name!r}, field {f.name!r}: shape {a.shape}, "
+                                 f"expected {f.shape}")
+            arrays.append(a)
+        return arrays, (n if batch else 1)
+
+    @retried
+    def insert(self, priority=None, timeout: float | None = None, **fields) -> None:
+        """Insert one item; ``priority=None`` means the max priority seen so
+        far.  Waits up to ``timeout`` s (None: no limit) for the rate limiter."""
+        arrays, _ = self._check(fields, batch=False)
+        prios = None if priority is None else self._priorities([priority], 1, "insert")
+        self._client._begin()
+        self._lease.write(arrays, 1, prios, True, deadline_of(timeout))
+
+    @retried
+    def insert_batch(self, data: dict, priorities=None, timeout: float | None = None) -> None:
+        """Insert n items; every field's leading dimension is n.  On a
+        rate-limited table the items go in as the limiter admits them; if
+        ``timeout`` runs out part-way, the items before the error are in."""
+        arrays, n = self._check(data, batch=True)
+        prios = None if priorities is None else self._priorities(priorities, n, "insert_batch")
+        if n == 0:
+            return
+        self._client._begin()
+        step = self._client.max_batch
+        deadline = deadline_of(timeout)
+        for lo in range(0, n, step):
+            hi = min(n, lo + step)
+            self._lease.write([a[lo:hi] for a in arrays], hi - lo,
+                              None if prios is None else prios[lo:hi], False, deadline)
+
+    def lease(self) -> SlotLease:
+        """A slot lease of this table's lease size, for a writer whose items
+        stay open across calls (``writers.py``)."""
+        return SlotLease(self, self.lease_size)
+
+    def flush(self) -> None:
+        """Return when all my inserts (on any table of this client) are sampleable."""
+        self._client.flush()
+
+    # ---- reading ----
+    def iterate(self, batch_size: int, beta: float = 0.4, prefetch: int = 2,
+                timeout: float | None = None):
+        """Prefetching batches for a learner loop (``iterator.BatchIterator``)::
+
+            with table.iterate(256, beta=0.4) as batches:
+                for b in batches:
+                    ...train...
+                    table.update_priorities(b.keys, new_priorities)
+
+        ``timeout`` bounds each batch's wait for the table's limits."""
+        return BatchIterator(self, batch_size, beta, prefetch, timeout)
+
+    def _check_draw(self, batch_size, beta) -> tuple[int, float]:
+        n = int(batch_size)
+        if not 1 <= n <= self._client.max_batch:
+            raise ReplayError(f"batch_size {batch_size} outside 1..{self._client.max_batch}")
+        beta = float(beta)
+        if not (0.0 <= beta < np.inf):
+            raise ReplayError(f"beta must be finite and >= 0, got {beta}")
+        self._client._begin()
+        return n, beta
+
+    @retried
+    def sample_indices(self, batch_size: int, beta: float = 0.4, timeout: float | None = None):
+        """Draw without gathering: (keys, probabilities, weights).  For a
+        learner that reads rows itself (``indices = keys & 0xFFFFFFFF``); it
+        must then check the generation stamps as ``sample`` does.  On a
+        table with ``max_times_sampled``, slots of items drawn for the last
+        time stay held for this learner until its next ``sample_indices``
+        call on the table or ``release()``, so read them before that."""
+        n, beta = self._check_draw(batch_size, beta)
+        self.release()
+        b = new_batch((), n)
+        hid = in_slices(deadline_of(timeout),
+                        lambda w: self._receive_draw(self._send_draw(n, beta, w), b, slice(None), w))
+        if hid:
+            self._held.append(hid)
+        return b.keys, b.probabilities, b.weights
+
+    def release(self) -> None:
+        """Hand back the slots ``sample_indices`` held for reading (see there)."""
+        held, self._held = self._held, []
+        pipe = self._client._pipe
+        for hid in held:
+            pipe.send(R.put_release, self.id, hid)
+
+    @retried
+    def sample(self, batch_size: int, beta: float = 0.4, out: SampleBatch | None = None,
+               timeout: float | None = None) -> SampleBatch:
+        """Draw ``batch_size`` items.  With ``out=`` (an earlier batch of the
+        same size) the rows are gathered into its arrays instead of new ones.
+        Waits up to ``timeout`` s (None: no limit) for the table's limits."""
+        n, beta = self._check_draw(batch_size, beta)
+        return in_slices(deadline_of(timeout), lambda w: self.finish_sample(None, n, beta, out, w))
+
+    # ---- pipelined draws (BatchIterator, Client.sample_many) ----
+    def begin_sample(self, n: int, beta: float, wait_s: float) -> int:
+        """Send a SAMPLE now and collect it later with ``finish_sample``;
+        returns its ticket.  The daemon may hold it ``wait_s`` for the limits."""
+        n, beta = self._check_draw(n, beta)
+        seq = self._send_draw(n, beta, wait_s)
+        self._client._pipe.expect(seq)
+        return seq
+
+    def finish_sample(self, ticket: int | None, n: int, beta: float, out: SampleBatch | None,
+                      wait_s: float) -> SampleBatch:
+        """Gather the batch a ``begin_sample`` ticket drew (None: draw now):
+        rows whose slot was overwritten during the gather are drawn again."""
+        pipe = self._client._pipe
+        if out is None:
+            out = new_batch(self._fields, n)
+        elif len(out) != n:
+            raise ReplayError(f"out= holds {len(out)} rows, batch_size is {n}")
+        holds = []
+        try:
+            self._draw(out, np.arange(n), beta, ticket, wait_s, holds)
+            out.redraws = 0
+            deadline = time.monotonic() + pipe.timeout
+            while True:
+                bad = stale_rows(self._map.gens, out)
+                if bad.shape[0] == 0:
+                    return out
+                if time.monotonic() > deadline:
+                    raise ReplayTimeout(f"could not draw {n} stable rows within {pipe.timeout} s")
+                out.redraws += bad.shape[0]
+                self._draw(out, bad, beta, None, wait_s, holds)
+        finally:
+            for hid in holds:  # the rows are copied out: the slots may be reused
+                pipe.send(R.put_release, self.id, hid)
+
+    def _send_draw(self, k: int, beta: float, wait_s: float) -> int:
+        return self._client._pipe.send(R.put_sample, self.id, k, R.timeout_us(wait_s), beta)
+
+    def _receive_draw(self, seq: int, out: SampleBatch, rows, wait_s: float) -> int:
+        """Wait for the SAMPLE reply ``seq`` into ``out``'s keys/probabilities/
+        weights at ``rows``; returns the hold id (0: none)."""
+        k = out.keys[rows].shape[0]
+        return self._client._pipe.wait(
+            seq, lambda rec, pay: R.read_sample_reply(rec, pay, k, rows, out.keys,
+                                                      out.probabilities, out.weights), wait_s)
+
+    def _draw(self, out: SampleBatch, rows: np.ndarray, beta: float, seq: int | None,
+              wait_s: float, holds: list) -> None:
+        if seq is None:
+            seq = self._send_draw(rows.shape[0], beta, wait_s)
+        hid = self._receive_draw(seq, out, rows, wait_s)
+        if hid:
+            holds.append(hid)
+        take_rows(self._views, self._fields, out, rows)
+
+    @retried
+    def update_priorities(self, keys, priorities) -> None:
+        """Set new priorities for sampled keys; keys whose slot has been
+        overwritten since are ignored (and counted in the table's stats)."""
+        keys = np.ascontiguousarray(keys, dtype=np.uint64)
+        if keys.ndim != 1:
+            raise PriorityError(f"keys must be 1-D, got shape {keys.shape}")
+        n = keys.shape[0]
+        prios = self._priorities(priorities, n, "update_priorities")
+        cl = self._client
+        cl._begin()
+        cl._link.live()
+        step = cl.max_batch
+        for lo in range(0, n, step):
+            hi = min(n, lo + step)
+            cl._pipe.send(R.put_update, self.id, keys[lo:hi], prios[lo:hi])
+
+
+ReconnectingTable = with_retries(Table)
+
+
+def _reopen(client, name: str) -> Table:
+    return client.table(name)

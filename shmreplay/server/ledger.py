@@ -1,0 +1,154 @@
+"""The slot ledger of one table: which slot is free, reserved by a writer, or
+held for a learner, and the life-cycle marks in the segment that go with it.
+
+Slot life cycle (state array in the segment)::
+
+    FREE --reserve--> RESERVED --commit--> COMMITTED --evict/reserve--> RESERVED
+      ^  ^               |  abort, or the writer's lease ends     |
+      |  +---------------+                                        | N-th sample
+      +-------- release (the learner is done reading) ------ HELD <+
+
+The generation stamp of a slot is bumped when it is reserved, before the
+writer learns the slot index, so a key (``wire.records``) drawn before the
+reservation no longer matches the slot.  A reservation is committed in
+parts, in order.  A hold keeps slots of items sampled for the last time
+(``max_times_sampled``) out of use until the learner that drew them
+releases them, so a row handed out is never overwritten while being read.
+
+The ledger does not decide which slots to reserve (the table asks the free
+list, then its remover) nor what committed items are; it keeps the books.
+
+Engine thread only; no method may run concurrently with another.
+"""
+
+from __future__ import annotations
+
+import collections
+import time
+
+import numpy as np
+
+from ..errors import ProtocolError
+from ..wire.layout import COMMITTED, FREE, HELD, RESERVED, TableMap
+from .slotqueue import SlotQueue
+
+MAX_HOLDS = 64  # open holds per client; past this the oldest is released (its batch is long gathered)
+
+
+class SlotLedger:
+    def __init__(self, name: str, tmap: TableMap):
+        self.name = name
+        self.map = tmap
+        self.free = SlotQueue(tmap.spec.capacity)
+        self.reservations: dict[int, list] = {}  # rid -> [owner, slots, how many committed]
+        self.next_rid = 1
+        self.holds: dict[int, tuple[int, np.ndarray]] = {}  # hid -> (owner, slots)
+        self.holds_of: dict[int, collections.deque] = {}
+        self.next_hid = 1
+        self.pending = 0  # slots reserved and not committed
+        self.held = 0     # slots held for learners
+        self.quarantine: tuple[np.ndarray, float] | None = None
+
+    # ---- writers ----
+    def reserve(self, owner: int, slots: np.ndarray) -> int:
+        """Mark ``slots`` (taken off the free list, or evicted) reserved for
+        ``owner``; returns the reservation id."""
+        m = self.map
+        m.state[slots] = RESERVED
+        m.prios[slots] = 0.0
+        m.gens[slots] += np.uint32(1)  # wraps at 2**32 by design
+        rid = self.next_rid
+        self.next_rid += 1
+        self.pending += slots.shape[0]
+        self.reservations[rid] = [owner, slots, 0]
+        return rid
+
+    def _entry(self, owner: int, rid: int) -> list:
+        entry = self.reservations.get(rid)
+        if entry is None or entry[0] != owner:
+            raise ProtocolError(f"table {self.name!r}: reservation {rid} is not yours or not open")
+        return entry
+
+    def check_part(self, owner: int, rid: int, offset: int, n: int | None) -> np.ndarray:
+        """The slots ``[offset, offset + n)`` (n None: the rest) of a
+        reservation, which must be the next part to commit; nothing changes."""
+        _, slots, done = self._entry(owner, rid)
+        if n is None:
+            n = slots.shape[0] - done
+        if offset != done or n < 1 or done + n > slots.shape[0]:
+            raise ProtocolError(
+                f"table {self.name!r}: commit of [{offset}, {offset + n}) of reservation {rid} "
+                f"is out of order (next is {done} of {slots.shape[0]})")
+        return slots[done:done + n]
+
+    def committed(self, owner: int, rid: int, part: np.ndarray) -> None:
+        """The part ``check_part`` returned is committed."""
+        entry = self.reservations[rid]
+        entry[2] += part.shape[0]
+        if entry[2] == entry[1].shape[0]:
+            del self.reservations[rid]
+        self.map.state[part] = COMMITTED
+        self.pending -= part.shape[0]
+
+    def abort(self, owner: int, rid: int) -> int:
+        """Free the slots of a reservation not committed yet; returns how many."""
+        _, slots, done = self._entry(owner, rid)
+        del self.reservations[rid]
+        rest = slots[done:]
+        self.map.state[rest] = FREE
+        self.free.push(rest)
+        self.pending -= rest.shape[0]
+        return rest.shape[0]
+
+    def free_slots(self) -> int:
+        """Slots on the free list, quarantined ones included once their time is up."""
+        if self.quarantine is not None and time.monotonic() >= self.quarantine[1]:
+            self.free.push(self.quarantine[0])
+            self.quarantine = None
+        return len(self.free)
+
+    def take_free(self, k: int) -> np.ndarray:
+        """Up to k slots off the free list, oldest first."""
+        return self.free.pop(k)
+
+    # ---- learners ----
+    def hold(self, owner: int, slots: np.ndarray) -> int:
+        """Keep ``slots`` (their items just left the table) for ``owner`` to read."""
+        self.map.state[slots] = HELD
+        self.held += slots.shape[0]
+        hid = self.next_hid
+        self.next_hid += 1
+        self.holds[hid] = (owner, slots)
+        mine = self.holds_of.setdefault(owner, collections.deque())
+        mine.append(hid)
+        if len(mine) > MAX_HOLDS:
+            self.release(owner, mine[0])
+        return hid
+
+    def release(self, owner: int, hid: int) -> None:
+        """The learner is done reading the rows of hold ``hid``: free the slots."""
+        if not 0 < hid < self.next_hid:
+            raise ProtocolError(f"table {self.name!r}: RELEASE of hold {hid}, which never existed")
+        entry = self.holds.get(hid)
+        if entry is None:
+            return  # released already (the MAX_HOLDS cap got there first)
+        if entry[0] != owner:
+            raise ProtocolError(f"table {self.name!r}: hold {hid} is not yours")
+        del self.holds[hid]
+        mine = self.holds_of.get(owner)
+        if mine is not None and hid in mine:
+            mine.remove(hid)
+        slots = entry[1]
+        self.held -= slots.shape[0]
+        self.map.state[slots] = FREE
+        self.free.push(slots)
+
+    def release_owner(self, owner: int) -> int:
+        """An owner's lease ended: free what it reserved but never committed,
+        and the slots it held for reading.  Returns how many slots."""
+        rids = [rid for rid, entry in self.reservations.items() if entry[0] == owner]
+        n = sum(self.abort(owner, rid) for rid in rids)
+        for hid in list(self.holds_of.get(owner, ())):
+            self.release(owner, hid)
+        self.holds_of.pop(owner, None)
+        return n

@@ -1,0 +1,300 @@
+"""A replay table as the daemon sees it: items in, items out, and the numbers.
+
+A table is composed of parts that each own their state:
+
+* ``ledger.SlotLedger``: which slot is free, reserved or held (the slot
+  life cycle is drawn there);
+* ``counters.LimiterCounters``: the rate limiter's and reuse limit's
+  counters, mirrored into the segment's live words;
+* a sampler and a remover (``selectors.Selector``), and the commit order
+  the ordered ones read (``order.CommitOrder``).
+
+Slots for a writer come from the free list first, then by evicting the
+item the remover picks.  An item sampled for the ``max_times_sampled``-th
+time leaves the table at once; its slot is held for the learner that drew
+it.  Requests that cannot run now raise ``counters.Blocked``; the engine
+parks them (``parking.py``), so a waiting request never blocks the engine or
+another table.  ``recovery.rebuild`` makes a table from a segment that a
+dead daemon or a checkpoint left.
+
+Engine thread only: no method may be called concurrently with another.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+
+from ..errors import CapacityError, PriorityError, ProtocolError, ReplayError
+from ..priorities import check_priorities
+from ..ratelimiter import max_sample_batch
+from ..schema import TableSpec
+from ..wire.layout import COMMITTED, TableMap
+from ..wire.records import key_slots, make_keys, stale
+from .counters import Blocked, LimiterCounters
+from .ledger import SlotLedger
+from .order import CommitOrder
+from .reuse import draw_limited
+from .selectors import make_remover, make_sampler
+
+log = logging.getLogger("shmreplayd.table")
+
+
+class Table:
+    def __init__(self, table_id: int, spec: TableSpec, tmap: TableMap, seed=None,
+                 fresh: bool = True):
+        """``fresh``: the segment is new and every slot free.  Otherwise the
+        caller fills the parts in (``recovery.rebuild``)."""
+        self.id = table_id
+        self.spec = spec
+        self.map = tmap
+        self.segment_name = tmap.seg.name
+        c = spec.capacity
+        self.order = CommitOrder(c, self._alive)
+        self.sampler = make_sampler(spec.sampler, c, spec.alpha, self.order)
+        self.remover = make_remover(spec.remover, c, self.order)
+        self.ledger = SlotLedger(spec.name, tmap)
+        self.counters = LimiterCounters(spec, tmap.words)
+        self.max_priority = 1.0
+        self.rng = np.random.default_rng(seed)
+        self.updates_since_check = 0
+        self.seqno = 0  # commit number of the newest item
+        self.stats = {"inserts": 0, "reservations": 0, "samples": 0, "sample_calls": 0, "evictions": 0,
+                      "removed_after_max_samples": 0, "stale_priority_updates": 0,
+                      "priority_updates": 0, "reclaimed_reservations": 0, "tree_rebuilds": 0,
+                      "insert_waits": 0, "sample_waits": 0, "timeouts": 0, "recovered_items": 0,
+                      "recovered_orphans": 0}
+        if fresh:
+            self.ledger.free.push(np.arange(c, dtype=np.int64))
+            self.publish()
+
+    def publish(self) -> None:
+        """Mirror the counters into the segment for clients' probes."""
+        self.counters.publish(self.ledger.pending, len(self.ledger.free), self.sampler.mass)
+
+    def _alive(self, keys: np.ndarray) -> np.ndarray:
+        """Mask of keys that still name the committed item they were made for."""
+        m = self.map
+        return (m.state[key_slots(keys)] == COMMITTED) & ~stale(keys, m.gens)
+
+    def keys_of(self, slots: np.ndarray) -> np.ndarray:
+        return make_keys(self.map.gens[slots], slots)
+
+    # ---- writers ----
+    def reserve(self, owner: int, n: int) -> tuple[int, np.ndarray, bool]:
+        """Reserve up to n slots: as many as the rate limiter and the free or
+        evictable slots allow, at least one; else raise Blocked."""
+        if n < 1:
+            raise CapacityError(f"table {self.spec.name!r}: cannot reserve {n} slots")
+        led, cnt = self.ledger, self.counters
+        free = led.free_slots()
+        room = cnt.insert_room(led.pending, n)
+        if room == 0:
+            raise Blocked(cnt.insert_refusal(led.pending))
+        # while learners hold slots, take only free ones: evicting instead
+        # would push out items the table has room for once they release
+        # (a queue would lose them)
+        k = min(room, free + (0 if led.held else cnt.size))
+        if k == 0:
+            raise Blocked(CapacityError(
+                f"table {self.spec.name!r}: no slot is free or evictable now; "
+                f"{led.pending} are reserved by writers that have not committed and "
+                f"{led.held} are held by learners still reading their last sample"))
+        slots = led.take_free(k)
+        if slots.shape[0] < k:
+            slots = np.concatenate((slots, self._evict(k - slots.shape[0])))
+        rid = led.reserve(owner, slots)
+        self.stats["reservations"] += 1
+        self.publish()
+        contiguous = bool(k == 1 or (slots[-1] - slots[0] == k - 1 and np.all(np.diff(slots) == 1)))
+        return rid, slots, contiguous
+
+    def _evict(self, n: int) -> np.ndarray:
+        slots = self.remover.pick(n, self.rng)[0]
+        if slots.shape[0] < n:  # cannot happen while size >= n; defend anyway
+            raise CapacityError(f"table {self.spec.name!r}: remover found {slots.shape[0]} of "
+                                f"{n} items to evict")
+        self._remove(slots)
+        self.stats["evictions"] += n
+        return slots
+
+    def _remove(self, slots: np.ndarray, sampler_done: bool = False) -> None:
+        """The one path by which committed items leave the table."""
+        if not sampler_done:
+            self.sampler.remove(slots)
+        self.remover.remove(slots)
+        mts = self.spec.max_times_sampled
+        unused = int((mts - self.map.times[slots].astype(np.int64)).sum()) if mts else 0
+        self.counters.removed(slots.shape[0], unused)
+
+    def commit(self, owner: int, rid: int, priorities: np.ndarray | None,
+               offset: int = 0, n: int | None = None) -> None:
+        """Commit slots ``[offset, offset + n)`` (n None: the rest) of a
+        reservation; a writer commits its lease in parts, in order."""
+        part = self.ledger.check_part(owner, rid, offset, n)
+        n = part.shape[0]
+        if priorities is not None:
+            try:
+                check_priorities(priorities, n, f"commit to table {self.spec.name!r}", self.spec.alpha)
+            except PriorityError:
+                self.abort(owner, rid)
+                raise
+            self.max_priority = max(self.max_priority, float(priorities.max()))
+        else:
+            priorities = np.full(n, self.max_priority)
+        m = self.map
+        m.prios[part] = priorities
+        m.times[part] = 0
+        m.seqno[part] = np.arange(self.seqno + 1, self.seqno + n + 1, dtype=np.uint64)
+        self.seqno += n
+        self.ledger.committed(owner, rid, part)  # the state last: a crash sees whole items
+        self.sampler.add(part, priorities)
+        self.remover.add(part, priorities)
+        self.order.push(self.keys_of(part))
+        self.counters.committed(n)
+        self.publish()
+        self.stats["inserts"] += n
+        self._count_updates(n)
+
+    def abort(self, owner: int, rid: int) -> int:
+        """Free the slots of a reservation not committed yet; returns how many."""
+        n = self.ledger.abort(owner, rid)
+        self.publish()
+        return n
+
+    def release_owner(self, owner: int) -> int:
+        """An owner's lease ended: free what it reserved but never committed,
+        and the slots it held for reading.  Returns how many reserved slots."""
+        n = self.ledger.release_owner(owner)
+        self.stats["reclaimed_reservations"] += n
+        self.publish()
+        return n
+
+    # ---- readers ----
+    def check_sample(self, n: int, beta: float) -> None:
+        """Refuse, at once, samples that could never run (bad beta, a batch
+        larger than the limits can ever admit)."""
+        if not np.isfinite(beta) or beta < 0:
+            raise ReplayError(f"beta must be finite and >= 0, got {beta}")
+        spec = self.spec
+        top = max_sample_batch(spec)
+        if top is not None and n > top:
+            raise CapacityError(
+                f"table {spec.name!r}: a batch of {n} can never be admitted: its error buffer "
+                f"[{spec.diff_bounds[0]:g}, {spec.diff_bounds[1]:g}] admits at most {top} "
+                "samples at once; sample smaller batches or widen error_buffer")
+        mts = spec.max_times_sampled
+        if mts and n > mts * spec.capacity:
+            raise CapacityError(
+                f"table {spec.name!r}: a batch of {n} exceeds capacity {spec.capacity} x "
+                f"max_times_sampled {mts}, the most samples the table can ever hold at once")
+
+    def sample(self, owner: int, n: int, beta: float):
+        """Draw n items: (keys, probabilities, weights, hold id or 0).  Raises
+        Blocked when the limits say not yet; nothing is taken then."""
+        self.check_sample(n, beta)
+        err = self.counters.sample_refusal(n, self.sampler.mass)
+        if err is not None:
+            raise Blocked(err)
+        m, mts, ordered = self.map, self.spec.max_times_sampled, self.sampler.ordered
+        if ordered:
+            slots, probs, weights = self.sampler.pick(n, self.rng, beta,
+                                                      self._uses_of if mts else None)
+        elif mts:
+            slots, probs, weights = draw_limited(self.sampler, m.times, m.prios, mts, n, beta,
+                                                 self.rng, self.spec.name)
+        else:
+            slots, probs, weights = self.sampler.pick(n, self.rng, beta)
+        keys = self.keys_of(slots)
+        # random samplers: draw_limited took exhausted items out of the sampler already
+        hid = self._count_uses(owner, slots, sampler_done=not ordered) if mts else 0
+        self.counters.sampled(n)
+        self.publish()
+        self.stats["samples"] += n
+        self.stats["sample_calls"] += 1
+        return keys, probs, weights, hid
+
+    def _uses_of(self, slots: np.ndarray) -> np.ndarray:
+        return self.spec.max_times_sampled - self.map.times[slots].astype(np.int64)
+
+    def _count_uses(self, owner: int, slots: np.ndarray, sampler_done: bool) -> int:
+        """Count a batch's draws against max_times_sampled; items that reach
+        it leave the table and their slots are held for ``owner``.
+        ``sampler_done``: the draw took exactly those items out of the sampler."""
+        uniq, counts = np.unique(slots, return_counts=True)
+        m = self.map
+        m.times[uniq] += counts.astype(np.uint32)
+        done = uniq[m.times[uniq] >= self.spec.max_times_sampled]
+        if done.shape[0] == 0:
+            return 0
+        self._remove(done, sampler_done)  # they have no uses left: removes none from uses_left
+        self.stats["removed_after_max_samples"] += done.shape[0]
+        return self.ledger.hold(owner, done)
+
+    def release(self, owner: int, hid: int) -> None:
+        """The learner is done reading the rows of hold ``hid``: free the slots."""
+        self.ledger.release(owner, hid)
+        self.publish()
+
+    def update_priorities(self, keys: np.ndarray, priorities: np.ndarray) -> int:
+        n = keys.shape[0]
+        check_priorities(priorities, n, f"update_priorities on table {self.spec.name!r}",
+                         self.spec.alpha)
+        slots = key_slots(keys)
+        top = int(slots.max()) if n else 0
+        if top >= self.spec.capacity:
+            raise ProtocolError(
+                f"update_priorities on table {self.spec.name!r}: key names slot {top} "
+                f"beyond capacity {self.spec.capacity}")
+        live = self._alive(keys)
+        slots, priorities = slots[live], priorities[live]
+        stale_n = n - slots.shape[0]
+        if slots.shape[0]:
+            self.map.prios[slots] = priorities
+            self.sampler.set(slots, priorities)
+            self.max_priority = max(self.max_priority, float(priorities.max()))
+            self.map.words.mass = self.sampler.mass
+        self.stats["stale_priority_updates"] += stale_n
+        self.stats["priority_updates"] += n - stale_n
+        self._count_updates(n)
+        return stale_n
+
+    # ---- numerics ----
+    def _count_updates(self, n: int) -> None:
+        # check the drift bound once per `capacity` leaf writes: O(1) amortised
+        self.updates_since_check += n
+        if self.updates_since_check >= self.spec.capacity:
+            self.updates_since_check = 0
+            self.verify_tree()
+
+    def verify_tree(self) -> bool:
+        """Check the sampler against its drift bound; rebuild from the segment if it fails."""
+        if self.sampler.check():
+            return True
+        log.warning("table %s: sum tree outside its drift bound; rebuilding", self.spec.name)
+        self.rebuild_sampler()
+        self.stats["tree_rebuilds"] += 1
+        return False
+
+    def rebuild_sampler(self) -> None:
+        slots = np.flatnonzero(self.map.state == COMMITTED)
+        self.sampler.rebuild(slots, self.map.prios[slots])
+        self.map.words.mass = self.sampler.mass
+
+    # ---- reports ----
+    @property
+    def size(self) -> int:
+        return self.counters.size
+
+    def describe(self) -> dict:
+        return {"id": self.id, "segment": self.segment_name, "spec": self.spec.to_wire(),
+                "segment_size": self.map.layout.size, "items": self.counters.size}
+
+    def snapshot_stats(self) -> dict:
+        led = self.ledger
+        return {**self.stats, "size": self.counters.size, "capacity": self.spec.capacity,
+                "reserved": led.pending, "held": led.held,
+                "limiter": self.counters.snapshot(led.pending),
+                "max_priority": self.max_priority, "sampler": self.spec.sampler,
+                "remover": self.spec.remover}

@@ -1,0 +1,334 @@
+"""The data-plane codec: what each record in a channel ring means, and the slot key.
+
+Both sides call only these functions: the client encodes requests
+(``put_*``) and decodes replies (``read_*_reply``); the engine decodes
+requests (``read_*``) and builds replies (``*_reply``).  No other module
+knows which record field or payload byte carries what.
+
+Every request names its table by id and carries a client-chosen ``seq``;
+a reply echoes ``op`` and ``seq``.  ``status`` is 0 on success, else an
+``errors`` code with the UTF-8 message as payload.  Commands marked "no
+reply" are answered only when they fail, so a client can stream them.
+docs/protocol.md gives the same table as message sequences.
+
+=========  ====================================  ==========================================
+op         request                               reply
+=========  ====================================  ==========================================
+RESERVE    a0 = n, a1 = timeout (us)             a0 = reservation id, a1 = 1 if the slots
+                                                 are one ascending run, a2 = k, the slots
+                                                 granted (1 <= k <= n: what the rate
+                                                 limiter and the free slots allow);
+                                                 payload uint32[k] slot indices
+COMMIT     a0 = reservation id, a1 = n,          no reply
+           a2 = offset: commits slots
+           [a2, a2 + n) of the reservation, which
+           must follow the last part committed;
+           payload float64[n] priorities, or
+           empty for "max priority seen so far"
+ABORT      a0 = reservation id                   no reply; frees the slots not committed
+SAMPLE     a0 = n, a1 = timeout (us), f0 = beta  a0 = n, a1 = hold id (0: none); payload
+                                                 uint64[n] keys, float64[n] probabilities,
+                                                 float64[n] weights
+RELEASE    a0 = hold id                          no reply; the rows of items a SAMPLE drew
+                                                 for the last time (max_times_sampled) are
+                                                 read: their slots may be reused
+UPDATE     a0 = n; payload uint64[n] keys,       no reply (stale keys are counted)
+           float64[n] priorities
+FLUSH      -                                     empty; sent once every earlier request
+                                                 of this client has been applied (parked
+                                                 RESERVE/SAMPLE excepted: they answer
+                                                 for themselves)
+=========  ====================================  ==========================================
+
+RESERVE and SAMPLE wait in the daemon while the table's limits hold them,
+for up to their timeout: 0 means "fail at once", FOREVER means no limit.
+
+Keys.  A sampled item is named by ``gen << 32 | slot``: the slot and the
+generation stamp the slot had when the item was committed.  A reader that
+finds another stamp in the slot knows the row was (or is being) overwritten.
+
+Trust.  The engine decodes what a client wrote into shared memory: every
+``read_*`` bounds counts and payload sizes and raises ``ProtocolError`` (the
+client is cut off) or ``CapacityError`` (the request is refused) before any
+value is used.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import numpy as np
+
+from ..errors import CapacityError, ProtocolError, ReplayError, error_from_code
+
+# Bump when any record's meaning or payload layout changes; the channel
+# header carries it and both sides refuse a channel of another version.
+VERSION = 1
+
+RECORD = np.dtype([
+    ("op", "<u2"), ("status", "<u2"), ("table", "<u4"), ("seq", "<u8"),
+    ("a0", "<u8"), ("a1", "<u8"), ("a2", "<u8"), ("f0", "<f8"),
+    ("pay_off", "<u8"), ("pay_len", "<u8"),
+])
+assert RECORD.itemsize == 64
+
+RESERVE, COMMIT, ABORT, SAMPLE, UPDATE, FLUSH, RELEASE = 1, 2, 3, 4, 5, 6, 7
+NAMES = {RESERVE: "RESERVE", COMMIT: "COMMIT", ABORT: "ABORT", SAMPLE: "SAMPLE",
+         UPDATE: "UPDATE", FLUSH: "FLUSH", RELEASE: "RELEASE"}
+
+FOREVER = 2**64 - 1
+# largest n a single RESERVE, SAMPLE or UPDATE may carry
+MAX_BATCH = 65536
+
+_KEY, _F64, _SLOT = 8, 8, 4   # payload bytes per key, float64, slot index
+# payload areas of a channel: two of the largest request (UPDATE) and reply (SAMPLE)
+REQUEST_PAYLOAD_BYTES = 2 * (_KEY + _F64) * MAX_BATCH
+REPLY_PAYLOAD_BYTES = 2 * (_KEY + 2 * _F64) * MAX_BATCH
+
+
+def timeout_us(seconds: float | None) -> int:
+    """A request's timeout field: seconds (None or inf: no limit) in microseconds."""
+    if seconds is None or seconds == float("inf"):
+        return FOREVER
+    if not seconds >= 0:
+        raise ValueError(f"timeout must be >= 0 seconds, got {seconds}")
+    return min(FOREVER - 1, int(seconds * 1e6))
+
+
+# ---- keys ----
+SLOT_BITS = 32
+SLOT_MASK = (1 << SLOT_BITS) - 1
+_BITS = np.uint64(SLOT_BITS)
+_MASK = np.uint64(SLOT_MASK)
+
+
+def make_keys(gens: np.ndarray, slots: np.ndarray) -> np.ndarray:
+    """Keys of ``slots`` whose stamps are ``gens``."""
+    return (gens.astype(np.uint64) << _BITS) | slots.astype(np.uint64)
+
+
+def key_slots(keys: np.ndarray) -> np.ndarray:
+    return (keys & _MASK).astype(np.intp)
+
+
+def key_gens(keys: np.ndarray) -> np.ndarray:
+    return keys >> _BITS
+
+
+def stale(keys: np.ndarray, stamps: np.ndarray) -> np.ndarray:
+    """Mask of keys whose slot's stamp (``stamps``: a table's gens array) moved on."""
+    return stamps[key_slots(keys)].astype(np.uint64) != (keys >> _BITS)
+
+
+# ---- records in a ring ----
+def envelope(rec) -> tuple[int, int, int]:
+    """(op, table id, seq) of a record."""
+    return int(rec["op"]), int(rec["table"]), int(rec["seq"])
+
+
+def _put(ring, parts, op, table, seq, a0=0, a1=0, a2=0, f0=0.0, status=0) -> bool:
+    """Write one record with ``parts`` (arrays) as its payload; False, with
+    nothing written, while the ring or its payload area is full."""
+    if ring.room() <= 0:
+        return False
+    if not parts:
+        ring.put(op, table, seq, a0, a1, a2, f0, 0, 0, status)
+        return True
+    nbytes = 0
+    for p in parts:
+        nbytes += p.nbytes
+    placed = ring.place_payload(nbytes)
+    if placed is None:
+        return False
+    off, view = placed
+    pos = 0
+    for p in parts:
+        b = p.view(np.uint8).reshape(-1)
+        view[pos:pos + b.shape[0]] = b
+        pos += b.shape[0]
+    ring.put(op, table, seq, a0, a1, a2, f0, off, nbytes, status)
+    return True
+
+
+def _count(value, what: str) -> int:
+    n = int(value)
+    if not 1 <= n <= MAX_BATCH:
+        raise CapacityError(f"{what} of {n} items: allowed 1..{MAX_BATCH}")
+    return n
+
+
+def _deadline_us(rec) -> int:
+    return int(rec["a1"])
+
+
+# ---- requests: the client writes them, the engine reads them ----
+def put_reserve(ring, seq: int, table: int, n: int, wait_us: int) -> bool:
+    return _put(ring, (), RESERVE, table, seq, n, wait_us)
+
+
+def read_reserve(rec) -> tuple[int, int]:
+    """(n, timeout in us)."""
+    return _count(rec["a0"], "RESERVE"), _deadline_us(rec)
+
+
+def put_commit(ring, seq: int, table: int, rid: int, n: int, offset: int, prios) -> bool:
+    """Commit slots [offset, offset + n) of reservation ``rid``; ``prios``:
+    float64[n], or None for the max priority."""
+    if prios is None:
+        if ring.room() <= 0:
+            return False
+        ring.put(COMMIT, table, seq, rid, n, offset, 0.0, 0, 0, 0)
+        return True
+    return _put(ring, (prios,), COMMIT, table, seq, rid, n, offset)
+
+
+class CommitRun(NamedTuple):
+    table: int
+    seq: int        # of the first record
+    rid: int
+    offset: int
+    n: int          # slots of all records together
+    prios: np.ndarray | None
+    next: int       # index of the first record after the run
+    pay_end: int | None
+
+
+def read_commit_run(ring, i: int, n: int) -> CommitRun:
+    """Read COMMIT records i.. (of n pending) that continue one reservation
+    as a single commit.  A writer streams a COMMIT per insert call; the
+    parts of one lease arrive back to back, and one table update for all
+    of them costs about what one part costs."""
+    first = ring.peek(i)
+    table, rid, offset = int(first["table"]), int(first["a0"]), int(first["a2"])
+    with_prios = int(first["pay_len"]) > 0
+    total, parts, end, j = 0, [], None, i
+    while j < n:
+        rec = ring.peek(j)
+        if j > i and (int(rec["op"]) != COMMIT or int(rec["table"]) != table
+                      or int(rec["a0"]) != rid or int(rec["a2"]) != offset + total
+                      or (int(rec["pay_len"]) > 0) != with_prios):
+            break
+        k = _count(rec["a1"], "COMMIT")
+        pay = ring.payload_of(rec)
+        if with_prios:
+            if pay.shape[0] != _F64 * k:
+                raise ProtocolError(f"COMMIT of {k} items carries {pay.shape[0]} payload bytes")
+            parts.append(pay.view(np.float64))
+            end = ring.payload_end(rec)
+        total += k
+        j += 1
+    prios = (parts[0] if len(parts) == 1 else np.concatenate(parts)) if with_prios else None
+    return CommitRun(table, int(first["seq"]), rid, offset, total, prios, j, end)
+
+
+def put_abort(ring, seq: int, table: int, rid: int) -> bool:
+    return _put(ring, (), ABORT, table, seq, rid)
+
+
+def read_abort(rec) -> int:
+    return int(rec["a0"])
+
+
+def put_sample(ring, seq: int, table: int, n: int, wait_us: int, beta: float) -> bool:
+    return _put(ring, (), SAMPLE, table, seq, n, wait_us, 0, beta)
+
+
+def read_sample(rec) -> tuple[int, int, float]:
+    """(n, timeout in us, beta)."""
+    return _count(rec["a0"], "SAMPLE"), _deadline_us(rec), float(rec["f0"])
+
+
+def put_release(ring, seq: int, table: int, hid: int) -> bool:
+    return _put(ring, (), RELEASE, table, seq, hid)
+
+
+def read_release(rec) -> int:
+    return int(rec["a0"])
+
+
+def put_update(ring, seq: int, table: int, keys: np.ndarray, prios: np.ndarray) -> bool:
+    return _put(ring, (keys, prios), UPDATE, table, seq, keys.shape[0])
+
+
+def read_update(rec, pay: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(keys, priorities), views of the payload."""
+    n = _count(rec["a0"], "UPDATE")
+    if pay.shape[0] != (_KEY + _F64) * n:
+        raise ProtocolError(f"UPDATE of {n} keys carries {pay.shape[0]} payload bytes")
+    return pay[:_KEY * n].view(np.uint64), pay[_KEY * n:].view(np.float64)
+
+
+def put_flush(ring, seq: int) -> bool:
+    return _put(ring, (), FLUSH, 0, seq)
+
+
+def put_raw(ring, seq: int, op: int, table: int, a0: int = 0, a1: int = 0, a2: int = 0,
+            f0: float = 0.0, parts: tuple = ()) -> bool:
+    """Any record at all, as a misbehaving client could write it (fuzz tests)."""
+    return _put(ring, tuple(parts), op, table, seq, a0, a1, a2, f0)
+
+
+# ---- replies: the engine builds them, the client reads them ----
+class Reply(NamedTuple):
+    """A reply waiting in the engine's outbox for room in the client's ring."""
+    op: int
+    seq: int
+    status: int = 0
+    a0: int = 0
+    a1: int = 0
+    a2: int = 0
+    parts: tuple = ()
+
+
+def put_reply(ring, r: Reply) -> bool:
+    return _put(ring, r.parts, r.op, 0, r.seq, r.a0, r.a1, r.a2, 0.0, r.status)
+
+
+def error_reply(op: int, seq: int, exc: ReplayError) -> Reply:
+    return Reply(op, seq, exc.code, parts=(np.frombuffer(str(exc).encode(), np.uint8),))
+
+
+def reserve_reply(seq: int, rid: int, slots: np.ndarray, contiguous: bool) -> Reply:
+    return Reply(RESERVE, seq, 0, rid, int(contiguous), slots.shape[0],
+                 (slots.astype(np.uint32),))
+
+
+def sample_reply(seq: int, keys, probs, weights, hid: int) -> Reply:
+    return Reply(SAMPLE, seq, 0, keys.shape[0], hid, 0, (keys, probs, weights))
+
+
+def flush_reply(seq: int) -> Reply:
+    return Reply(FLUSH, seq)
+
+
+def read_error(rec, pay) -> ReplayError | None:
+    """The error a reply carries, or None for success."""
+    code = int(rec["status"])
+    if not code:
+        return None
+    return error_from_code(code, bytes(pay).decode("utf-8", "replace"))
+
+
+def read_reserve_reply(rec, pay) -> tuple[int, bool, np.ndarray]:
+    """(reservation id, contiguous, slots as intp)."""
+    k = int(rec["a2"])
+    if pay.shape[0] != _SLOT * k:
+        raise ProtocolError(f"RESERVE reply of {k} slots carries {pay.shape[0]} bytes")
+    return int(rec["a0"]), bool(rec["a1"]), pay.view(np.uint32).astype(np.intp)
+
+
+def read_sample_reply(rec, pay, n: int, rows, keys, probs, weights) -> int:
+    """Copy a SAMPLE reply of ``n`` items into keys/probs/weights[rows];
+    returns the hold id (0: none)."""
+    k = int(rec["a0"])
+    if k != n or pay.shape[0] != (_KEY + 2 * _F64) * n:
+        raise ProtocolError(f"SAMPLE reply carries {k} items / {pay.shape[0]} bytes, expected {n}")
+    keys[rows] = pay[:_KEY * n].view(np.uint64)
+    probs[rows] = pay[_KEY * n:(_KEY + _F64) * n].view(np.float64)
+    weights[rows] = pay[(_KEY + _F64) * n:].view(np.float64)
+    return read_hold(rec)
+
+
+def read_hold(rec) -> int:
+    """The hold id of a SAMPLE reply (0: none)."""
+    return int(rec["a1"])

@@ -13,7 +13,7 @@ import time
 import numpy as np
 
 import shmreplay
-from shmreplay.wire.layout import COMMITTED, TableMap
+from shmreplay.wire.layout import COMMITTED, HELD, RESERVED, TableMap
 
 FIELDS = {"obs": ("uint8", (64,)), "id": ("int64", ())}
 
@@ -133,3 +133,42 @@ def victim(sock, step, first_id, ready):
         np.take(t._views["obs"], half, axis=0)
         ready.set()
     time.sleep(600)
+
+
+# ---- segment reads for test_writer_restart.py (the only package internals it uses) ----
+
+def segment_rows(segment: str) -> tuple[dict, int]:
+    """Every committed row, read straight from the table segment, as
+    {field: array} plus ``_slot`` and ``_seqno`` (commit number); and how many
+    items have left the table so far (evicted or removed: the live word)."""
+    tm = TableMap.attach(segment)
+    try:
+        slots = np.flatnonzero(tm.state == COMMITTED)
+        data = {k: v[slots].copy() for k, v in tm.fields.items()}
+        data["_slot"], data["_seqno"] = slots, tm.seqno[slots].copy()
+        return data, tm.words.deletes
+    finally:
+        tm.release()
+
+
+def void_slots(segment: str) -> tuple[np.ndarray, np.ndarray]:
+    """The slots a writer had reserved (or a learner held) and their stamps:
+    read after a SIGKILL, these are what the next daemon voids and, after its
+    recovery quarantine, gives out again."""
+    tm = TableMap.attach(segment)
+    try:
+        slots = np.flatnonzero((tm.state == RESERVED) | (tm.state == HELD))
+        return slots, tm.gens[slots].copy()
+    finally:
+        tm.release()
+
+
+def reissued(segment: str, slots: np.ndarray, gens: np.ndarray) -> np.ndarray:
+    """Per slot of ``void_slots``: it holds a committed item again, under a
+    newer stamp (bumped once when voided, again when reserved anew)."""
+    tm = TableMap.attach(segment)
+    try:
+        moved = (tm.gens[slots] - gens).astype(np.uint32) >= 2  # stamps wrap at 2**32
+        return (tm.state[slots] == COMMITTED) & moved
+    finally:
+        tm.release()

@@ -20,7 +20,7 @@ import weakref
 import numpy as np
 
 from .. import ratelimiter
-from ..errors import FieldError, PriorityError, ReplayError, ReplayTimeout
+from ..errors import PriorityError, ReplayError, ReplayTimeout
 from ..priorities import as_priorities
 from ..schema import spec_from_wire
 from ..wire import records as R
@@ -30,6 +30,7 @@ from .iterator import BatchIterator
 from .lease import SlotLease
 from .pipe import deadline_of, in_slices
 from .retry import retried, with_retries
+from .rows import check_rows
 
 
 class Table:
@@ -111,44 +112,11 @@ class Table:
         return as_priorities(values, n, f"{what} on table {self.name!r}", self.spec.alpha)
 
     # ---- writing ----
-    def _check(self, data, batch: bool) -> tuple[list, int]:
-        if not isinstance(data, dict):
-            raise FieldError(f"table {self.name!r}: data must be a dict of field -> array")
-        if data.keys() != self._names:
-            missing = sorted(self._names - data.keys())
-            unknown = sorted(data.keys() - self._names)
-            parts = ([f"missing field(s) {missing}"] if missing else []) + (
-                [f"unknown field(s) {unknown}"] if unknown else [])
-            raise FieldError(f"table {self.name!r}: {', '.join(parts)}; "
-                             f"its fields are {sorted(self._names)}")
-        arrays, n = [], None
-        for f in self._fields:
-            v = data[f.name]
-            a = v if isinstance(v, np.ndarray) else np.asarray(v)
-            if a.dtype != f.dtype and not np.can_cast(a.dtype, f.dtype, "same_kind"):
-                raise FieldError(f"table {self.name!r}, field {f.name!r}: dtype {a.dtype} "
-                                 f"cannot be stored as {f.dtype}")
-            if batch:
-                if a.ndim != len(f.shape) + 1 or a.shape[1:] != f.shape:
-                    expect = "(n" + "".join(f", {d}" for d in f.shape) + ")"
-                    raise FieldError(f"table {self.name!r}, field {f.name!r}: shape {a.shape}, "
-                                     f"expected {expect}")
-                if n is None:
-                    n = a.shape[0]
-                elif a.shape[0] != n:
-                    raise FieldError(f"table {self.name!r}: field {f.name!r} has {a.shape[0]} "
-                                     f"items, earlier fields have {n}")
-            elif a.shape != f.shape:
-                raise FieldError(f"table {self.name!r}, field {f.name!r}: shape {a.shape}, "
-                                 f"expected {f.shape}")
-            arrays.append(a)
-        return arrays, (n if batch else 1)
-
     @retried
     def insert(self, priority=None, timeout: float | None = None, **fields) -> None:
         """Insert one item; ``priority=None`` means the max priority seen so
         far.  Waits up to ``timeout`` s (None: no limit) for the rate limiter."""
-        arrays, _ = self._check(fields, batch=False)
+        arrays, _ = check_rows(self.spec, self._names, fields, batch=False)
         prios = None if priority is None else self._priorities([priority], 1, "insert")
         self._client._begin()
         self._lease.write(arrays, 1, prios, True, deadline_of(timeout))
@@ -158,7 +126,7 @@ class Table:
         """Insert n items; every field's leading dimension is n.  On a
         rate-limited table the items go in as the limiter admits them; if
         ``timeout`` runs out part-way, the items before the error are in."""
-        arrays, n = self._check(data, batch=True)
+        arrays, n = check_rows(self.spec, self._names, data, batch=True)
         prios = None if priorities is None else self._priorities(priorities, n, "insert_batch")
         if n == 0:
             return

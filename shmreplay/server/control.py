@@ -30,7 +30,8 @@ from ..wire.layout import TableMap
 from ..wire.segment import create_semaphore, unlink_semaphore_quiet
 from . import access, checkpoint, recovery
 from .config import DaemonConfig
-from .engine import ClientState, Engine
+from .engine import Engine
+from .outbox import ClientState
 from .table import Table
 
 log = logging.getLogger("shmreplayd.control")
@@ -99,7 +100,7 @@ class ControlServer:
     # ---- table management ----
     async def create_table(self, wire: dict, exist_ok: bool) -> dict:
         spec = spec_from_wire(wire)
-        existing = await self.call(self.engine.describe_table, spec.name)
+        existing = await self.call(self.engine.describe, spec.name)
         if existing is not None:
             if exist_ok and spec_from_wire(existing["spec"]) == spec:
                 return existing
@@ -289,7 +290,7 @@ class ControlConnection(asyncio.Protocol):
         if op == "create_table":
             return {"table": await srv.create_table(msg["spec"], msg["exist_ok"])}
         if op == "open_table":
-            d = await srv.call(srv.engine.describe_table, check_table_name(msg["name"]))
+            d = await srv.call(srv.engine.describe, check_table_name(msg["name"]))
             if d is None:
                 raise UnknownTable(f"no table named {msg['name']!r}")
             return {"table": d}
@@ -297,7 +298,7 @@ class ControlConnection(asyncio.Protocol):
             await srv.drop_table(msg["name"])
             return None
         if op == "list_tables":
-            return {"tables": await srv.call(srv.engine.describe_tables)}
+            return {"tables": await srv.call(srv.engine.describe)}
         if op in ("stats", "status"):
             return await srv.status()
         if op == "checkpoint":
@@ -341,7 +342,7 @@ class ControlConnection(asyncio.Protocol):
         if self.attached:
             cl = await self.srv.call(self.srv.engine.detach_client, self.cid)
             if cl is not None:  # drop its views so the unmap below succeeds
-                cl.channel = cl.req = cl.resp = None
+                cl.detach()
         if self.channel is not None:
             self.channel.seg.unlink()  # no-op after ready
             self.channel.release()

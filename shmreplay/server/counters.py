@@ -12,8 +12,10 @@ Engine thread only.
 
 from __future__ import annotations
 
+import math
+
 from .. import ratelimiter  # the shared predicates
-from ..errors import EmptyTable, RateLimited, ReplayError
+from ..errors import CapacityError, EmptyTable, RateLimited, ReplayError
 from ..schema import TableSpec
 from ..wire.layout import LiveWords
 
@@ -36,6 +38,24 @@ class LimiterCounters:
     def insert_refusal(self, pending: int) -> RateLimited:
         return RateLimited(f"insert into table {self.spec.name!r} timed out: "
                            + ratelimiter.insert_blocker(self.spec, self.inserts, pending, self.samples))
+
+    def check_sample(self, n: int, beta: float) -> None:
+        """Refuse, at once, samples that could never run (bad beta, a batch
+        larger than the limits can ever admit)."""
+        if not math.isfinite(beta) or beta < 0:
+            raise ReplayError(f"beta must be finite and >= 0, got {beta}")
+        spec = self.spec
+        top = ratelimiter.max_sample_batch(spec)
+        if top is not None and n > top:
+            raise CapacityError(
+                f"table {spec.name!r}: a batch of {n} can never be admitted: its error buffer "
+                f"[{spec.diff_bounds[0]:g}, {spec.diff_bounds[1]:g}] admits at most {top} "
+                "samples at once; sample smaller batches or widen error_buffer")
+        mts = spec.max_times_sampled
+        if mts and n > mts * spec.capacity:
+            raise CapacityError(
+                f"table {spec.name!r}: a batch of {n} exceeds capacity {spec.capacity} x "
+                f"max_times_sampled {mts}, the most samples the table can ever hold at once")
 
     def sample_refusal(self, n: int, mass: float) -> ReplayError | None:
         """None if a sample of n may run now, else the error it gets if it

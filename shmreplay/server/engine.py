@@ -9,19 +9,16 @@ Entry points assert, in debug mode, that they run on the engine thread.
 
 Loop: run queued calls; serve every channel (up to BURST records each, for
 fairness, then one publish of the replies); retry parked requests
-(``parking.py``); if nothing was found, spin for ``spin_us`` re-checking the
-ring heads, then announce sleep in every channel and wait on the doorbell
-(clients post it when they see the announcement).  An idle engine
-therefore sleeps in ``sem_wait`` and uses no CPU.
+(``parking.py``); if nothing was found, spin, then sleep on the doorbell
+(``idle.py``).
 
 Each record is decoded by ``wire.records`` and applied by the handler of
-its op.  Replies wait in the client's outbox until its ring has room; a
-client that leaves MAX_OUTBOX replies unread is cut off.
+its op.  Replies wait in the client's outbox until its ring has room
+(``outbox.py``).  A client whose input breaks a rule is cut off alone.
 """
 
 from __future__ import annotations
 
-import collections
 import concurrent.futures
 import functools
 import logging
@@ -33,26 +30,15 @@ import posix_ipc
 
 from ..errors import ProtocolError, ReplayError, UnknownTable
 from ..wire import records as R
-from ..wire.channel import Channel
-from .counters import Blocked
+from . import parking
+from .idle import Idler
+from .outbox import ClientState
 from .parking import Parking, Waiter
 from .table import Table
 
 log = logging.getLogger("shmreplayd.engine")
 
 BURST = 64
-MAX_OUTBOX = 1024  # replies a client may leave unread before it is cut off
-
-
-class ClientState:
-    def __init__(self, cid: int, pid: int, channel: Channel, sem: posix_ipc.Semaphore):
-        self.id = cid
-        self.pid = pid
-        self.channel = channel
-        self.req = channel.requests
-        self.resp = channel.responses
-        self.sem = sem
-        self.outbox: collections.deque = collections.deque()
 
 
 def entry_point(method):
@@ -70,11 +56,7 @@ class Engine:
     def __init__(self, doorbell: posix_ipc.Semaphore, spin_us: float = 250.0,
                  idle_timeout: float = 1.0, on_client_error=None, on_crash=None):
         self.doorbell = doorbell
-        self.spin_max = spin_us * 1e-6
-        self.spin_min = min(2e-6, self.spin_max)
-        self.spin_s = self.spin_max
-        self.idle_since = 0.0  # when the last fruitless spin began
-        self.idle_timeout = idle_timeout
+        self.idler = Idler(doorbell, spin_us, idle_timeout)
         self.on_client_error = on_client_error or (lambda cid, exc: None)
         self.on_crash = on_crash or (lambda: None)
         self.tables: dict[int, Table] = {}
@@ -87,12 +69,10 @@ class Engine:
         self.running = False  # True while the thread serves; guarded by lock
         self.lock = threading.Lock()
         self.thread: threading.Thread | None = None
-        self._doomed: list = []  # (client, error): cut off once the queues are walked
-        self.stats = {"commands": 0, "wakeups": 0, "sleeps": 0, "disconnects": 0}
-        # one handler per op; COMMIT runs are merged in _serve
+        self.stats = {"commands": 0, "disconnects": 0}
+        # one handler per op; runs of COMMIT records are merged in _serve
         self._handlers = {R.RESERVE: self._on_draw, R.SAMPLE: self._on_draw, R.ABORT: self._on_abort,
-                          R.RELEASE: self._on_release, R.UPDATE: self._on_update,
-                          R.FLUSH: self._on_flush}
+                          R.RELEASE: self._on_release, R.UPDATE: self._on_update, R.FLUSH: self._on_flush}
 
     # ---- any thread ----
     def start(self) -> None:
@@ -126,11 +106,13 @@ class Engine:
                 worked = self._run_calls()
                 worked = self._serve_all() or worked
                 if self.parking.count:
-                    self.parking.settle(self.tables, self._settle, time.monotonic())
-                    self._cut_off_doomed()
-                if worked or self._spin():
+                    self._cut_off_all(self.parking.settle(self.tables, time.monotonic()))
+                if worked:
                     continue
-                self._sleep()
+                rings = [cl.req for cl in self.clients.values()]
+                if self.idler.spin(rings, self.calls):
+                    continue
+                self.idler.sleep(rings, self.calls, self.parking.next_deadline())
         except BaseException:  # the engine dying silently would hang every client
             log.exception("engine thread crashed; the daemon will exit")
             self.on_crash()
@@ -189,24 +171,24 @@ class Engine:
                 except ProtocolError:
                     raise
                 except ReplayError as exc:
-                    self._respond(cl, R.error_reply(op, seq, exc))
+                    cl.respond(R.error_reply(op, seq, exc))
                 i += 1
             if end is not None:
                 pay_end = end
         if n:
             ring.consume(n, pay_end)
             self.stats["commands"] += n
-        self._flush(cl)
+        cl.flush()
         return n > 0
 
-    # ---- handlers: one per op (records.py says what each record holds) ----
+    # ---- handlers: one per op (wire/records.py says what each record holds) ----
     def _on_commit(self, cl: ClientState, run: R.CommitRun) -> None:
         try:
             self._table(run.table).commit(cl.id, run.rid, run.prios, offset=run.offset, n=run.n)
         except ProtocolError:
             raise
         except ReplayError as exc:
-            self._respond(cl, R.error_reply(R.COMMIT, run.seq, exc))
+            cl.respond(R.error_reply(R.COMMIT, run.seq, exc))
 
     def _on_draw(self, cl, rec, pay, op, tid, seq) -> None:
         """RESERVE and SAMPLE: run now, or park behind the table's limits."""
@@ -214,17 +196,7 @@ class Engine:
             (n, wait_us), beta = R.read_reserve(rec), 0.0
         else:
             n, wait_us, beta = R.read_sample(rec)
-        table = self._table(tid)
-        w = Waiter(cl, op, seq, n, beta, _deadline(wait_us))
-        if self.parking.busy(tid, op):  # behind a parked one of its kind: keep the order
-            self.parking.park(table, w)
-            return
-        try:
-            self._run_waiter(table, w)
-        except Blocked as b:
-            if w.deadline <= time.monotonic():
-                raise b.error from None
-            self.parking.park(table, w)
+        self.parking.admit(self._table(tid), Waiter(cl, op, seq, n, beta, _deadline(wait_us)))
 
     def _on_abort(self, cl, rec, pay, op, tid, seq) -> None:
         self._table(tid).abort(cl.id, R.read_abort(rec))
@@ -233,62 +205,10 @@ class Engine:
         self._table(tid).release(cl.id, R.read_release(rec))
 
     def _on_update(self, cl, rec, pay, op, tid, seq) -> None:
-        table = self._table(tid)
-        table.update_priorities(*R.read_update(rec, pay))
+        self._table(tid).update_priorities(*R.read_update(rec, pay))
 
-    def _on_flush(self, cl, rec, pay, op, tid, seq) -> None:
-        self._respond(cl, R.flush_reply(seq))
-
-    def _run_waiter(self, table: Table, w: Waiter) -> None:
-        """Run a RESERVE or SAMPLE and queue its reply; raises Blocked."""
-        if w.op == R.RESERVE:
-            rid, slots, contiguous = table.reserve(w.cl.id, w.n)
-            self._respond(w.cl, R.reserve_reply(w.seq, rid, slots, contiguous))
-        else:
-            keys, probs, weights, hid = table.sample(w.cl.id, w.n, w.beta)
-            self._respond(w.cl, R.sample_reply(w.seq, keys, probs, weights, hid))
-
-    def _settle(self, table: Table, w: Waiter, now: float) -> bool:
-        """Run a parked request, or answer it with its error once its
-        deadline has passed.  False while it stays parked."""
-        try:
-            self._run_waiter(table, w)
-        except Blocked as b:
-            if w.deadline > now:
-                return False
-            table.stats["timeouts"] += 1
-            self._reply_error(w, b.error)
-            return True
-        except ProtocolError as exc:  # its outbox is full: it stopped reading
-            self._doomed.append((w.cl, exc))
-            return True
-        except ReplayError as exc:
-            self._reply_error(w, exc)
-            return True
-        self._reply_error(w, None)
-        return True
-
-    def _reply_error(self, w: Waiter, exc: ReplayError | None) -> None:
-        """Queue the error reply of a parked request (None: its reply is
-        queued already) and publish.  A client that left its replies unread
-        is cut off after the pass, so no queue changes while walked."""
-        try:
-            if exc is not None:
-                self._respond(w.cl, R.error_reply(w.op, w.seq, exc))
-            self._flush(w.cl)
-        except ProtocolError as err:
-            self._doomed.append((w.cl, err))
-
-    def _cut_off_doomed(self) -> None:
-        doomed, self._doomed = self._doomed, []
-        for cl, exc in doomed:
-            if cl.id in self.clients:
-                self._cut_off(cl, exc)
-
-    def _cut_off(self, cl: ClientState, exc: ProtocolError) -> None:
-        log.warning("client %d (pid %d): %s; disconnecting it", cl.id, cl.pid, exc)
-        self._drop(cl)
-        self.on_client_error(cl.id, exc)
+    def _on_flush(self, cl, rec, pay, op, tid, seq) -> None:  # every earlier record is applied
+        cl.respond(R.flush_reply(seq))
 
     def _table(self, table_id: int) -> Table:
         table = self.tables.get(table_id)
@@ -296,73 +216,25 @@ class Engine:
             raise UnknownTable(f"no table with id {table_id} (dropped?)")
         return table
 
-    # ---- the outbox ----
-    def _respond(self, cl: ClientState, reply: R.Reply) -> None:
-        cl.outbox.append(reply)
-        if len(cl.outbox) > MAX_OUTBOX:
-            raise ProtocolError(f"client left {MAX_OUTBOX} responses unread")
+    def _cut_off_all(self, doomed: list) -> None:
+        for cl, exc in doomed:
+            self._cut_off(cl, exc)
 
-    def _flush(self, cl: ClientState) -> None:
-        ring = cl.resp
-        wrote = 0
-        if ring.room() < 0:  # the client scribbled its tail
-            raise ProtocolError("response ring tail moved to an impossible position")
-        while cl.outbox:
-            if not R.put_reply(ring, cl.outbox[0]):
-                break
-            cl.outbox.popleft()
-            wrote += 1
-        if wrote and ring.publish():
-            cl.sem.release()
+    def _cut_off(self, cl: ClientState, exc: ProtocolError) -> None:
+        if cl.id in self.clients:
+            log.warning("client %d (pid %d): %s; disconnecting it", cl.id, cl.pid, exc)
+            self._drop(cl)
+            self.on_client_error(cl.id, exc)
 
-    # ---- idling ----
-    def _spin(self) -> bool:
-        """Re-check the rings for up to the current spin budget.
-
-        The budget follows the gaps between commands: after a wait, it is set
-        to twice the gap if that fits under ``spin_us`` (commands come back to
-        back: spinning saves a ~35 us wake-up), else to the 2 us minimum (a
-        trickle: spinning would be pure cost, e.g. 1,000 inserts/s)."""
-        if not self.clients or self.spin_max <= 0:
-            return False
-        start = time.perf_counter()
-        deadline = start + self.spin_s
-        rings = [cl.req for cl in self.clients.values()]
-        while True:
-            now = time.perf_counter()
-            for r in rings:
-                if r.has_pending():  # never raises: errors surface in _serve_all
-                    self._learn_gap(now - start)
-                    return True
-            if not self.calls.empty():
-                return True
-            if now >= deadline:
-                self.idle_since = start
-                return False
-
-    def _learn_gap(self, gap: float) -> None:
-        self.spin_s = min(self.spin_max, 2 * gap) if gap < self.spin_max else self.spin_min
-        self.spin_s = max(self.spin_min, self.spin_s)
-
-    def _sleep(self) -> None:
-        rings = [cl.req for cl in self.clients.values()]
-        try:
-            if any([r.set_sleeping() for r in rings]) or not self.calls.empty():
-                return
-            self.stats["sleeps"] += 1
-            timeout = self.idle_timeout
-            deadline = self.parking.next_deadline()
-            if deadline is not None:
-                timeout = max(0.0, min(timeout, deadline - time.monotonic()))
-            try:
-                self.doorbell.acquire(timeout)
-                self.stats["wakeups"] += 1
-                self._learn_gap(time.perf_counter() - self.idle_since)
-            except posix_ipc.BusyError:
-                pass
-        finally:
-            for r in rings:
-                r.clear_sleeping()
+    def _drop(self, cl: ClientState) -> None:
+        if self.clients.pop(cl.id, None) is None:
+            return
+        self.dropped[cl.id] = cl
+        cl.outbox.clear()
+        self.parking.unpark_client(cl)
+        self.stats["disconnects"] += 1
+        if reclaimed := sum(t.release_owner(cl.id) for t in self.tables.values()):
+            log.info("client %d (pid %d): reclaimed %d reserved slots", cl.id, cl.pid, reclaimed)
 
     # ---- entry points the control plane submits ----
     @entry_point
@@ -383,20 +255,21 @@ class Engine:
         return list(self.by_name)
 
     @entry_point
-    def describe_table(self, name: str) -> dict | None:
+    def describe(self, name: str | None = None):
+        """The description of table ``name`` (None if there is none), or
+        with no name, of every table."""
+        if name is None:
+            return [t.describe() for t in self.tables.values()]
         t = self.by_name.get(name)
         return t.describe() if t is not None else None
 
     @entry_point
-    def describe_tables(self) -> list[dict]:
-        return [t.describe() for t in self.tables.values()]
-
-    @entry_point
     def drop_table(self, name: str) -> Table:
         t = self.table_named(name)
+        doomed: list = []
         for w in self.parking.drop_table(t.id):
-            self._reply_error(w, UnknownTable(f"table {name!r} was dropped"))
-        self._cut_off_doomed()
+            parking.answer(w, UnknownTable(f"table {name!r} was dropped"), doomed)
+        self._cut_off_all(doomed)  # after the walk: cutting off unparks
         del self.by_name[name]
         del self.tables[t.id]
         return t
@@ -419,17 +292,6 @@ class Engine:
             self._drop(cl)
         return self.dropped.pop(cid, None)
 
-    def _drop(self, cl: ClientState) -> None:
-        if self.clients.pop(cl.id, None) is None:
-            return
-        self.dropped[cl.id] = cl
-        cl.outbox.clear()
-        self.parking.unpark_client(cl)
-        self.stats["disconnects"] += 1
-        reclaimed = sum(t.release_owner(cl.id) for t in self.tables.values())
-        if reclaimed:
-            log.info("client %d (pid %d): reclaimed %d reserved slots", cl.id, cl.pid, reclaimed)
-
     @entry_point
     def snapshot(self) -> dict:
         tables = {}
@@ -438,8 +300,8 @@ class Engine:
             st["limiter"]["waiting_inserts"], st["limiter"]["waiting_samples"] = \
                 self.parking.waiting(t.id)
             tables[t.spec.name] = st
-        return {"engine": {**self.stats, "parked": self.parking.total}, "clients": len(self.clients),
-                "tables": tables}
+        return {"engine": {**self.stats, **self.idler.stats, "parked": self.parking.total},
+                "clients": len(self.clients), "tables": tables}
 
 
 def _deadline(timeout_us: int) -> float:

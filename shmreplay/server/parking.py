@@ -14,8 +14,12 @@ Owned by the engine; engine thread only.
 from __future__ import annotations
 
 import collections
+import time
 
+from ..errors import ProtocolError, ReplayError
+from ..wire import records as R
 from ..wire.records import RESERVE
+from .counters import Blocked
 
 
 class Waiter:
@@ -46,9 +50,19 @@ class Parking:
     def _queue(self, table_id: int, op: int) -> collections.deque:
         return self.queues[table_id][0 if op == RESERVE else 1]
 
-    def busy(self, table_id: int, op: int) -> bool:
-        """Are requests of this kind parked on the table (a new one queues behind)?"""
-        return bool(self._queue(table_id, op))
+    def admit(self, table, w: Waiter) -> None:
+        """A new RESERVE or SAMPLE: run it now, or park it (behind a parked
+        one of its kind, to keep the order; or while the limits hold it).
+        Raises the table's error if it may not wait."""
+        if self._queue(table.id, w.op):
+            self.park(table, w)
+            return
+        try:
+            run(table, w)
+        except Blocked as b:
+            if w.deadline <= time.monotonic():
+                raise b.error from None
+            self.park(table, w)
 
     def park(self, table, w: Waiter) -> None:
         self._queue(table.id, w.op).append(w)
@@ -61,22 +75,44 @@ class Parking:
         ins, smp = self.queues[table_id]
         return len(ins), len(smp)
 
-    def settle(self, tables: dict, try_one, now: float) -> None:
+    def settle(self, tables: dict, now: float) -> list:
         """Retry parked requests, oldest first per queue, and answer those
         whose deadline passed, also behind a head that stays blocked.
-        ``try_one(table, waiter, now)`` runs or answers one and returns
-        False while it stays parked.  Queues change only here."""
+        Queues change only here.  Returns the clients to cut off, as
+        (client, error), once the caller is done walking."""
+        doomed: list = []
         for tid, queues in self.queues.items():
             table = tables[tid]
             for q in queues:
-                while q and try_one(table, q[0], now):
+                while q and self._try(table, q[0], now, doomed):
                     q.popleft()
                     self.count -= 1
                 if any(w.deadline <= now for w in q):
-                    keep = [w for w in q if not (w.deadline <= now and try_one(table, w, now))]
+                    keep = [w for w in q if not (w.deadline <= now and self._try(table, w, now, doomed))]
                     self.count -= len(q) - len(keep)
                     q.clear()
                     q.extend(keep)
+        return doomed
+
+    def _try(self, table, w: Waiter, now: float, doomed: list) -> bool:
+        """Run a parked request, or answer it with its error once its
+        deadline has passed.  False while it stays parked."""
+        try:
+            run(table, w)
+        except Blocked as b:
+            if w.deadline > now:
+                return False
+            table.stats["timeouts"] += 1
+            answer(w, b.error, doomed)
+            return True
+        except ProtocolError as exc:  # its outbox is full: it stopped reading
+            doomed.append((w.cl, exc))
+            return True
+        except ReplayError as exc:
+            answer(w, exc, doomed)
+            return True
+        answer(w, None, doomed)
+        return True
 
     def unpark_client(self, cl) -> int:
         """Forget every request of a client that left; returns how many."""
@@ -96,3 +132,25 @@ class Parking:
             return None
         return min((w.deadline for queues in self.queues.values() for q in queues for w in q),
                    default=None)
+
+
+def run(table, w: Waiter) -> None:
+    """Run a RESERVE or SAMPLE and queue its reply; raises Blocked."""
+    if w.op == RESERVE:
+        rid, slots, contiguous = table.reserve(w.cl.id, w.n)
+        w.cl.respond(R.reserve_reply(w.seq, rid, slots, contiguous))
+    else:
+        keys, probs, weights, hid = table.sample(w.cl.id, w.n, w.beta)
+        w.cl.respond(R.sample_reply(w.seq, keys, probs, weights, hid))
+
+
+def answer(w: Waiter, exc: ReplayError | None, doomed: list) -> None:
+    """Queue the error reply of a parked request (None: its reply is queued
+    already) and publish.  A client that left its replies unread goes on
+    ``doomed``, to be cut off once no queue is being walked."""
+    try:
+        if exc is not None:
+            w.cl.respond(R.error_reply(w.op, w.seq, exc))
+        w.cl.flush()
+    except ProtocolError as err:
+        doomed.append((w.cl, err))

@@ -26,9 +26,8 @@ import logging
 
 import numpy as np
 
-from ..errors import CapacityError, PriorityError, ProtocolError, ReplayError
+from ..errors import CapacityError, PriorityError, ProtocolError
 from ..priorities import check_priorities
-from ..ratelimiter import max_sample_batch
 from ..schema import TableSpec
 from ..wire.layout import COMMITTED, TableMap
 from ..wire.records import key_slots, make_keys, stale
@@ -172,28 +171,10 @@ class Table:
         return n
 
     # ---- readers ----
-    def check_sample(self, n: int, beta: float) -> None:
-        """Refuse, at once, samples that could never run (bad beta, a batch
-        larger than the limits can ever admit)."""
-        if not np.isfinite(beta) or beta < 0:
-            raise ReplayError(f"beta must be finite and >= 0, got {beta}")
-        spec = self.spec
-        top = max_sample_batch(spec)
-        if top is not None and n > top:
-            raise CapacityError(
-                f"table {spec.name!r}: a batch of {n} can never be admitted: its error buffer "
-                f"[{spec.diff_bounds[0]:g}, {spec.diff_bounds[1]:g}] admits at most {top} "
-                "samples at once; sample smaller batches or widen error_buffer")
-        mts = spec.max_times_sampled
-        if mts and n > mts * spec.capacity:
-            raise CapacityError(
-                f"table {spec.name!r}: a batch of {n} exceeds capacity {spec.capacity} x "
-                f"max_times_sampled {mts}, the most samples the table can ever hold at once")
-
     def sample(self, owner: int, n: int, beta: float):
         """Draw n items: (keys, probabilities, weights, hold id or 0).  Raises
         Blocked when the limits say not yet; nothing is taken then."""
-        self.check_sample(n, beta)
+        self.counters.check_sample(n, beta)
         err = self.counters.sample_refusal(n, self.sampler.mass)
         if err is not None:
             raise Blocked(err)

@@ -1,0 +1,72 @@
+"""How the engine waits when no client sent anything: spin, then sleep.
+
+The spin budget follows the gaps between commands: after a wait, it is set
+to twice the gap if that fits under ``spin_us`` (commands come back to
+back: spinning saves a ~35 us wake-up), else to the 2 us minimum (a
+trickle: spinning would be pure cost, e.g. 1,000 inserts/s).  Then the
+engine announces sleep in every ring and waits on the doorbell semaphore,
+which clients post when they see the announcement (docs/protocol.md,
+"Waking"); an idle engine uses no CPU.
+
+Engine thread only.
+"""
+
+from __future__ import annotations
+
+import time
+
+import posix_ipc
+
+
+class Idler:
+    def __init__(self, doorbell: posix_ipc.Semaphore, spin_us: float, idle_timeout: float):
+        self.doorbell = doorbell
+        self.spin_max = spin_us * 1e-6
+        self.spin_min = min(2e-6, self.spin_max)
+        self.spin_s = self.spin_max
+        self.idle_since = 0.0  # when the last fruitless spin began
+        self.idle_timeout = idle_timeout
+        self.stats = {"wakeups": 0, "sleeps": 0}
+
+    def spin(self, rings: list, calls) -> bool:
+        """Re-check the rings (and the call queue) for up to the spin
+        budget; True if something arrived."""
+        if not rings or self.spin_max <= 0:
+            return False
+        start = time.perf_counter()
+        deadline = start + self.spin_s
+        while True:
+            now = time.perf_counter()
+            for r in rings:
+                if r.has_pending():  # never raises: errors surface where rings are served
+                    self._learn_gap(now - start)
+                    return True
+            if not calls.empty():
+                return True
+            if now >= deadline:
+                self.idle_since = start
+                return False
+
+    def _learn_gap(self, gap: float) -> None:
+        self.spin_s = min(self.spin_max, 2 * gap) if gap < self.spin_max else self.spin_min
+        self.spin_s = max(self.spin_min, self.spin_s)
+
+    def sleep(self, rings: list, calls, deadline: float | None) -> None:
+        """Sleep on the doorbell until a client or a call rings it, the
+        idle timeout passes, or ``deadline`` (a parked request's) comes."""
+        try:
+            if any([r.set_sleeping() for r in rings]) or not calls.empty():
+                return
+            self.stats["sleeps"] += 1
+            timeout = self.idle_timeout
+            if deadline is not None:
+                timeout = max(0.0, min(timeout, deadline - time.monotonic()))
+            try:
+                self.doorbell.acquire(timeout)
+                self.stats["wakeups"] += 1
+                self._learn_gap(time.perf_counter() - self.idle_since)
+            except posix_ipc.BusyError:
+                pass
+        finally:
+            for r in rings:
+                r.clear_sleeping()

@@ -1,0 +1,148 @@
+"""The package's shape, checked from its source: the three wings and their
+import rules, no import cycles, and no file or class grown past a size a
+reader can hold in mind.
+
+Edges are the import statements written in each module, those inside
+functions included; ``from pkg import name`` counts as an import of the
+module ``pkg.name`` when there is one.  The parent packages that Python
+loads implicitly on any import are not edges (every module would otherwise
+depend on ``shmreplay/__init__.py``, which re-exports the client).
+"""
+
+from __future__ import annotations
+
+import ast
+import os
+
+import pytest
+
+PKG = "shmreplay"
+ROOT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), PKG)
+MAX_FILE_LINES = 400
+MAX_CLASS_LINES = 250
+
+
+def modules() -> dict[str, str]:
+    """module name -> file path, for every module of the package."""
+    out = {}
+    for dirpath, _, files in os.walk(ROOT):
+        for f in files:
+            if not f.endswith(".py"):
+                continue
+            rel = os.path.relpath(os.path.join(dirpath, f), os.path.dirname(ROOT))[:-3]
+            parts = rel.split(os.sep)
+            if parts[-1] == "__init__":
+                parts = parts[:-1]
+            out[".".join(parts)] = os.path.join(dirpath, f)
+    return out
+
+
+def imports_of(name: str, path: str, known: set) -> set[str]:
+    is_pkg = path.endswith("__init__.py")
+    here = name if is_pkg else name.rsplit(".", 1)[0]
+    out = set()
+    for node in ast.walk(ast.parse(open(path).read(), path)):
+        if isinstance(node, ast.Import):
+            targets = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = here.split(".")
+                base = base[:len(base) - (node.level - 1)]
+                mod = ".".join(base + ([node.module] if node.module else []))
+            else:
+                mod = node.module or ""
+            targets = [f"{mod}.{a.name}" if f"{mod}.{a.name}" in known else mod for a in node.names]
+        else:
+            continue
+        out.update(t for t in targets if t == PKG or t.startswith(PKG + "."))
+    return {t for t in out if t in known} - {name}
+
+
+@pytest.fixture(scope="module")
+def graph() -> dict[str, set[str]]:
+    mods = modules()
+    return {name: imports_of(name, path, set(mods)) for name, path in mods.items()}
+
+
+def closure(graph, start: str) -> set[str]:
+    seen, todo = set(), [start]
+    while todo:
+        for nxt in graph[todo.pop()]:
+            if nxt not in seen:
+                seen.add(nxt)
+                todo.append(nxt)
+    return seen
+
+
+def wing(name: str) -> str | None:
+    parts = name.split(".")
+    return parts[1] if len(parts) > 1 and parts[1] in ("client", "server", "wire") else None
+
+
+def test_the_three_wings_exist(graph):
+    for w in ("client", "server", "wire"):
+        assert f"{PKG}.{w}" in graph and sum(wing(m) == w for m in graph) >= 4
+
+
+@pytest.mark.parametrize("source, forbidden", [("client", {"server"}), ("server", {"client"}),
+                                               ("wire", {"client", "server"})])
+def test_wings_import_only_what_they_may(graph, source, forbidden):
+    bad = {}
+    for m in graph:
+        if wing(m) == source:
+            reached = {x for x in closure(graph, m) if wing(x) in forbidden or x == PKG}
+            if reached:
+                bad[m] = sorted(reached)
+    assert not bad, f"{source} modules reach {forbidden} (or the package root): {bad}"
+
+
+def test_the_shared_root_modules_import_no_wing_but_wire(graph):
+    # errors, schema, ratelimiter, priorities, ...: pure logic both sides use
+    tools = {f"{PKG}.cli", f"{PKG}.bench"}
+    for m, deps in graph.items():
+        if m.count(".") == 1 and wing(m) is None and not any(m.startswith(t) for t in tools):
+            assert not {d for d in closure(graph, m) if wing(d) in ("client", "server")}, m
+
+
+def test_no_import_cycles(graph):
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(m):
+        state[m] = 1
+        stack.append(m)
+        for n in sorted(graph[m]):
+            if state.get(n) == 1:
+                raise AssertionError("import cycle: " + " -> ".join(stack[stack.index(n):] + [n]))
+            if n not in state:
+                visit(n)
+        stack.pop()
+        state[m] = 2
+
+    for m in sorted(graph):
+        if m not in state:
+            visit(m)
+
+
+def test_no_file_or_class_is_too_big():
+    big = []
+    for name, path in modules().items():
+        src = open(path).read()
+        lines = src.count("\n")
+        if lines > MAX_FILE_LINES:
+            big.append(f"{path}: {lines} lines")
+        for node in ast.walk(ast.parse(src)):
+            if isinstance(node, ast.ClassDef):
+                n = node.end_lineno - node.lineno + 1
+                if n > MAX_CLASS_LINES:
+                    big.append(f"{name}.{node.name}: {n} lines")
+    assert not big, big
+
+
+def test_the_rule_checker_sees_a_forbidden_import(tmp_path):
+    """The checker itself: a client module importing the server is caught,
+    including an import hidden inside a function."""
+    src = tmp_path / "mod.py"
+    src.write_text("def f():\n    from ..server import engine\n")
+    known = {f"{PKG}.client.mod", f"{PKG}.server", f"{PKG}.server.engine"}
+    assert imports_of(f"{PKG}.client.mod", str(src), known) == {f"{PKG}.server.engine"}

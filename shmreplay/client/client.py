@@ -74,9 +74,10 @@ class Client:
     def __reduce__(self):
         return (Client, (self.path, self.timeout, self.reconnect, self.reconnect_timeout))
 
-    def clone(self) -> "Client":
-        """A new connection to the same daemon, with the same settings (for another thread)."""
-        return Client(self.path, self.timeout, self.reconnect, self.reconnect_timeout)
+    def clone(self, reconnect: bool = False) -> "Client":
+        """A new connection to the same daemon with the same timeout, e.g. for
+        another thread (a ``Client`` is for one thread at a time)."""
+        return Client(self.path, self.timeout, reconnect, self.reconnect_timeout)
 
     def _check_fork(self) -> None:
         if self._pid != os.getpid():
@@ -90,7 +91,7 @@ class Client:
         self._closed = False
         self._dirty = False  # commits sent since the last flush
         for t in self._tables.values():  # leases belonged to the old connection
-            t._void_leases()
+            t._forget_connection()
         link = ControlLink(self.path, self.timeout)
         try:
             hello = link.request("hello", protocol=PROTOCOL_VERSION, pid=os.getpid())
@@ -118,7 +119,7 @@ class Client:
         """Open a new lease, waiting up to reconnect_timeout for a daemon,
         and rebind every table handle to what the daemon serves now."""
         self._abandon()
-        lost = [t._void_leases() for t in self._tables.values()]
+        lost = [t._forget_connection() for t in self._tables.values()]
         self._lost = self._lost or self._dirty or any(lost)
         deadline = time.monotonic() + self.reconnect_timeout
         while True:

@@ -68,9 +68,11 @@ class Table:
         self._bind(desc)
         self._held = []
 
-    def _void_leases(self) -> bool:
-        """The connection the leases were made on is gone; True if a writer
-        had items open in them (possibly lost)."""
+    def _forget_connection(self) -> bool:
+        """The connection this handle's leases and holds were made on is
+        gone (reconnect, fork); True if a writer had items open in a lease
+        (possibly lost)."""
+        self._held = []
         return any([lease.void() for lease in list(self._leases)])
 
     def __reduce__(self):

@@ -1,6 +1,7 @@
 """``shmreplay``: the admin command line (status, tables, checkpoint,
 cleanup, shutdown, bench).  A tool at the package root: it talks to a daemon
-as a client, and ``cleanup`` uses the daemon's own ownership rules."""
+as a client, and ``cleanup`` uses the daemon's own ownership rules.  Runs
+in its own process, one thread."""
 
 from __future__ import annotations
 

@@ -3,7 +3,8 @@
 Every error a client can see is a ``ReplayError``.  Each class carries a
 stable ``code`` so that the daemon can send it over either wire (control
 frames carry the class name, command-ring responses carry the integer code)
-and the client can raise the same class on its side.
+and the client can raise the same class on its side.  Shared by both
+wings; no state, any thread.
 """
 
 from __future__ import annotations

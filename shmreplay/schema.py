@@ -2,7 +2,8 @@
 
 A ``TableSpec`` is immutable and round-trips through a plain dict (msgpack,
 TOML and the segment header all carry that dict), so the client, the daemon
-and the segment agree on one canonical form.
+and the segment agree on one canonical form.  Shared by both wings; pure
+functions and frozen values, any thread.
 """
 
 from __future__ import annotations

@@ -34,7 +34,6 @@ import time
 from ..errors import DaemonUnavailable, ReplayError, ReplayTimeout, UnknownTable
 from ..schema import make_spec
 from ..wire import records as R
-from ..wire.control import PROTOCOL_VERSION
 from ..wire.names import client_socket_path
 from .link import ControlLink
 from .pipe import CommandPipe, deadline_of, in_slices
@@ -94,12 +93,12 @@ class Client:
             t._forget_connection()
         link = ControlLink(self.path, self.timeout)
         try:
-            hello = link.request("hello", protocol=PROTOCOL_VERSION, pid=os.getpid())
+            hello = link.hello(os.getpid())
             self.daemon_pid = hello["daemon_pid"]
             self.max_batch = int(hello["max_batch"])
             pipe = CommandPipe(link, hello)
             try:
-                link.request("ready")
+                link.ready()
             except BaseException:
                 pipe.close()
                 raise

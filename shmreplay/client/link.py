@@ -14,7 +14,7 @@ import select
 import socket
 
 from ..errors import DaemonUnavailable, ProtocolError, ReplayError, ReplayTimeout
-from ..wire.control import ClientConnection
+from ..wire.control import PROTOCOL_VERSION, ClientConnection
 
 
 class ControlLink:
@@ -41,6 +41,16 @@ class ControlLink:
     @property
     def bye(self) -> ReplayError | None:
         return self.conn.bye
+
+    def hello(self, pid: int) -> dict:
+        """The handshake's first half: the daemon creates this client's
+        channel and names it (and the semaphores) in its reply."""
+        return self.request("hello", protocol=PROTOCOL_VERSION, pid=pid)
+
+    def ready(self) -> None:
+        """The handshake's second half: the channel is mapped; the daemon
+        unlinks its names and starts serving it."""
+        self.request("ready")
 
     def request(self, op: str, **args) -> dict:
         """Send a request and wait for its reply; raises the error it names."""

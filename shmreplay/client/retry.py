@@ -7,7 +7,8 @@ client made with ``reconnect=True`` uses those subclasses, so the calls of
 every other client pay nothing for the wrapper (insert1 is ~10% faster
 without it).  A call that ran again may have been applied twice if the
 daemon applied it just before it died; inserts not yet flushed may be lost,
-which the next ``flush()`` reports (``Client.flush``).
+which the next ``flush()`` reports (``Client.flush``).  The wrappers run
+on the caller's thread, like the calls they wrap.
 """
 
 from __future__ import annotations

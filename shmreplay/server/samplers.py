@@ -2,7 +2,8 @@
 
 Each implements ``selectors.Selector`` (see there for who calls it and
 when).  Random samplers (prioritized, uniform) draw with replacement; the
-table enforces reuse limits on top (``reuse.draw_limited``).  Order samplers (fifo, lifo) are Reverb's:
+table enforces reuse limits on top (``reuse.draw_limited``).  Engine
+thread only, like every selector.  Order samplers (fifo, lifo) are Reverb's:
 each draw returns the oldest (newest) item, so without a reuse limit a batch
 holds one item n times, and with ``max_times_sampled=N`` each item is
 returned N times before the next one.

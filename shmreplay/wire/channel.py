@@ -1,5 +1,8 @@
 """A client's command channel: two single-producer/single-consumer rings.
 
+Each ring has one producer thread (in one process) and one consumer thread
+(in the other): the client's thread and the daemon's engine thread.
+
 One segment per attached client, created by the daemon::
 
     0     header (CHANNEL_HEADER): magic, layout version, sizes, offsets, pids

@@ -51,6 +51,9 @@ Trust.  The engine decodes what a client wrote into shared memory: every
 ``read_*`` bounds counts and payload sizes and raises ``ProtocolError`` (the
 client is cut off) or ``CapacityError`` (the request is refused) before any
 value is used.
+
+Pure functions over a ring (``channel.Ring``): called by whichever thread
+owns that end of the ring (the client's thread, the engine thread).
 """
 
 from __future__ import annotations

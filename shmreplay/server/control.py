@@ -36,6 +36,9 @@ from .table import Table
 
 log = logging.getLogger("shmreplayd.control")
 
+# a refused connection is closed when the client speaks, or after this long
+REFUSED_LINGER_S = 10.0
+
 # a channel holds two of the largest batch each way; 256 records a ring
 # lets a client stream commands
 CHANNEL = ChannelLayout(req_slots=256, resp_slots=256,
@@ -203,6 +206,7 @@ class ControlConnection(asyncio.Protocol):
         self.peer: access.Peer | None = None
         self.attached = False
         self.closed = False
+        self.refused = False
 
     # ---- asyncio.Protocol ----
     def connection_made(self, transport) -> None:
@@ -225,14 +229,20 @@ class ControlConnection(asyncio.Protocol):
         if refusal is not None:
             log.warning("connection %d (pid %d, uid %d) refused: %s", self.cid, self.peer.pid,
                         self.peer.uid, refusal)
-            self.kick(refusal)
-            self.closed = True
+            # the notice first; the close only once the client has spoken (its
+            # hello): closing at once can reset the socket before the client
+            # reads why, and it would see a broken pipe instead of the reason
+            transport.write(protocol.notice_bye(refusal))
+            self.closed = self.refused = True
+            asyncio.get_running_loop().call_later(REFUSED_LINGER_S, transport.close)
             return
         srv.connections[self.cid] = self
         self.worker = asyncio.get_running_loop().create_task(self._work())
 
     def data_received(self, data: bytes) -> None:
         if self.closed:
+            if self.refused:
+                self.transport.close()
             return
         try:
             for msg in self.conn.receive(data):

@@ -39,15 +39,16 @@ from faults import reissued, segment_rows, void_slots
 N, GAMMA, D = 5, 0.9, 4            # n-step transitions of D-wide int observations
 SEQ_LEN, PERIOD = 8, 4             # sequences overlap by half
 QUARANTINE_S = 0.3
-EP_LEN = {1: 23, 2: 17, 3: 29, 4: 21}   # episode length of each actor
-KIND = {1: "nstep", 2: "nstep", 3: "plain", 4: "seq"}
+EP_LEN = {1: 23, 2: 17, 3: 29, 4: 21, 5: 19}   # episode length of each actor
+KIND = {1: "nstep", 2: "nstep", 3: "plain", 4: "seq", 5: "seq"}
 STALLED = 2                        # holds open transitions across the restart, resumes late
 NSTEP_ACTORS = (1, 2, 3)
+SEQ_ACTORS = (4, 5)
 NSTEP_FIELDS = {"obs": ("int64", (D,)), "next_obs": ("int64", (D,)), "action": ("int64", ()),
                 "reward": ("float64", ()), "discount": ("float64", ()), "id": ("int64", ())}
 SEQ_FIELDS = {"step": ("int64", (SEQ_LEN,)), "r": ("float32", (SEQ_LEN,)), "id": ("int64", ()),
               "length": ("int32", ())}
-CAPACITY = {"nstep": 4096, "seq": 512}  # nothing is evicted before the restart
+CAPACITY = {"nstep": 4096, "seq": 1024}  # nothing is evicted before the restart
 TABLES = [{"name": "nstep", "capacity": CAPACITY["nstep"], "sampler": "uniform", "fields": NSTEP_FIELDS},
           {"name": "seq", "capacity": CAPACITY["seq"], "sampler": "uniform", "fields": SEQ_FIELDS}]
 BATCH = {"nstep": 64, "seq": 32}
@@ -107,7 +108,7 @@ def seq_rows(ids) -> tuple[dict, np.ndarray]:
     """The sequence starting at each id's step, and whether such a sequence
     can exist (it starts a multiple of PERIOD into its episode)."""
     ids = np.asarray(ids, np.int64)
-    _, g, ep = _split(ids, (4,))
+    _, g, ep = _split(ids, SEQ_ACTORS)
     k = g % ep
     n = np.minimum(SEQ_LEN, ep - k)
     j = np.arange(SEQ_LEN)
@@ -130,7 +131,7 @@ def torn_mask(table: str, data: dict) -> np.ndarray:
               & np.isclose(data["reward"], want["reward"], rtol=1e-12, atol=0)
               & np.isclose(data["discount"], want["discount"], rtol=1e-12, atol=0))
     else:
-        known = _split(ids, (4,))[0]
+        known = _split(ids, SEQ_ACTORS)[0]
         want, can = seq_rows(ids)
         ok = (known & can & np.all(data["step"] == want["step"], axis=1)
               & np.all(data["r"] == want["r"], axis=1) & (data["length"] == want["length"]))
@@ -380,14 +381,18 @@ def test_writers_ride_out_a_daemon_restart(start_daemon, capsys):
         crew = Crew(mp.get_context("fork"), d.socket)
         # ---- phase 1: fill most of the n-step table, every flush returns ----
         for _ in range(3):
-            crew.run({1: (300, True), 2: (300, True), 3: (300, True), 4: (200, True)})
+            crew.run({1: (300, True), 2: (300, True), 3: (300, True), 4: (200, True),
+                      5: (200, True)})
         # then leave unflushed work of every kind: open transitions (1, and
-        # the stalled 2), plain inserts (3), commits of a finished episode (4)
+        # the stalled 2), plain inserts (3), commits of a finished episode and
+        # nothing open (4), open sequences (5)
         crew.run({1: (steps_to_mid_episode(crew.g[1], EP_LEN[1]), False),
                   STALLED: (steps_to_mid_episode(crew.g[STALLED], EP_LEN[STALLED]), False),
                   3: (40, False),
-                  4: (steps_to_episode_end(crew.g[4], EP_LEN[4]), False)})
-        assert crew.open[1] and crew.open[STALLED] and not crew.open[4], crew.open
+                  4: (steps_to_episode_end(crew.g[4], EP_LEN[4]), False),
+                  5: (steps_to_mid_episode(crew.g[5], EP_LEN[5], PERIOD + 2), False)})
+        assert (crew.open[1] and crew.open[STALLED] and not crew.open[4]
+                and crew.open[5]), crew.open
         pre_flushes = dict(crew.flushes)
         for t in CAPACITY:
             data, torn, deletes = scan(seg[t], t)
@@ -415,7 +420,7 @@ def test_writers_ride_out_a_daemon_restart(start_daemon, capsys):
             rounds += 1
             orders = {1: (32, True), 3: (256, True)}
             if rounds <= 2:
-                orders[4] = (64, True)
+                orders[4] = orders[5] = (64, True)
             crew.run(orders)
             if reissued(seg["nstep"], void, void_gens).all() and rounds >= 2:
                 break
@@ -435,7 +440,8 @@ def test_writers_ride_out_a_daemon_restart(start_daemon, capsys):
 
         # ---- phase 3: release the stalled actor; everyone does a little more ----
         for _ in range(2):
-            crew.run({1: (64, True), STALLED: (64, True), 3: (64, True), 4: (64, True)})
+            crew.run({1: (64, True), STALLED: (64, True), 3: (64, True), 4: (64, True),
+                      5: (64, True)})
         base = list(crew.progress)
         deadline = time.monotonic() + 30
         while min(p - b for p, b in zip(crew.progress, base)) < 10:  # the learner still samples

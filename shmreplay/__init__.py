@@ -17,7 +17,7 @@ from .client import Client, NStepWriter, SampleBatch, SequenceWriter, Table, con
 from .errors import (
     CapacityError, DaemonUnavailable, EmptyTable, FieldError, LayoutError, PriorityError,
     PermissionDenied, ProtocolError, RateLimited, ReplayError, ReplayTimeout, SchemaError, ShmFull,
-    TableExists, UnknownTable,
+    SlotsBusy, TableExists, UnknownTable,
 )
 from .version import __version__
 
@@ -25,5 +25,5 @@ __all__ = [
     "connect", "Client", "Table", "SampleBatch", "SequenceWriter", "NStepWriter",
     "ReplayError", "ProtocolError", "DaemonUnavailable", "ReplayTimeout", "UnknownTable",
     "TableExists", "SchemaError", "FieldError", "PriorityError", "CapacityError", "ShmFull",
-    "LayoutError", "EmptyTable", "RateLimited", "PermissionDenied",
+    "LayoutError", "EmptyTable", "RateLimited", "SlotsBusy", "PermissionDenied",
 ]

@@ -98,6 +98,15 @@ class EmptyTable(RateLimited):
     code = 13
 
 
+class SlotsBusy(RateLimited, CapacityError):
+    """An insert waited past its timeout because every slot was reserved by
+    writers or held by learners still reading their last sample.  A wait
+    like any other (a client with no timeout keeps waiting), and a
+    CapacityError for code that catches that."""
+
+    code = 16
+
+
 class PermissionDenied(ReplayError, PermissionError):
     """The daemon's access rules refuse this user (connect) or this
     operation (admin operations: drop_table, checkpoint, shutdown)."""
@@ -110,7 +119,7 @@ _BY_CODE = {
     for cls in (
         ReplayError, ProtocolError, DaemonUnavailable, ReplayTimeout, UnknownTable,
         TableExists, SchemaError, PermissionDenied, FieldError, PriorityError, CapacityError, ShmFull,
-        LayoutError, EmptyTable, RateLimited,
+        LayoutError, EmptyTable, RateLimited, SlotsBusy,
     )
 }
 _BY_NAME = {cls.__name__: cls for cls in _BY_CODE.values()}

@@ -26,7 +26,7 @@ import logging
 
 import numpy as np
 
-from ..errors import CapacityError, PriorityError, ProtocolError
+from ..errors import CapacityError, PriorityError, ProtocolError, SlotsBusy
 from ..priorities import check_priorities
 from ..schema import TableSpec
 from ..wire.layout import COMMITTED, TableMap
@@ -96,7 +96,7 @@ class Table:
         # (a queue would lose them)
         k = min(room, free + (0 if led.held else cnt.size))
         if k == 0:
-            raise Blocked(CapacityError(
+            raise Blocked(SlotsBusy(
                 f"table {self.spec.name!r}: no slot is free or evictable now; "
                 f"{led.pending} are reserved by writers that have not committed and "
                 f"{led.held} are held by learners still reading their last sample"))

@@ -42,6 +42,9 @@ FLUSH      -                                     empty; sent once every earlier 
 
 RESERVE and SAMPLE wait in the daemon while the table's limits hold them,
 for up to their timeout: 0 means "fail at once", FOREVER means no limit.
+One that times out is answered with a ``RateLimited`` (``EmptyTable``, or
+``SlotsBusy`` when every slot stayed reserved or held): the client's
+slices retry exactly those.
 
 Keys.  A sampled item is named by ``gen << 32 | slot``: the slot and the
 generation stamp the slot had when the item was committed.  A reader that

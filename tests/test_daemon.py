@@ -101,11 +101,11 @@ def test_bad_config_exits_with_a_message(tmp_path):
 
 def test_second_daemon_on_the_same_socket_is_refused(start_daemon, tmp_path):
     d = start_daemon()
-    cfg = write_config(tmp_path / "second.toml", instance="testsecond", socket=d.socket)
+    cfg = write_config(tmp_path / "second.toml", instance=f"test{os.getpid()}second", socket=d.socket)
     out = subprocess.run([sys.executable, "-m", "shmreplay.server.daemon", "--config", cfg],
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 1 and "another daemon is serving" in out.stderr
-    assert not shm_entries("shmreplay.testsecond.")
+    assert not shm_entries(f"shmreplay.test{os.getpid()}second.")
 
 
 def test_client_reattaches_after_fork(start_daemon):
@@ -161,7 +161,7 @@ def test_tells_systemd_when_ready_and_when_stopping(tmp_path):
     sink = so.socket(so.AF_UNIX, so.SOCK_DGRAM)
     sink.bind(addr)
     sink.settimeout(120)
-    cfg = write_config(tmp_path / "n.toml", instance=f"testnotify{os.getpid()}",
+    cfg = write_config(tmp_path / "n.toml", instance=f"test{os.getpid()}notify",
                        socket=str(tmp_path / "n.sock"))
     proc = subprocess.Popen([sys.executable, "-m", "shmreplay.server.daemon", "--config", cfg],
                             env=dict(os.environ, NOTIFY_SOCKET=addr), stderr=subprocess.DEVNULL)

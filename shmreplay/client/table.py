@@ -20,12 +20,12 @@ import weakref
 import numpy as np
 
 from .. import ratelimiter
-from ..errors import PriorityError, ReplayError, ReplayTimeout
+from ..errors import PriorityError, ReplayError
 from ..priorities import as_priorities
 from ..schema import spec_from_wire
 from ..wire import records as R
 from ..wire.layout import TableMap
-from .gather import SampleBatch, new_batch, stale_rows, take_rows
+from .gather import SampleBatch, gather_batch, new_batch
 from .iterator import BatchIterator
 from .lease import SlotLease
 from .pipe import deadline_of, in_slices
@@ -224,18 +224,17 @@ class Table:
         elif len(out) != n:
             raise ReplayError(f"out= holds {len(out)} rows, batch_size is {n}")
         holds = []
+
+        def draw(rows: np.ndarray, seq: int | None) -> None:
+            if seq is None:
+                seq = self._send_draw(rows.shape[0], beta, wait_s)
+            hid = self._receive_draw(seq, out, rows, wait_s)
+            if hid:
+                holds.append(hid)
+
         try:
-            self._draw(out, np.arange(n), beta, ticket, wait_s, holds)
-            out.redraws = 0
-            deadline = time.monotonic() + pipe.timeout
-            while True:
-                bad = stale_rows(self._map.gens, out)
-                if bad.shape[0] == 0:
-                    return out
-                if time.monotonic() > deadline:
-                    raise ReplayTimeout(f"could not draw {n} stable rows within {pipe.timeout} s")
-                out.redraws += bad.shape[0]
-                self._draw(out, bad, beta, None, wait_s, holds)
+            return gather_batch(draw, ticket, self._views, self._fields, self._map.gens, out,
+                                pipe.timeout)
         finally:
             for hid in holds:  # the rows are copied out: the slots may be reused
                 pipe.send(R.put_release, self.id, hid)
@@ -250,15 +249,6 @@ class Table:
         return self._client._pipe.wait(
             seq, lambda rec, pay: R.read_sample_reply(rec, pay, k, rows, out.keys,
                                                       out.probabilities, out.weights), wait_s)
-
-    def _draw(self, out: SampleBatch, rows: np.ndarray, beta: float, seq: int | None,
-              wait_s: float, holds: list) -> None:
-        if seq is None:
-            seq = self._send_draw(rows.shape[0], beta, wait_s)
-        hid = self._receive_draw(seq, out, rows, wait_s)
-        if hid:
-            holds.append(hid)
-        take_rows(self._views, self._fields, out, rows)
 
     @retried
     def update_priorities(self, keys, priorities) -> None:

@@ -100,7 +100,7 @@ class DaemonProcess:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"daemon exited with {self.proc.returncode}:\n{self.log()}")
             try:
-                shmreplay.connect(self.socket, timeout=5).close()
+                shmreplay.connect(self.socket, timeout=30).close()  # a hang guard
                 return
             except shmreplay.DaemonUnavailable:
                 if time.monotonic() > deadline:

@@ -3,6 +3,10 @@
 A row of item ``i`` is ``id = i`` and ``obs`` filled with ``i % 251``; a
 row that mixes two writes, or was never fully written, fails ``torn()``.
 Workers run in forked processes and report through a queue.
+
+Nothing here waits by the clock: ``wait_for`` polls a condition, and its
+timeout is a hang guard (generous, for a loaded CI box), never a speed
+requirement.
 """
 
 from __future__ import annotations
@@ -16,6 +20,21 @@ import shmreplay
 from shmreplay.wire.layout import COMMITTED, HELD, RESERVED, TableMap
 
 FIELDS = {"obs": ("uint8", (64,)), "id": ("int64", ())}
+
+
+HANG_S = 60.0  # how long a wait may take before it counts as a hang
+
+
+def wait_for(pred, what: str, timeout: float = HANG_S, poll: float = 0.02):
+    """Poll ``pred()`` until it is true and return its value; fail only
+    when it stays false for ``timeout`` seconds (a hang, not slowness)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = pred()
+        if value:
+            return value
+        assert time.monotonic() < deadline, f"timed out after {timeout} s waiting for {what}"
+        time.sleep(poll)
 
 
 def rows(ids) -> dict:
@@ -42,20 +61,31 @@ def committed_ids(segment: str) -> np.ndarray:
         tm.release()
 
 
-def actor(sock, table, first_id, stop, out, confirm_every=64, pause=0.002):
+def actor(sock, table, first_id, stop, out, confirm_every=64, pause=0.002, budget=None):
     """Insert ids first_id, first_id + 1, ... with priorities; after each
     flush that returned, the ids since the previous one count as confirmed.
-    Reconnects through daemon restarts."""
-    c = shmreplay.connect(sock, timeout=10, reconnect=True, reconnect_timeout=120)
+    Reconnects through daemon restarts.  ``budget``: insert at most that
+    many items per connection (a restart gives a new budget), then only
+    flush until stopped, so a test can bound what it inserts by count, not
+    by how fast the box runs; the actor still talks to the daemon, so it
+    notices a restart."""
+    c = shmreplay.connect(sock, timeout=30, reconnect=True, reconnect_timeout=120)
     t = c.table(table)
     i, pending, confirmed, lost, errors = first_id, [], [], 0, []
+    epoch, left = c.reconnects, budget
     while not stop.is_set():
         try:
-            ids = np.arange(i, i + 8)
-            i += 8
-            t.insert_batch(rows(ids), priorities=1.0 + (ids % 7))
-            pending.extend(ids.tolist())
-            if len(pending) >= confirm_every:
+            if c.reconnects != epoch:
+                epoch, left = c.reconnects, budget
+            if left is None or left > 0:
+                ids = np.arange(i, i + 8)
+                i += 8
+                t.insert_batch(rows(ids), priorities=1.0 + (ids % 7))
+                pending.extend(ids.tolist())
+                if left is not None:
+                    left -= 8
+            spent = left is not None and left <= 0  # then flush each round: still talking
+            if len(pending) >= confirm_every or spent:
                 c.flush()
                 confirmed.extend(pending)
                 pending = []
@@ -74,7 +104,7 @@ def actor(sock, table, first_id, stop, out, confirm_every=64, pause=0.002):
 
 
 def learner(sock, table, stop, out, batch=32):
-    c = shmreplay.connect(sock, timeout=10, reconnect=True, reconnect_timeout=120)
+    c = shmreplay.connect(sock, timeout=30, reconnect=True, reconnect_timeout=120)
     t = c.table(table)
     n = bad = 0
     while not stop.is_set():
@@ -111,7 +141,7 @@ STEPS = ("after_reserve", "mid_copy", "after_commit", "rate_limited_wait", "lear
 def victim(sock, step, first_id, ready):
     """A client that gets as far as ``step``, says so, and waits to be SIGKILLed."""
     from rawclient import reserve
-    c = shmreplay.connect(sock, timeout=20)
+    c = shmreplay.connect(sock, timeout=30)
     if step in ("after_reserve", "mid_copy"):
         t = c.table("t")
         _, _, slots = reserve(t, 8)

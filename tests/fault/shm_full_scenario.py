@@ -27,11 +27,14 @@ def main() -> int:
                          stderr=subprocess.DEVNULL)
     out = {}
     try:
-        for _ in range(600):
+        deadline = time.monotonic() + 120  # a hang guard: the daemon listens once it is up
+        while True:
             try:
-                c = shmreplay.connect(sock, timeout=10)
+                c = shmreplay.connect(sock, timeout=60)
                 break
             except shmreplay.DaemonUnavailable:
+                if time.monotonic() > deadline or d.poll() is not None:
+                    raise
                 time.sleep(0.1)
         a = c.create_table("a", capacity=4096, fields=FIELDS)  # ~4 MiB
         a.insert_batch({"x": np.full((100, 1024), 7, np.uint8)})
@@ -44,7 +47,7 @@ def main() -> int:
         except shmreplay.ShmFull as exc:
             out["create"] = str(exc)
         try:
-            shmreplay.connect(sock, timeout=10)
+            shmreplay.connect(sock, timeout=60)
         except shmreplay.ShmFull as exc:
             out["attach"] = str(exc)
         a.insert_batch({"x": np.full((100, 1024), 9, np.uint8)})
@@ -53,7 +56,7 @@ def main() -> int:
         out["still_serving"] = len(a) == 200 and bool(np.all((b.data["x"] == 7) | (b.data["x"] == 9)))
         os.close(hog)
         os.unlink("/dev/shm/hog")
-        with shmreplay.connect(sock, timeout=10) as c2:
+        with shmreplay.connect(sock, timeout=60) as c2:
             c2.create_table("b", capacity=4096, fields=FIELDS)
             out["recovered"] = sorted(c2.list_tables()) == ["a", "b"]
         c.close()

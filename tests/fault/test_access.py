@@ -107,7 +107,7 @@ def test_socket_and_every_segment_are_0660_and_group_owned(daemon):
 
 
 def use_table(sock):
-    c = shmreplay.connect(sock, timeout=10)
+    c = shmreplay.connect(sock, timeout=60)
     t = c.table("t")
     t.insert_batch(rows(np.arange(5)))
     c.flush()
@@ -131,7 +131,7 @@ def test_a_group_member_uses_tables_but_may_not_administer(daemon, users):
 
 
 def administer(sock, directory):
-    c = shmreplay.connect(sock, timeout=10)
+    c = shmreplay.connect(sock, timeout=60)
     c.table("t").insert_batch(rows(np.arange(3)))
     c.flush()
     rep = c.checkpoint(directory, "t")
@@ -144,7 +144,7 @@ def test_the_admin_group_may_administer(daemon, users, tmp_path):
 
 
 def connect_only(sock):
-    shmreplay.connect(sock, timeout=10).close()
+    shmreplay.connect(sock, timeout=60).close()
 
 
 def map_segment(name):

@@ -4,9 +4,12 @@ start, and leave the rate limiter able to move (Reverb issue #103)."""
 
 import multiprocessing as mp
 import os
+import queue
+import shutil
 import subprocess
 import sys
 import time
+import traceback
 import zlib
 
 import msgpack
@@ -18,7 +21,7 @@ from shmreplay import ratelimiter
 from shmreplay.server import checkpoint
 from shmreplay.schema import make_spec
 
-from faults import FIELDS, rows, table_state
+from faults import FIELDS, HANG_S, rows, table_state, wait_for
 
 MIXED = {"obs": ("uint8", (4, 5)), "vec": ("float32", (3,)), "id": ("int64", ()), "done": ("bool", ())}
 TABLES = [{"name": "per", "capacity": 512, "sampler": "prioritized", "alpha": 0.6, "fields": MIXED},
@@ -124,56 +127,136 @@ def test_damaged_and_incomplete_checkpoints_are_never_restored(start_daemon, tmp
 
 
 def worker(sock, kind, stop, out):
-    c = shmreplay.connect(sock, timeout=20)
-    t = c.table("big")
-    done, i = [], 0
-    while not stop.is_set():
-        if kind == "actor":
-            t.insert(obs=np.full((64, 1024), (3000 + i) % 251, np.uint8), id=3000 + i)
-            c.flush()
-            time.sleep(0.002)
-        else:
-            b = t.sample(8).data
-            assert np.all(b["obs"] == (b["id"] % 251).astype(np.uint8)[:, None, None])
-        i += 1
-        done.append(time.monotonic())
-    out.put((kind, done))
-    c.close()
+    """Insert one item and flush (actor) or sample 8 (learner), over and
+    over until stopped; report the (start, end) times of each operation,
+    every 50 ms, and how many sampled rows were not whole."""
+    try:
+        c = shmreplay.connect(sock, timeout=30)
+        t = c.table("big")
+        ops, i, torn, reported = [], 0, 0, time.monotonic()
+        while not stop.is_set():
+            start = time.monotonic()
+            if kind == "actor":
+                t.insert(obs=np.full((64, 1024), (3000 + i) % 251, np.uint8), id=3000 + i)
+                c.flush()
+            else:
+                b = t.sample(8).data
+                torn += int(np.sum(np.any(b["obs"] != (b["id"] % 251).astype(np.uint8)[:, None, None],
+                                          axis=(1, 2))))
+            end = time.monotonic()
+            ops.append((start, end))
+            i += 1
+            if end - reported > 0.05:
+                out.put((kind, ops, torn))
+                ops, reported = [], end
+            if kind == "actor":
+                time.sleep(0.002)
+        out.put((kind, ops, torn))
+        out.put((kind, None, torn))  # the last report
+        c.close()
+    except BaseException:
+        out.put((kind, "failed", traceback.format_exc()))
+
+
+MAX_ATTEMPTS = 10  # checkpoints of 128 MiB each, taken until one encloses both kinds
+
+
+def enclosed(ops: list, lo: float, hi: float) -> int:
+    """How many (start, end) of one worker (in order) lie within [lo, hi]."""
+    n = 0
+    for start, end in reversed(ops):
+        if start < lo:
+            break
+        n += end <= hi
+    return n
 
 
 def test_inserts_and_samples_flow_during_a_checkpoint(start_daemon, tmp_path, capsys):
+    """An insert (with its flush) and a sample each start and end inside a
+    checkpoint's write, the phase that copies the rows: the engine serves
+    while it runs.  A window is only counted where it is sure: the write
+    lasted ``write_s`` and ran between the request (t0) and the reply (t1),
+    so it covered [t1 - write_s, t0 + write_s] whatever the delays around
+    it.  Checkpoints are taken until one enclosed both kinds of operation
+    (on a loaded 2-core box the first encloses hundreds); if the engine
+    stopped for the rows, none ever would."""
     fields = {"obs": ("uint8", (64, 1024)), "id": ("int64", ())}
     d = start_daemon(tables=[{"name": "big", "capacity": 2048, "sampler": "uniform", "fields": fields}])
-    with d.connect() as c:
-        t = c.table("big")
-        for lo in range(0, 2048, 256):
-            ids = np.arange(lo, lo + 256)
-            t.insert_batch({"obs": np.broadcast_to((ids % 251).astype(np.uint8)[:, None, None],
-                                                   (256, 64, 1024)), "id": ids})
-        c.flush()
-        ctx = mp.get_context("fork")
-        stop, out = ctx.Event(), ctx.Queue()
-        procs = [ctx.Process(target=worker, args=(d.socket, k, stop, out)) for k in ("actor", "learner")]
-        for p in procs:
-            p.start()
-        time.sleep(1.0)
-        t0 = time.monotonic()
-        (rep,) = c.checkpoint(str(tmp_path / "ck"), "big")
-        t1 = time.monotonic()
-        time.sleep(0.3)
+    ops = {"actor": [], "learner": []}
+    torn = {"actor": 0, "learner": 0}
+    finished = set()
+    ctx = mp.get_context("fork")
+    stop, out = ctx.Event(), ctx.Queue()
+    procs = [ctx.Process(target=worker, args=(d.socket, k, stop, out), daemon=True) for k in ops]
+
+    def take(deadline: float) -> None:
+        try:
+            kind, got, extra = out.get(timeout=max(0.1, deadline - time.monotonic()))
+        except queue.Empty:
+            raise AssertionError(f"no report from the workers within {HANG_S} s") from None
+        if got == "failed":
+            raise AssertionError(f"the {kind} failed:\n{extra}")
+        torn[kind] = extra
+        if got is None:
+            finished.add(kind)
+        else:
+            ops[kind].extend(got)
+
+    def reported_after(t: float) -> None:
+        """Wait until both workers reported an operation begun after t."""
+        deadline = time.monotonic() + HANG_S
+        while not all(v and v[-1][0] > t for v in ops.values()):
+            take(deadline)
+
+    try:
+        with d.connect(timeout=HANG_S) as c:
+            t = c.table("big")
+            for lo in range(0, 2048, 256):
+                ids = np.arange(lo, lo + 256)
+                t.insert_batch({"obs": np.broadcast_to((ids % 251).astype(np.uint8)[:, None, None],
+                                                       (256, 64, 1024)), "id": ids})
+            c.flush()
+            for p in procs:
+                p.start()
+            reported_after(time.monotonic())  # both at work
+            attempts = []
+            give_up = time.monotonic() + 2 * HANG_S
+            while True:
+                t0 = time.monotonic()
+                (rep,) = c.checkpoint(str(tmp_path / "ck"), "big")
+                t1 = time.monotonic()
+                shutil.rmtree(rep["path"])  # 128 MiB each: keep the disk clear
+                # items evicted while their rows were copied are left out; the rest are whole
+                assert rep["items"] > 0 and rep["items"] + rep["dropped"] <= 2048, rep
+                lo, hi = t1 - rep["write_s"], t0 + rep["write_s"]
+                reported_after(t1)
+                during = {k: enclosed(v, lo, hi) for k, v in ops.items()}
+                attempts.append((round(rep["write_s"], 3), round(t1 - t0, 3), during))
+                if all(during.values()):
+                    break
+                assert len(attempts) < MAX_ATTEMPTS and time.monotonic() < give_up, (
+                    f"no checkpoint write enclosed both an insert+flush and a sample: (write_s, "
+                    f"request s, operations inside) of each: {attempts}")
         stop.set()
-        done = dict(out.get(timeout=30) for _ in procs)
+        deadline = time.monotonic() + HANG_S
+        while len(finished) < len(procs):
+            take(deadline)
         for p in procs:
-            p.join(10)
-    during = {k: sum(t0 < x < t1 for x in v) for k, v in done.items()}
+            p.join(30)
+    finally:
+        stop.set()
+        for p in procs:
+            if p.is_alive():
+                p.join(5)
+            if p.is_alive():
+                p.kill()
+                p.join(10)
+    assert torn == {"actor": 0, "learner": 0}, torn
     with capsys.disabled():
         print(f"\n[checkpoint figures] {rep['bytes'] / 2**20:.0f} MiB written in {rep['write_s']:.2f} s, "
-              f"engine paused {1e3 * rep['pause_s']:.2f} ms; during it {during['actor']} inserts "
-              f"(each flushed) and {during['learner']} samples of 8 completed; "
-              f"{rep['dropped']} items evicted during the copy left out")
-    assert during["actor"] > 0 and during["learner"] > 0, during
-    # items evicted while their rows were copied are left out; the rest are whole
-    assert rep["items"] > 0 and rep["items"] + rep["dropped"] <= 2048
+              f"engine paused {1e3 * rep['pause_s']:.2f} ms; inside the write {during['actor']} inserts "
+              f"(each flushed) and {during['learner']} samples of 8 began and ended; "
+              f"{rep['dropped']} items evicted during the copy left out; attempts {len(attempts)}")
 
 
 def test_periodic_checkpoints_are_kept_pruned_and_restored(start_daemon, tmp_path):
@@ -183,11 +266,16 @@ def test_periodic_checkpoints_are_kept_pruned_and_restored(start_daemon, tmp_pat
     with d.connect() as c:
         c.table("per").insert_batch(mixed_rows(np.arange(64)))
         c.flush()
-    time.sleep(1.5)
+    # every checkpoint begun after the flush holds the 64 items: three of
+    # them mean pruning has run with more than checkpoint_keep to choose from
+    wait_for(lambda: d.log().count("checkpoint of table per: 64 items") >= 3,
+             "three periodic checkpoints of the 64 items", poll=0.05)
+    # a clean stop lets a checkpoint being written finish (and prune), so
+    # what is on disk now is final; the tables leave /dev/shm, as at a reboot
+    assert d.stop() == 0
     kept = checkpoint.complete(ck)["per"]
     assert len(kept) == 2, kept
     assert not [n for n in os.listdir(ck) if n.startswith(".")]  # no temporaries left
-    d.kill()  # crash and lose /dev/shm too, as a reboot would
     d.start()
     with d.connect() as c:
         assert len(c.table("per")) == 64
@@ -216,8 +304,8 @@ def test_restored_rate_limiter_cannot_deadlock(start_daemon, tmp_path):
     with d.connect() as c:
         q = c.table("q")
         assert len(q) == 0
-        q.insert(**{k: v[0] for k, v in rows([100]).items()}, timeout=5)
-        assert int(q.sample(1, timeout=5).data["id"][0]) == 100
+        q.insert(**{k: v[0] for k, v in rows([100]).items()}, timeout=30)
+        assert int(q.sample(1, timeout=30).data["id"][0]) == 100
 
 
 @pytest.mark.parametrize("seed", range(4))

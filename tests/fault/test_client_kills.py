@@ -11,81 +11,103 @@ they flushed must be in the table."""
 import multiprocessing as mp
 import os
 import signal
-import time
 
 import numpy as np
 
-from faults import FIELDS, STEPS, actor, committed_ids, learner, rows, victim
+from faults import FIELDS, STEPS, actor, committed_ids, learner, rows, victim, wait_for
 
 KILLS_PER_STEP = 3
+T_CAPACITY = 1 << 15
 TABLES = [
-    {"name": "t", "capacity": 1 << 15, "sampler": "uniform", "fields": FIELDS},
+    {"name": "t", "capacity": T_CAPACITY, "sampler": "uniform", "fields": FIELDS},
     {"name": "q", "capacity": 4, "sampler": "fifo", "remover": "fifo", "max_times_sampled": 1,
      "samples_per_insert": 1.0, "error_buffer": [0.0, 4.0], "fields": FIELDS},
     {"name": "once", "capacity": 64, "sampler": "uniform", "max_times_sampled": 1, "fields": FIELDS},
 ]
-
-
-def wait_for(pred, what, timeout=20.0):
-    deadline = time.monotonic() + timeout
-    while not pred():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.02)
+# the innocent actor inserts at most this many items, so nothing it flushed
+# is evicted however long the run takes (the victims add 8 per kill at most)
+ACTOR_BUDGET = T_CAPACITY - 1024
 
 
 def test_clients_killed_at_every_step_cost_nobody_anything(start_daemon, capsys):
     d = start_daemon(tables=TABLES)
     ctx = mp.get_context("fork")
-    admin = d.connect()
+    admin = d.connect(timeout=30)
     admin.table("q").insert_batch(rows(np.arange(4)))   # full: the next insert waits
     admin.table("once").insert_batch(rows(np.arange(64)))
     admin.flush()
     stop, out = ctx.Event(), ctx.Queue()
-    innocent = [ctx.Process(target=actor, args=(d.socket, "t", 0, stop, out, 64, 0.01)),
-                ctx.Process(target=learner, args=(d.socket, "t", stop, out))]
+    innocent = [ctx.Process(target=actor, args=(d.socket, "t", 0, stop, out, 64, 0.01, ACTOR_BUDGET),
+                            daemon=True),
+                ctx.Process(target=learner, args=(d.socket, "t", stop, out), daemon=True)]
+    victims = []
     for p in innocent:
         p.start()
-    time.sleep(0.5)
 
     def stats():
         return admin.stats()
 
-    base_clients = stats()["clients"]
-    kills = {s: 0 for s in STEPS}
-    committed_by_victims = []
-    for round_ in range(KILLS_PER_STEP):
-        for k, step in enumerate(STEPS):
-            first = (1 << 40) + (round_ * len(STEPS) + k) * 100
-            before = stats()
-            ready = ctx.Event()
-            p = ctx.Process(target=victim, args=(d.socket, step, first, ready))
-            p.start()
-            assert ready.wait(30), f"victim never reached {step}"
-            if step == "rate_limited_wait":
-                wait_for(lambda: stats()["tables"]["q"]["limiter"]["waiting_inserts"] == 1,
-                         "the victim to park")
-            if step == "learner_mid_gather":
-                assert stats()["tables"]["once"]["held"] == 4
-            os.kill(p.pid, signal.SIGKILL)
-            p.join(10)
-            kills[step] += 1
-            wait_for(lambda: stats()["clients"] == base_clients, "the daemon to end the victim's lease")
-            after = stats()["tables"]
-            assert after["q"]["limiter"]["waiting_inserts"] == 0
-            assert after["once"]["held"] == 0
-            if step in ("after_reserve", "mid_copy"):
-                assert after["t"]["reclaimed_reservations"] >= before["tables"]["t"]["reclaimed_reservations"] + 8
-            if step == "after_commit":
-                committed_by_victims.extend(range(first, first + 8))
-            if step == "learner_mid_gather":  # its 4 items left with their last sample
-                admin.table("once").insert_batch(rows(np.arange(4)))
-                admin.flush()
-                assert len(admin.table("once")) == 64
-    time.sleep(0.5)
-    stop.set()
-    results = [out.get(timeout=60) for _ in innocent]
-    for p in innocent:
-        p.join(30)
+    def t_counts():
+        st = stats()["tables"]["t"]
+        return st["inserts"], st["samples"]
+
+    try:
+        # the admin, the innocent actor and the innocent learner are attached,
+        # and both innocents are at work
+        base_clients = 1 + len(innocent)
+        wait_for(lambda: stats()["clients"] == base_clients, "the innocent clients to attach")
+        wait_for(lambda: min(t_counts()) > 0, "the innocent actor to insert and the learner to sample")
+        kills = {s: 0 for s in STEPS}
+        committed_by_victims = []
+        for round_ in range(KILLS_PER_STEP):
+            for k, step in enumerate(STEPS):
+                first = (1 << 40) + (round_ * len(STEPS) + k) * 100
+                before = stats()
+                ready = ctx.Event()
+                p = ctx.Process(target=victim, args=(d.socket, step, first, ready), daemon=True)
+                victims.append(p)
+                p.start()
+                assert ready.wait(60), f"victim never reached {step}"
+                if step == "rate_limited_wait":
+                    wait_for(lambda: stats()["tables"]["q"]["limiter"]["waiting_inserts"] == 1,
+                             "the victim to park")
+                if step == "learner_mid_gather":
+                    assert stats()["tables"]["once"]["held"] == 4
+                os.kill(p.pid, signal.SIGKILL)
+                p.join(30)
+                assert p.exitcode == -signal.SIGKILL, p.exitcode
+                kills[step] += 1
+                # the daemon ends the lease in one engine call: ring drained,
+                # reservations, parked requests and holds reclaimed, then the
+                # client is gone from the count
+                wait_for(lambda: stats()["clients"] == base_clients, "the daemon to end the victim's lease")
+                after = stats()["tables"]
+                assert after["q"]["limiter"]["waiting_inserts"] == 0
+                assert after["once"]["held"] == 0
+                if step in ("after_reserve", "mid_copy"):
+                    assert after["t"]["reclaimed_reservations"] >= before["tables"]["t"]["reclaimed_reservations"] + 8
+                if step == "after_commit":
+                    committed_by_victims.extend(range(first, first + 8))
+                if step == "learner_mid_gather":  # its 4 items left with their last sample
+                    admin.table("once").insert_batch(rows(np.arange(4)))
+                    admin.flush()
+                    assert len(admin.table("once")) == 64
+        # both innocents carry on after the last kill
+        last = t_counts()
+        wait_for(lambda: all(now > then for now, then in zip(t_counts(), last)),
+                 "the innocent actor and learner to carry on after the last kill")
+        stop.set()
+        results = [out.get(timeout=60) for _ in innocent]
+        for p in innocent:
+            p.join(30)
+    finally:
+        stop.set()
+        for p in innocent + victims:
+            if p.is_alive():
+                p.join(5)
+            if p.is_alive():
+                p.kill()
+                p.join(10)
     (act,) = [r for r in results if r[0] == "actor"]
     (lrn,) = [r for r in results if r[0] == "learner"]
     found = committed_ids(f"/shmreplay.{d.instance}.t.t")  # also asserts no committed row is torn
@@ -95,7 +117,7 @@ def test_clients_killed_at_every_step_cost_nobody_anything(start_daemon, capsys)
     assert lrn[3] == 0 and lrn[2] > 0, f"the innocent learner sampled {lrn[3]} torn rows"
     assert act[3] == 0 and not act[5], "the innocent actor saw errors"
     with admin:
-        assert admin.table("q").sample(1, timeout=5) is not None  # the queue still moves
+        assert admin.table("q").sample(1, timeout=30) is not None  # the queue still moves
     with capsys.disabled():
         print(f"\n[client kill figures] kills per step {kills}; innocent actor flushed "
               f"{len(act[2])} items, all found; innocent learner drew {lrn[2]} rows, 0 torn")

@@ -12,68 +12,111 @@ import pytest
 import shmreplay
 from shmreplay.wire.layout import COMMITTED, TableMap
 
-from faults import FIELDS, actor, committed_ids, learner, rows, torn
+from faults import FIELDS, HANG_S, actor, committed_ids, learner, rows, segment_rows, torn, wait_for
 
 CAPACITY = 1 << 17  # larger than everything the test inserts: nothing is evicted
 TABLES = [{"name": "per", "capacity": CAPACITY, "sampler": "prioritized", "alpha": 0.7,
            "fields": FIELDS},
           {"name": "fifo", "capacity": 1024, "sampler": "fifo", "fields": FIELDS}]
+ACTORS = (1, 2)
+RESTARTS = 3
+# items each actor inserts per connection at most: with RESTARTS + 1
+# connections each, all of them fit in CAPACITY however long the run takes
+ACTOR_BUDGET = CAPACITY // (2 * len(ACTORS) * (RESTARTS + 1))
+PROGRESS = 64  # items each actor must commit, per daemon, before it is killed
+
+
+def _per_actor(ids: np.ndarray) -> dict:
+    return {k: int(np.count_nonzero((ids >> 40) == k)) for k in ACTORS}
+
+
+def wait_until_all_carry_on(admin, segment: str, workers: int, since: dict) -> None:
+    """Every worker is attached to this daemon, each actor has committed
+    PROGRESS items more than ``since`` (its count when this daemon started,
+    read while no daemon ran) and the learner samples: all of them
+    reconnected (if this daemon is a restarted one) and work."""
+    wait_for(lambda: admin.stats()["clients"] == 1 + workers, f"{workers} workers to attach")
+    samples = admin.stats()["tables"]["per"]["samples"]
+
+    def moved():
+        now = _per_actor(committed_ids(segment))
+        return (all(now[k] >= since[k] + PROGRESS for k in ACTORS)
+                and admin.stats()["tables"]["per"]["samples"] > samples)
+    wait_for(moved, "every actor to commit and the learner to sample", poll=0.05)
 
 
 def test_sigkill_under_load_loses_nothing_committed(start_daemon, capsys):
     d = start_daemon(tables=TABLES, recovery_quarantine_s=0.5)
     ctx = mp.get_context("fork")
     stop, out = ctx.Event(), ctx.Queue()
-    procs = [ctx.Process(target=actor, args=(d.socket, "per", k << 40, stop, out)) for k in (1, 2)]
-    procs.append(ctx.Process(target=learner, args=(d.socket, "per", stop, out)))
+    procs = [ctx.Process(target=actor, args=(d.socket, "per", k << 40, stop, out, 64, 0.002, ACTOR_BUDGET),
+                         daemon=True) for k in ACTORS]
+    procs.append(ctx.Process(target=learner, args=(d.socket, "per", stop, out), daemon=True))
     for p in procs:
         p.start()
     segment = f"/shmreplay.{d.instance}.t.per"
     figures = []
+    since = {k: 0 for k in ACTORS}  # each actor's committed items when the daemon started
     try:
-        for restart in range(3):
-            time.sleep(1.5)
+        for restart in range(RESTARTS):
+            admin = d.connect(timeout=30)
+            wait_until_all_carry_on(admin, segment, len(procs), since)
             # a client parked in a wait must hear of the crash, not hang
-            waiter = d.connect(timeout=5)
-            empty = waiter.create_table(f"empty{restart}", capacity=4, fields=FIELDS)
+            waiter = d.connect(timeout=30)
+            name = f"empty{restart}"
+            empty = waiter.create_table(name, capacity=4, fields=FIELDS)
             caught = {}
 
             def wait_forever():
                 t0 = time.monotonic()
                 try:
                     empty.sample(1)  # timeout=None: waits until told otherwise
-                except shmreplay.ReplayError as exc:
+                except BaseException as exc:
                     caught["exc"], caught["after_s"] = exc, time.monotonic() - t0
-            th = threading.Thread(target=wait_forever)
+            th = threading.Thread(target=wait_forever, daemon=True)
             th.start()
-            time.sleep(0.2)
+            wait_for(lambda: admin.stats()["tables"][name]["limiter"]["waiting_samples"] == 1,
+                     "the waiter's sample to park")
             before = len(committed_ids(segment))
             d.crash()
             killed_at = time.monotonic()
-            th.join(15)
+            th.join(HANG_S)
             assert not th.is_alive(), "a waiting sample hung after the daemon died"
             assert isinstance(caught["exc"], shmreplay.DaemonUnavailable), caught
             noticed_s = time.monotonic() - killed_at
             waiter._abandon()
+            admin._abandon()
+            frozen = committed_ids(segment)  # no daemon runs: nothing changes it now
+            since = _per_actor(frozen)
             d.start()
             found = committed_ids(segment)
             assert len(found) >= before  # nothing committed went missing across the restart
+            assert np.setdiff1d(frozen, found).shape[0] == 0
             figures.append((restart, before, len(found), round(noticed_s, 2)))
-        time.sleep(1.0)  # the clients reconnect and carry on
-    finally:
+        with d.connect(timeout=30) as admin:  # the clients reconnect and carry on
+            wait_until_all_carry_on(admin, segment, len(procs), since)
         stop.set()
-        results = [out.get(timeout=60) for _ in procs]
+        results = [out.get(timeout=HANG_S) for _ in procs]
         for p in procs:
             p.join(30)
+    finally:
+        stop.set()
+        for p in procs:
+            if p.is_alive():
+                p.join(5)
+            if p.is_alive():
+                p.kill()
+                p.join(10)
     actors = [r for r in results if r[0] == "actor"]
     (lrn,) = [r for r in results if r[0] == "learner"]
     confirmed = np.sort(np.concatenate([np.asarray(r[2], np.int64) for r in actors]))
     found = committed_ids(segment)
+    assert segment_rows(segment)[1] == 0, "items were evicted: the actors' budgets exceed CAPACITY"
     missing = np.setdiff1d(confirmed, found)
     assert missing.shape[0] == 0, f"{missing.shape[0]} confirmed items lost, e.g. {missing[:5]}"
-    assert all(r[4] == 3 for r in actors), [r[4] for r in actors]  # each rode out 3 restarts
+    assert all(r[4] == RESTARTS for r in actors), [r[4] for r in actors]  # each rode out 3 restarts
     assert lrn[3] == 0, f"the learner sampled {lrn[3]} torn rows"
-    assert lrn[2] > 0 and lrn[4] == 3
+    assert lrn[2] > 0 and lrn[4] == RESTARTS
     # the clients kept working after the last restart
     with d.connect() as c:
         st = c.stats()["tables"]["per"]

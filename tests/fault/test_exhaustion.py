@@ -9,9 +9,11 @@ import numpy as np
 import pytest
 
 import shmreplay
+from shmreplay.server.control import CHANNEL
+from shmreplay.server.outbox import MAX_OUTBOX
 from shmreplay.wire import records as C
 
-from faults import FIELDS, rows, torn
+from faults import FIELDS, HANG_S, rows, torn, wait_for
 from rawclient import send_raw
 
 
@@ -27,6 +29,10 @@ def test_client_and_table_limits_from_the_config(start_daemon):
     t.insert(**{k: v[0] for k, v in rows([1]).items()})  # the others carry on
     clients[0].flush()
     clients.pop().close()
+    # close() ends the lease on this side; the place is free once the daemon
+    # has seen the connection go and ended the lease on its side
+    wait_for(lambda: (st := clients[0].stats())["connections"] == 2 and st["clients"] == 2,
+             "the daemon to end the closed client's lease")
     with d.connect() as late:  # a freed place is usable again
         assert len(late.table("a")) == 1
     for c in clients:
@@ -39,30 +45,45 @@ def test_a_client_that_never_reads_its_replies_stalls_nobody(start_daemon):
     t = good.create_table("t", capacity=256, fields=FIELDS, sampler="uniform")
     t.insert_batch(rows(np.arange(256)))
     good.flush()
-    bad = d.connect(timeout=5)
+    bad = d.connect(timeout=HANG_S)
     bt = bad.table("t")
     sent = {"n": 0}
 
-    def flood():  # SAMPLE after SAMPLE, never a reply read
+    def send_sample():  # a SAMPLE whose reply is never read
+        send_raw(bad, C.SAMPLE, bt.id, a0=64, a1=0, f0=0.4)
+        sent["n"] += 1
+
+    # first a backlog the daemon holds for the bad client, short of the
+    # cut-off: its reply ring full and more replies queued behind it
+    backlog = CHANNEL.resp_slots + MAX_OUTBOX // 2
+    commands = good.stats()["engine"]["commands"]
+    for _ in range(backlog):
+        send_sample()
+    wait_for(lambda: good.stats()["engine"]["commands"] >= commands + backlog,
+             "the daemon to run the bad client's SAMPLEs")
+    samples = 0
+    for _ in range(50):  # the honest learner is served meanwhile
+        assert torn(t.sample(32).data) == 0
+        samples += 1
+
+    def flood():  # then SAMPLE after SAMPLE until the daemon cuts it off
         try:
             for _ in range(20_000):
-                send_raw(bad, C.SAMPLE, bt.id, a0=64, a1=0, f0=0.4)
-                sent["n"] += 1
+                send_sample()
         except shmreplay.ReplayError as exc:
             sent["error"] = exc
 
-    th = threading.Thread(target=flood)
+    th = threading.Thread(target=flood, daemon=True)
     th.start()
-    samples = 0
     while th.is_alive() and samples < 2000:
         assert torn(t.sample(32).data) == 0  # the honest learner keeps being served
         samples += 1
-    th.join(60)
+    th.join(HANG_S)
     assert not th.is_alive()
     assert isinstance(sent.get("error"), shmreplay.ProtocolError), sent
     assert "responses unread" in str(sent["error"])
-    assert samples > 0
-    assert "responses unread; disconnecting it" in d.log()
+    assert sent["n"] > backlog
+    wait_for(lambda: "responses unread; disconnecting it" in d.log(), "the cut-off to be logged")
     assert len(t.sample(8)) == 8
     bad._abandon()
     good.close()

@@ -168,7 +168,7 @@ def actor_main(kind: str, a: int, sock: str, cmds, out) -> None:
     when it raises.  Exceptions are recorded, never fatal."""
     rec = {"errors": [], "n_errors": 0, "flushes": [], "confirmed": [], "unconfirmed": []}
     try:
-        c = shmreplay.connect(sock, timeout=10, reconnect=True, reconnect_timeout=120)
+        c = shmreplay.connect(sock, timeout=30, reconnect=True, reconnect_timeout=120)
         t = c.table("seq" if kind == "seq" else "nstep")
         w = (shmreplay.NStepWriter(t, n=N, gamma=GAMMA) if kind == "nstep" else
              shmreplay.SequenceWriter(t, length=SEQ_LEN, period=PERIOD) if kind == "seq" else None)
@@ -238,7 +238,7 @@ def actor_main(kind: str, a: int, sock: str, cmds, out) -> None:
 def learner_main(sock: str, stop, progress, out) -> None:
     """Sample both tables until told to stop; check every row."""
     try:
-        c = shmreplay.connect(sock, timeout=10, reconnect=True, reconnect_timeout=120)
+        c = shmreplay.connect(sock, timeout=30, reconnect=True, reconnect_timeout=120)
         tables = {"nstep": c.table("nstep"), "seq": c.table("seq")}
         names = list(tables)
         rows = {n: 0 for n in names}
@@ -443,7 +443,7 @@ def test_writers_ride_out_a_daemon_restart(start_daemon, capsys):
             crew.run({1: (64, True), STALLED: (64, True), 3: (64, True), 4: (64, True),
                       5: (64, True)})
         base = list(crew.progress)
-        deadline = time.monotonic() + 30
+        deadline = time.monotonic() + 60  # a hang guard
         while min(p - b for p, b in zip(crew.progress, base)) < 10:  # the learner still samples
             assert time.monotonic() < deadline, "the learner stopped sampling after the restart"
             time.sleep(0.05)

@@ -161,8 +161,11 @@ class Client:
         if self._closed:
             raise ReplayError("client is closed")
         self._check_fork()
-        self._pipe.drain()
-        self._pipe.raise_deferred()
+        pipe = self._pipe
+        if pipe.resp.has_pending():  # cheaper than drain() when, as usually, nothing came
+            pipe.drain()
+        if pipe.deferred is not None:
+            pipe.raise_deferred()
 
     def _request(self, op: str, **args) -> dict:
         self._check_fork()

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 import shmreplay
+from waiting import HANG_S, wait_for
 
 F = {"v": ("int64", ())}
 CTX = mp.get_context("spawn")
@@ -85,25 +86,6 @@ def test_max_times_sampled_removes_an_item_after_its_nth_sample(client):
         t.sample(1, timeout=0)
 
 
-# ---- waiting for the daemon, not for the clock ----
-# CI runs on a loaded 2-core machine: no assertion here depends on how fast
-# anything runs.  A test arranges the state it checks, or waits for the
-# daemon to report it; the deadlines only catch a hang.
-HANG_S = 60.0
-
-
-def wait_until(what, probe, timeout=HANG_S):
-    """Poll ``probe()`` until it returns something true and return that;
-    fail only if it never does within ``timeout`` s (a hang)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        got = probe()
-        if got:
-            return got
-        assert time.monotonic() < deadline, f"waited {timeout:.0f} s for {what}"
-        time.sleep(0.02)
-
-
 def table_stats(client, name):
     return client.stats()["tables"][name]  # one consistent snapshot
 
@@ -123,9 +105,8 @@ def no_worker_failed(procs):
 def wait_for_exit(procs, watch, what, probe=lambda: True):
     """Wait until every process in ``procs`` has exited 0; stop at once if any
     process in ``watch`` fails (the others may then wait for ever)."""
-    wait_until(what, lambda: (no_worker_failed(watch) and probe()
-                              and all(p.exitcode is not None for p in procs)),
-               timeout=10 * HANG_S)
+    wait_for(lambda: (no_worker_failed(watch) and probe()
+                              and all(p.exitcode is not None for p in procs)), what, timeout=10 * HANG_S)
     no_worker_failed(procs)
 
 
@@ -182,9 +163,7 @@ def test_queue_delivers_each_item_exactly_once_in_order_per_actor(daemon, client
     procs = actors + learners
     try:
         start_all(learners)
-        wait_until("the learners to start",
-                   lambda: no_worker_failed(procs) and all(w.is_set() for w in warm),
-                   timeout=10 * HANG_S)
+        wait_for(lambda: no_worker_failed(procs) and all(w.is_set() for w in warm), "the learners to start", timeout=10 * HANG_S)
         # no learner samples yet: the actors fill the queue, then the limiter must hold them
         start_all(actors)
 
@@ -195,19 +174,18 @@ def test_queue_delivers_each_item_exactly_once_in_order_per_actor(daemon, client
                                            and lim["waiting_inserts"] >= 1)
             return st if done else None
 
-        st = wait_until("the actors to fill the queue and wait", full_and_waiting)
+        st = wait_for(full_and_waiting, "the actors to fill the queue and wait")
         assert st["limiter"]["inserts"] == 64 and st["limiter"]["samples"] == 0, st["limiter"]
         assert len(q) == 64 and not q.can_insert(1)
         assert st["insert_waits"] > 0, "a full 64-item queue must make its actors wait"
         # each learner takes a batch before the next starts, then all run together
         for f, r in zip(first, ready):
             f.set()
-            wait_until("a learner's first batch", lambda: no_worker_failed(procs) and r.is_set())
+            wait_for(lambda: no_worker_failed(procs) and r.is_set(), "a learner's first batch")
         go.set()
         wait_for_exit(actors, procs, "the actors to finish")
-        wait_until("every item to be sampled",
-                   lambda: (no_worker_failed(procs)
-                            and table_stats(client, "q")["limiter"]["samples"] >= 4 * n))
+        wait_for(lambda: (no_worker_failed(procs)
+                            and table_stats(client, "q")["limiter"]["samples"] >= 4 * n), "every item to be sampled")
         stop.set()
         per_learner = []
         deadline = time.monotonic() + 10 * HANG_S
@@ -261,9 +239,9 @@ def test_an_insert_waits_through_slices_while_every_slot_is_held(daemon, client)
     th.start()
     base = table_stats(client, "q")["timeouts"]
     # one of its 1 s slices ran out in the daemon and the client asked again
-    wait_until("a slice of the waiting insert to run out and be asked again", lambda: (
+    wait_for(lambda: (
         (st := table_stats(client, "q"))["timeouts"] > base
-        and st["limiter"]["waiting_inserts"] == 1))
+        and st["limiter"]["waiting_inserts"] == 1), "a slice of the waiting insert to run out and be asked again")
     assert not done.is_set(), box
     learner.table("q").release()  # the held slots come back
     assert done.wait(HANG_S) and "exc" not in box, box
@@ -292,7 +270,7 @@ def test_sample_blocks_until_min_size_reached(client, daemon):
         return box or (st if st["limiter"]["waiting_samples"] == 1 else None)
 
     # the daemon holds the sample (or, wrongly, answers it)
-    st = wait_until("the sample to wait in the daemon", held_or_answered)
+    st = wait_for(held_or_answered, "the sample to wait in the daemon")
     assert not box, f"sample answered with {len(t)} < min_size_to_sample items: {box}"
     assert st["size"] == 49 and st["sample_waits"] >= 1, st
     insert_ids(t, 49, 50)
@@ -403,18 +381,17 @@ def test_rate_limiter_keeps_the_ratio_within_its_error_buffer(
         # the side that starts first runs into its bound and is held there
         if first == "actors":
             start_all(actors)
-            st = wait_until("the actors to be held at max_diff", lambda: parked("waiting_inserts"))
+            st = wait_for(lambda: parked("waiting_inserts"), "the actors to be held at max_diff")
             assert (st["limiter"]["inserts"], diff(st["limiter"])) == (40, hi), st["limiter"]
             learner.start()
         else:
             learner.start()
-            st = wait_until("the learner to be held at min_diff", lambda: parked("waiting_samples"))
+            st = wait_for(lambda: parked("waiting_samples"), "the learner to be held at min_diff")
             assert (st["limiter"]["samples"], diff(st["limiter"])) == (120, lo), st["limiter"]
             start_all(actors)
         assert st[waits] > 0, f"the side that ran alone must have been held back ({waits})"
         # half way the learner stops: the actors, far from done, are held at max_diff
-        st = wait_until("the learner half way and the actors held",
-                        lambda: halfway.is_set() and parked("waiting_inserts"))
+        st = wait_for(lambda: halfway.is_set() and parked("waiting_inserts"), "the learner half way and the actors held")
         assert st["limiter"]["samples"] == half and diff(st["limiter"]) == hi, st["limiter"]
         assert st["limiter"]["inserts"] < total_inserts
         resume.set()
@@ -448,19 +425,18 @@ def test_no_deadlock_when_clients_die_while_waiting(daemon, client):
     t = client.create_table("w", 100, F, min_size_to_sample=20, samples_per_insert=1.0,
                             error_buffer=(-5.0, 25.0))
 
-    def wait_for(key, value):
-        wait_until(f"{key} to become {value}",
-                   lambda: table_stats(client, "w")["limiter"][key] == value)
+    def limiter_shows(key, value):
+        wait_for(lambda: table_stats(client, "w")["limiter"][key] == value, f"{key} to become {value}")
 
     def kill_while_parked(what, key):
         p = CTX.Process(target=waiting_client, args=(daemon.socket, what), daemon=True)
         try:
             p.start()
-            wait_for(key, 1)
+            limiter_shows(key, 1)
             os.kill(p.pid, signal.SIGKILL)
             p.join(HANG_S)
             assert p.exitcode == -signal.SIGKILL
-            wait_for(key, 0)
+            limiter_shows(key, 0)
         finally:
             end_all([p])
 
@@ -507,7 +483,7 @@ def test_a_waiting_request_does_not_hold_up_other_tables(daemon, client):
     deadline = time.monotonic() + HANG_S
     k = 10
     while True:
-        before = wait_until("the sample on 'w' to wait in the daemon", parked)
+        before = wait_for(parked, "the sample on 'w' to wait in the daemon")
         for i in range(20):
             assert len(b.sample(8)) == 8
             insert_ids(b, k, k + 2)

@@ -14,7 +14,6 @@ their hot paths pay nothing for it.
 
 from __future__ import annotations
 
-import time
 import weakref
 
 import numpy as np

@@ -17,24 +17,10 @@ import time
 import numpy as np
 
 import shmreplay
+from waiting import HANG_S, reap, wait_for  # noqa: F401  (the fault tests take them from here)
 from shmreplay.wire.layout import COMMITTED, HELD, RESERVED, TableMap
 
 FIELDS = {"obs": ("uint8", (64,)), "id": ("int64", ())}
-
-
-HANG_S = 60.0  # how long a wait may take before it counts as a hang
-
-
-def wait_for(pred, what: str, timeout: float = HANG_S, poll: float = 0.02):
-    """Poll ``pred()`` until it is true and return its value; fail only
-    when it stays false for ``timeout`` seconds (a hang, not slowness)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = pred()
-        if value:
-            return value
-        assert time.monotonic() < deadline, f"timed out after {timeout} s waiting for {what}"
-        time.sleep(poll)
 
 
 def rows(ids) -> dict:

@@ -21,7 +21,7 @@ from shmreplay import ratelimiter
 from shmreplay.server import checkpoint
 from shmreplay.schema import make_spec
 
-from faults import FIELDS, HANG_S, rows, table_state, wait_for
+from faults import FIELDS, HANG_S, reap, rows, table_state, wait_for
 
 MIXED = {"obs": ("uint8", (4, 5)), "vec": ("float32", (3,)), "id": ("int64", ()), "done": ("bool", ())}
 TABLES = [{"name": "per", "capacity": 512, "sampler": "prioritized", "alpha": 0.6, "fields": MIXED},
@@ -245,12 +245,7 @@ def test_inserts_and_samples_flow_during_a_checkpoint(start_daemon, tmp_path, ca
             p.join(30)
     finally:
         stop.set()
-        for p in procs:
-            if p.is_alive():
-                p.join(5)
-            if p.is_alive():
-                p.kill()
-                p.join(10)
+        reap(procs)
     assert torn == {"actor": 0, "learner": 0}, torn
     with capsys.disabled():
         print(f"\n[checkpoint figures] {rep['bytes'] / 2**20:.0f} MiB written in {rep['write_s']:.2f} s, "

@@ -12,7 +12,7 @@ import pytest
 import shmreplay
 from shmreplay.wire.layout import COMMITTED, TableMap
 
-from faults import FIELDS, HANG_S, actor, committed_ids, learner, rows, segment_rows, torn, wait_for
+from faults import FIELDS, HANG_S, reap, actor, committed_ids, learner, rows, segment_rows, torn, wait_for
 
 CAPACITY = 1 << 17  # larger than everything the test inserts: nothing is evicted
 TABLES = [{"name": "per", "capacity": CAPACITY, "sampler": "prioritized", "alpha": 0.7,
@@ -101,12 +101,7 @@ def test_sigkill_under_load_loses_nothing_committed(start_daemon, capsys):
             p.join(30)
     finally:
         stop.set()
-        for p in procs:
-            if p.is_alive():
-                p.join(5)
-            if p.is_alive():
-                p.kill()
-                p.join(10)
+        reap(procs)
     actors = [r for r in results if r[0] == "actor"]
     (lrn,) = [r for r in results if r[0] == "learner"]
     confirmed = np.sort(np.concatenate([np.asarray(r[2], np.int64) for r in actors]))

@@ -1,0 +1,35 @@
+"""Waiting in tests for a state, never for the clock.
+
+CI runs on a loaded 2-core machine: no assertion may depend on how fast
+anything runs.  A test arranges the state it checks, or waits for the daemon
+(or the segment) to report it; the deadline only catches a hang.
+"""
+
+from __future__ import annotations
+
+import time
+
+HANG_S = 60.0  # how long a wait may take before it counts as a hang
+
+
+def wait_for(pred, what: str, timeout: float = HANG_S, poll: float = 0.02):
+    """Poll ``pred()`` until it is true and return its value; fail only
+    when it stays false for ``timeout`` seconds (a hang, not slowness)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = pred()
+        if value:
+            return value
+        assert time.monotonic() < deadline, f"timed out after {timeout} s waiting for {what}"
+        time.sleep(poll)
+
+
+def reap(procs, grace: float = 5.0) -> None:
+    """End worker processes in a ``finally``: join those that are ending,
+    kill the rest, so a failed assert never leaves one running."""
+    for p in procs:
+        if p.pid is not None and p.is_alive():
+            p.join(grace)
+        if p.pid is not None and p.is_alive():
+            p.kill()
+            p.join(10)

@@ -4,6 +4,7 @@ import os
 import threading
 
 import posix_ipc
+import pytest
 
 from shmreplay.server.engine import Engine
 
@@ -40,3 +41,20 @@ def test_a_crashed_engine_reports_it_and_later_calls_still_complete():
     # shutdown still has to end leases and drop tables: calls must not hang
     assert eng.submit(lambda: "after").result(1) == "after"
     bell.sem.close()
+
+
+def test_entry_points_run_only_on_the_engine_thread():
+    """The control plane reaches engine state only through submit(); calling
+    an entry point from another thread while the engine runs is a bug that
+    debug mode (plain python, asserts on) catches at once."""
+    bell = BreakableBell()
+    eng = Engine(bell, spin_us=0, idle_timeout=0.05)
+    try:
+        eng.start()
+        assert eng.submit(eng.table_names).result(5) == []
+        with pytest.raises(AssertionError, match="off the engine thread"):
+            eng.table_names()
+    finally:
+        eng.stop()
+        bell.sem.close()
+    assert eng.table_names() == []  # stopped: the caller is the only one left

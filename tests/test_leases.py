@@ -65,6 +65,36 @@ def test_leases_do_not_cross_a_fork(client):
     assert len(t) == 3
 
 
+NSTEP = {"obs": ("float32", (2,)), "action": ("int32", ()), "reward": ("float32", ()),
+         "discount": ("float32", ()), "next_obs": ("float32", (2,))}
+
+
+def test_a_forked_child_closing_a_writer_leaves_the_parents_lease_alone(client):
+    """The child inherits the writer and its lease, but the reservation ids
+    and the channel are the parent's: closing the writer in the child must
+    send nothing on them (it would abort the parent's open transitions)."""
+    t = client.create_table("n", capacity=10_000, fields=NSTEP)
+    w = shmreplay.NStepWriter(t, n=3, gamma=0.5)
+    step = dict(obs=[0, 0], action=0, reward=1.0, next_obs=[1, 1])
+    w.append(**step)
+    w.append(**step)  # two transitions open in the parent's lease
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            w.close()
+            code = 0
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    for _ in range(3):
+        w.append(**step)  # completes the parent's open transitions
+    t.flush()
+    assert len(t) == 3
+    w.close()
+
+
 def hold_a_lease(sock, ready):
     c = shmreplay.connect(sock)
     t = c.table("big")

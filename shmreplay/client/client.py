@@ -135,7 +135,8 @@ class Client:
             try:
                 t._rebind(self._link.request("open_table", name=name)["table"])
             except UnknownTable:
-                del self._tables[name]  # its next call says so
+                t.id = 0  # no table has id 0: the handle's next call raises UnknownTable
+                del self._tables[name]
 
     def close(self) -> None:
         """Wait until my inserts are applied (bounded), then end the lease."""
@@ -162,6 +163,8 @@ class Client:
             raise ReplayError("client is closed")
         self._check_fork()
         pipe = self._pipe
+        if pipe is None:
+            raise DaemonUnavailable(f"no connection to the daemon at {self.path} (a reconnect failed)")
         if pipe.resp.has_pending():  # cheaper than drain() when, as usually, nothing came
             pipe.drain()
         if pipe.deferred is not None:
@@ -169,6 +172,8 @@ class Client:
 
     def _request(self, op: str, **args) -> dict:
         self._check_fork()
+        if self._link is None:
+            raise DaemonUnavailable(f"no connection to the daemon at {self.path} (a reconnect failed)")
         return self._link.request(op, **args)
 
     # ---- tables ----

@@ -171,6 +171,9 @@ class SlotLease:
         items ((rid, pos, slot) taken but never to be committed; none may
         precede a committed one in its reservation)."""
         cl = self.table._client
+        cl._check_fork()  # a forked child must not send its parent's ids on its parent's channel
+        if self.renewed:  # voided (reconnect, fork): the abandoned items' ids are dead
+            abandoned = ()
         rids = {rid for rid, _, _ in abandoned}
         self.taken -= len(abandoned)
         if self.ahead is not None:

@@ -190,6 +190,7 @@ class Table:
 
     def release(self) -> None:
         """Hand back the slots ``sample_indices`` held for reading (see there)."""
+        self._client._check_fork()  # a forked child holds none of its parent's holds
         held, self._held = self._held, []
         pipe = self._client._pipe
         for hid in held:

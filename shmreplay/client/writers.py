@@ -115,9 +115,9 @@ class SequenceWriter:
             for name in self.time_fields:
                 views[name][slot, i] = arrays[name]
             item[3] = i + 1
-        self.t += 1
         while self.open and self.open[0][3] == self.length:
             self._commit(self.open.popleft())
+        self.t += 1  # last: a call run again after a reconnect counts its step once
 
     def _commit(self, item) -> None:
         rid, pos, slot, n = item

@@ -287,8 +287,8 @@ class Engine:
             try:
                 while self._serve(cl, limit=cl.req.slots):
                     pass
-            except ProtocolError as exc:
-                log.warning("client %d: %s while draining its ring", cid, exc)
+            except Exception as exc:  # whatever its ring held, the lease must end
+                log.warning("client %d: %r while draining its ring", cid, exc)
             self._drop(cl)
         return self.dropped.pop(cid, None)
 

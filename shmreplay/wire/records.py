@@ -214,7 +214,9 @@ def read_commit_run(ring, i: int, n: int) -> CommitRun:
                       or int(rec["a0"]) != rid or int(rec["a2"]) != offset + total
                       or (int(rec["pay_len"]) > 0) != with_prios):
             break
-        k = _count(rec["a1"], "COMMIT")
+        k = int(rec["a1"])
+        if not 1 <= k <= MAX_BATCH:  # a COMMIT has no reply to carry a refusal
+            raise ProtocolError(f"COMMIT of {k} items: allowed 1..{MAX_BATCH}")
         pay = ring.payload_of(rec)
         if with_prios:
             if pay.shape[0] != _F64 * k:

@@ -203,6 +203,7 @@ def test_fuzzed_command_rings(victims, capsys):
     (C.RESERVE, C.MAX_BATCH + 1, 0, 0, (), f"allowed 1..{C.MAX_BATCH}"),
     (C.SAMPLE, 2**40, 0, 0, (), "SAMPLE of"),
     (C.COMMIT, 12345, 1, 0, (), "reservation 12345 is not yours"),
+    (C.COMMIT, 1, 0, 0, (), "COMMIT of 0 items"),
     (C.ABORT, 777, 0, 0, (), "reservation 777 is not yours"),
     (C.RELEASE, 2**40, 0, 0, (), "never existed"),
     (C.UPDATE, 1, 0, 0, (np.array([2**32 + 600], np.uint64), np.array([1.0])), "beyond capacity"),

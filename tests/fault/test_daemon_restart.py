@@ -3,6 +3,7 @@ config: every item a flush vouched for is still there, untorn, sampleable,
 with its priority; clients learn of the crash promptly and reconnect."""
 
 import multiprocessing as mp
+import os
 import threading
 import time
 
@@ -248,3 +249,29 @@ def test_adoption_checks_magic_version_and_owner(start_daemon):
     d.start()
     with d.connect() as c:
         assert len(c.table("fifo")) == 3
+
+
+def test_a_handle_whose_table_did_not_come_back_never_writes_into_another(start_daemon):
+    """A restarted daemon that no longer serves a table may give its id to a
+    new one: the old handle must say UnknownTable, not insert there."""
+    d = start_daemon()
+    c = shmreplay.connect(d.socket, timeout=30, reconnect=True, reconnect_timeout=HANG_S)
+    ta = c.create_table("a", capacity=64, fields=FIELDS)
+    ta.insert_batch(rows(np.arange(4)))
+    c.flush()
+    d.crash()
+    os.unlink(f"/dev/shm/shmreplay.{d.instance}.t.a")  # the table is gone for good
+    d.start()
+    with d.connect(timeout=30) as admin:
+        tb = admin.create_table("b", capacity=64, fields=FIELDS)
+        assert tb.id == ta.id, "the new table got the old one's id: the case under test"
+        with pytest.raises(shmreplay.UnknownTable):  # after it reconnected: "a" is gone
+            ta.insert_batch(rows(np.arange(4, 8)))
+        assert c.reconnects == 1
+        with pytest.raises(shmreplay.UnknownTable):
+            ta.insert_batch(rows(np.arange(8, 12)))
+        with pytest.raises(shmreplay.UnknownTable):
+            ta.sample(1)
+        c.flush()  # nothing was unflushed at the crash
+        assert len(tb) == 0 and admin.stats()["tables"]["b"]["inserts"] == 0
+    c.close()

@@ -16,6 +16,20 @@ def stats(c, name="big"):
     return c.stats()["tables"][name]
 
 
+def in_forked_child(fn) -> int:
+    """Run ``fn()`` in a forked child; its exit code (0: it returned)."""
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            fn()
+            code = 0
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    return os.waitstatus_to_exitcode(status)
+
+
 def test_single_inserts_share_a_few_reservations(client):
     t = client.create_table("big", capacity=100_000, fields=FIELDS)
     lease = t.lease_size
@@ -49,17 +63,12 @@ def test_leases_do_not_cross_a_fork(client):
     t = client.create_table("big", capacity=10_000, fields=FIELDS)
     t.insert(v=1, w=np.ones(3, np.float32))  # the parent now holds a lease
     assert t._lease.cur is not None
-    pid = os.fork()
-    if pid == 0:
-        code = 1
-        try:
-            t.insert(v=2, w=np.ones(3, np.float32))
-            t.flush()
-            code = 0
-        finally:
-            os._exit(code)
-    _, status = os.waitpid(pid, 0)
-    assert os.waitstatus_to_exitcode(status) == 0
+
+    def child():
+        t.insert(v=2, w=np.ones(3, np.float32))
+        t.flush()
+
+    assert in_forked_child(child) == 0
     t.insert(v=3, w=np.ones(3, np.float32))
     t.flush()
     assert len(t) == 3
@@ -78,16 +87,7 @@ def test_a_forked_child_closing_a_writer_leaves_the_parents_lease_alone(client):
     step = dict(obs=[0, 0], action=0, reward=1.0, next_obs=[1, 1])
     w.append(**step)
     w.append(**step)  # two transitions open in the parent's lease
-    pid = os.fork()
-    if pid == 0:
-        code = 1
-        try:
-            w.close()
-            code = 0
-        finally:
-            os._exit(code)
-    _, status = os.waitpid(pid, 0)
-    assert os.waitstatus_to_exitcode(status) == 0
+    assert in_forked_child(w.close) == 0
     for _ in range(3):
         w.append(**step)  # completes the parent's open transitions
     t.flush()

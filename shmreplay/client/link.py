@@ -13,7 +13,7 @@ from __future__ import annotations
 import select
 import socket
 
-from ..errors import DaemonUnavailable, ProtocolError, ReplayError, ReplayTimeout
+from ..errors import DaemonUnavailable, ProtocolError, ReplayTimeout
 from ..wire.control import PROTOCOL_VERSION, ClientConnection
 
 
@@ -37,10 +37,6 @@ class ControlLink:
         self.sock = sock
         self._poll = select.poll()
         self._poll.register(sock.fileno(), select.POLLIN)
-
-    @property
-    def bye(self) -> ReplayError | None:
-        return self.conn.bye
 
     def hello(self, pid: int) -> dict:
         """The handshake's first half: the daemon creates this client's

@@ -65,7 +65,6 @@ class Table:
         if spec_from_wire(desc["spec"]) != self.spec:
             raise ReplayError(f"table {self.name!r} came back with another definition")
         self._bind(desc)
-        self._held = []
 
     def _forget_connection(self) -> bool:
         """The connection this handle's leases and holds were made on is

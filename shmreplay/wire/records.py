@@ -79,8 +79,6 @@ RECORD = np.dtype([
 assert RECORD.itemsize == 64
 
 RESERVE, COMMIT, ABORT, SAMPLE, UPDATE, FLUSH, RELEASE = 1, 2, 3, 4, 5, 6, 7
-NAMES = {RESERVE: "RESERVE", COMMIT: "COMMIT", ABORT: "ABORT", SAMPLE: "SAMPLE",
-         UPDATE: "UPDATE", FLUSH: "FLUSH", RELEASE: "RELEASE"}
 
 FOREVER = 2**64 - 1
 # largest n a single RESERVE, SAMPLE or UPDATE may carry
@@ -115,10 +113,6 @@ def make_keys(gens: np.ndarray, slots: np.ndarray) -> np.ndarray:
 
 def key_slots(keys: np.ndarray) -> np.ndarray:
     return (keys & _MASK).astype(np.intp)
-
-
-def key_gens(keys: np.ndarray) -> np.ndarray:
-    return keys >> _BITS
 
 
 def stale(keys: np.ndarray, stamps: np.ndarray) -> np.ndarray:

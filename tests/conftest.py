@@ -76,8 +76,12 @@ def write_config(path, tables=(), **daemon) -> str:
 
 
 class DaemonProcess:
-    def __init__(self, tmp_path, tables=(), args=(), socket_dir=None, **daemon_opts):
+    def __init__(self, tmp_path, tables=(), args=(), socket_dir=None, command=None, env=None,
+                 **daemon_opts):
         n = next(_counter)
+        # the program to run (a fault test may inject faults into a real daemon)
+        self.command = command or [sys.executable, "-m", "shmreplay.server.daemon"]
+        self.env = env
         self.instance = f"test{os.getpid()}x{n}"
         self.socket = str((socket_dir or tmp_path) / f"d{n}.sock")
         self.config = write_config(tmp_path / f"d{n}.toml", tables, instance=self.instance,
@@ -90,8 +94,9 @@ class DaemonProcess:
         """(Re)start the daemon process with this config; wait until it serves."""
         if self._log.closed:
             self._log = open(self.log_path, "ab")
-        self.proc = subprocess.Popen([sys.executable, "-m", "shmreplay.server.daemon", "--config", self.config,
-                                      *args], stdout=self._log, stderr=subprocess.STDOUT)
+        env = None if self.env is None else {**os.environ, **self.env}
+        self.proc = subprocess.Popen([*self.command, "--config", self.config, *args],
+                                     stdout=self._log, stderr=subprocess.STDOUT, env=env)
         self.wait_ready()
 
     def wait_ready(self, timeout: float = 120.0) -> None:

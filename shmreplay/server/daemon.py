@@ -22,7 +22,9 @@ one event in ``Daemon.run``), in order:
   2. end every lease: the engine applies what each ring still holds and
      unlinks each client's channel
   3. drop every table through the engine: unmap its segment, and unlink it
-     unless ``retain_tables`` (then the next daemon adopts it)
+     unless ``retain_tables`` (then the next daemon adopts it).  After an
+     engine failure steps 2 and 3 touch nothing: every table stays for the
+     next daemon, exactly as after a SIGKILL, and the exit code is 1
   4. stop the engine thread
   5. unlink the doorbell semaphore
   6. release the instance lock
@@ -163,7 +165,9 @@ class Daemon:
             await asyncio.gather(self.periodic, return_exceptions=True)
         if self.control is not None:
             await self.control.close()                  # steps 1-2
-            if self.engine is not None and self.engine.thread is not None:
+            if self.failed:  # the tables stay exactly as they are, as after a SIGKILL
+                log.error("engine failed: every table is left in /dev/shm for the next daemon")
+            elif self.engine is not None and self.engine.thread is not None:
                 # a start that failed half-way keeps the tables it adopted:
                 # their data is what the next, fixed start must find
                 await self.control.drop_all_tables(unlink=not self.cfg.retain_tables,

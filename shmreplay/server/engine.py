@@ -28,7 +28,7 @@ import time
 
 import posix_ipc
 
-from ..errors import ProtocolError, ReplayError, UnknownTable
+from ..errors import DaemonUnavailable, ProtocolError, ReplayError, UnknownTable
 from ..wire import records as R
 from . import parking
 from .idle import Idler
@@ -67,6 +67,7 @@ class Engine:
         self.calls: queue.SimpleQueue = queue.SimpleQueue()
         self.stopping = False
         self.running = False  # True while the thread serves; guarded by lock
+        self.failed = False   # the thread died of an error: its state is not to be trusted
         self.lock = threading.Lock()
         self.thread: threading.Thread | None = None
         self.stats = {"commands": 0, "disconnects": 0}
@@ -87,8 +88,11 @@ class Engine:
                 self.calls.put((fn, args, fut))
                 self.doorbell.release()
                 return fut
-        # no engine thread (not started, stopped or crashed): the caller is
-        # now the only one touching engine state, so run the call here
+        if self.failed:  # half-applied state: touch nothing, as after a SIGKILL
+            fut.set_exception(DaemonUnavailable("the daemon's engine failed"))
+            return fut
+        # no engine thread (not started or stopped): the caller is now the
+        # only one touching engine state, so run the call here
         self.calls.put((fn, args, fut))
         self._run_calls()
         return fut
@@ -114,7 +118,8 @@ class Engine:
                     continue
                 self.idler.sleep(rings, self.calls, self.parking.next_deadline())
         except BaseException:  # the engine dying silently would hang every client
-            log.exception("engine thread crashed; the daemon will exit")
+            log.exception("engine thread crashed; the daemon will exit and keep every table")
+            self.failed = True
             self.on_crash()
         finally:
             with self.lock:  # after this, submit() runs calls in the caller's thread
@@ -130,6 +135,9 @@ class Engine:
                 return ran
             ran = True
             if not fut.set_running_or_notify_cancel():
+                continue
+            if self.failed:
+                fut.set_exception(DaemonUnavailable("the daemon's engine failed"))
                 continue
             try:
                 fut.set_result(fn(*args))

@@ -14,12 +14,15 @@ Owned by the engine; engine thread only.
 from __future__ import annotations
 
 import collections
+import logging
 import time
 
 from ..errors import ProtocolError, ReplayError
 from ..wire import records as R
 from ..wire.records import RESERVE
 from .counters import Blocked
+
+log = logging.getLogger("shmreplayd.engine")
 
 
 class Waiter:
@@ -110,6 +113,10 @@ class Parking:
             return True
         except ReplayError as exc:
             answer(w, exc, doomed)
+            return True
+        except Exception as exc:  # a bug this request reached: it costs its client, not the engine
+            log.exception("client %d (pid %d): parked request failed", w.cl.id, w.cl.pid)
+            doomed.append((w.cl, ProtocolError(f"daemon could not apply a command: {exc!r}")))
             return True
         answer(w, None, doomed)
         return True

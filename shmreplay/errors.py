@@ -85,6 +85,13 @@ class LayoutError(ReplayError):
     code = 12
 
 
+class ForeignObject(LayoutError):
+    """A shared object or file the daemon would use is not one it made: a
+    symlink, a FIFO, another user's, or a mode it never sets."""
+
+    code = 17
+
+
 class RateLimited(ReplayTimeout):
     """An insert or sample waited past its timeout for the table's limits
     (rate limiter, min_size_to_sample, reuse limits, all slots taken)."""
@@ -119,7 +126,7 @@ _BY_CODE = {
     for cls in (
         ReplayError, ProtocolError, DaemonUnavailable, ReplayTimeout, UnknownTable,
         TableExists, SchemaError, PermissionDenied, FieldError, PriorityError, CapacityError, ShmFull,
-        LayoutError, EmptyTable, RateLimited, SlotsBusy,
+        LayoutError, EmptyTable, RateLimited, SlotsBusy, ForeignObject,
     )
 }
 _BY_NAME = {cls.__name__: cls for cls in _BY_CODE.values()}

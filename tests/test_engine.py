@@ -6,6 +6,8 @@ import threading
 import posix_ipc
 import pytest
 
+import shmreplay
+
 from shmreplay.server.engine import Engine
 
 
@@ -27,7 +29,7 @@ class BreakableBell:
         self.sem.acquire(timeout)
 
 
-def test_a_crashed_engine_reports_it_and_later_calls_still_complete():
+def test_a_crashed_engine_reports_it_and_later_calls_fail_fast_touching_nothing():
     bell = BreakableBell()
     crashed = threading.Event()
     eng = Engine(bell, spin_us=0, idle_timeout=0.05, on_crash=crashed.set)
@@ -38,8 +40,12 @@ def test_a_crashed_engine_reports_it_and_later_calls_still_complete():
     assert crashed.wait(5), "the crash must be reported (the daemon then exits non-zero)"
     eng.thread.join(5)
     assert not eng.thread.is_alive()
-    # shutdown still has to end leases and drop tables: calls must not hang
-    assert eng.submit(lambda: "after").result(1) == "after"
+    # shutdown must not hang on calls, nor let them touch half-applied
+    # state (the tables stay as they are for the next daemon)
+    touched = []
+    with pytest.raises(shmreplay.DaemonUnavailable, match="engine failed"):
+        eng.submit(touched.append, 1).result(1)
+    assert touched == []
     bell.sem.close()
 
 

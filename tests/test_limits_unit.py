@@ -119,7 +119,7 @@ def make_table():
 
     yield make
     for tm in made:
-        tm.seg.unlink()
+        tm.unlink()
         tm.release()
 
 

@@ -18,7 +18,7 @@ def table():
     spec = make_spec("unit", 8, {"x": ("int64", ())}, alpha=1.0)
     tm = TableMap.create(f"/shmreplay.test{os.getpid()}.unit", spec)
     yield Table(1, spec, tm, seed=0)
-    tm.seg.unlink()
+    tm.unlink()
     tm.release()
 
 

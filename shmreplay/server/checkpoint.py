@@ -49,6 +49,7 @@ import numpy as np
 from ..errors import LayoutError, ReplayError
 from ..schema import TableSpec, spec_from_wire
 from ..wire.layout import COMMITTED, LAYOUT_VERSION, TableMap
+from .rowread import RowSource
 
 FORMAT = "shmreplay-checkpoint"
 FORMAT_VERSION = 1
@@ -65,7 +66,7 @@ class Snapshot:
     seqno: np.ndarray
     counters: dict
     pause_s: float
-    views: dict           # the live field arrays and stamps, kept mapped while
+    rows: RowSource        # the live rows and stamps, kept open while
     live_gens: np.ndarray  # written even if the table is dropped meanwhile
 
 
@@ -92,7 +93,7 @@ def snapshot(table, bufs: dict) -> Snapshot:
     snap = Snapshot(table.spec, bufs["state"], bufs["gens"], bufs["prios"], bufs["times"],
                     bufs["seqno"],
                     {"inserts": c.inserts, "samples": c.samples, "deletes": c.deletes,
-                     "epoch": m.words.epoch}, 0.0, dict(m.fields), m.gens)
+                     "epoch": m.words.epoch}, 0.0, RowSource(m), m.gens)
     snap.pause_s = time.perf_counter() - t0
     return snap
 
@@ -175,7 +176,7 @@ def _write_rows(snap: Snapshot, tmp: str, buffer_bytes: int):
         step = max(1, CHUNK_BYTES // max(1, sum(f.item_bytes for f in fields)))
         for lo in range(0, n, step):
             part = slots[lo:lo + step]
-            rows = {f.name: np.take(snap.views[f.name], part, axis=0) for f in fields}
+            rows = {f.name: snap.rows.take(f, part) for f in fields}
             valid[lo:lo + step] = snap.live_gens[part] == snap.gens[part]
             ahead.append(rows)
             held += sum(r.nbytes for r in rows.values())
@@ -185,6 +186,7 @@ def _write_rows(snap: Snapshot, tmp: str, buffer_bytes: int):
             flush_one()
         sealed = {name: out.seal() for name, out in outs.items()}
     finally:
+        snap.rows.close()
         for out in outs.values():
             out.f.close()  # after seal: a no-op
     files = {f"f.{f.name}": (f.dtype, (n, *f.shape), *sealed[f.name]) for f in fields}

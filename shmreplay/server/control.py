@@ -128,8 +128,7 @@ class ControlServer:
         t0 = time.monotonic()
         fresh = tmap is None
         if fresh:
-            tmap = await self.loop.run_in_executor(None, TableMap.create, name, spec,
-                                                   self.cfg.segment_mode, self.cfg.gid)
+            tmap = await self.loop.run_in_executor(None, TableMap.create, name, spec, self.cfg.gid)
         seed = None if self.cfg.seed is None else self.cfg.seed + self.next_table_id
         try:
             if recover:
@@ -139,10 +138,11 @@ class ControlServer:
                 table = Table(self.next_table_id, spec, tmap, seed)
         except BaseException:
             if fresh:  # an adopted or restored segment is the caller's to keep or drop
-                tmap.seg.unlink()
+                tmap.unlink()
             tmap.release()
             raise
         self.next_table_id += 1
+        tmap.open_to_clients(self.cfg.segment_mode, self.cfg.gid)
         await self.call(self.engine.add_table, table)
         log.info("table %s: %d x %d bytes in %s (%.1f MiB, ready in %.2f s)", spec.name,
                  spec.capacity, spec.item_bytes, name, tmap.layout.size / 2**20, time.monotonic() - t0)
@@ -152,7 +152,7 @@ class ControlServer:
         check_table_name(name)
         table = await self.call(self.engine.drop_table, name)
         if unlink:
-            table.map.seg.unlink()
+            table.map.unlink()
         table.map.release()
         log.info("table %s %s", name, "dropped" if unlink else "left in /dev/shm for the next daemon")
 
@@ -179,6 +179,8 @@ class ControlServer:
                         int(self.cfg.checkpoint_buffer_mb * 2**20))
                 except OSError as exc:
                     raise ReplayError(f"checkpoint of table {name!r} into {directory} failed: {exc}")
+                finally:
+                    snap.rows.close()
                 log.info("checkpoint of table %s: %d items (%d evicted during the copy), %.1f MiB "
                          "in %.2f s to %s; engine paused %.2f ms", name, rep["items"], rep["dropped"],
                          rep["bytes"] / 2**20, rep["write_s"], rep["path"], 1e3 * rep["pause_s"])

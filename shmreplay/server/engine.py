@@ -22,15 +22,15 @@ from __future__ import annotations
 import concurrent.futures
 import functools
 import logging
-import queue
 import threading
 import time
 
 import posix_ipc
 
-from ..errors import DaemonUnavailable, ProtocolError, ReplayError, UnknownTable
+from ..errors import ProtocolError, ReplayError, UnknownTable
 from ..wire import records as R
 from . import parking
+from .calls import Calls
 from .idle import Idler
 from .outbox import ClientState
 from .parking import Parking, Waiter
@@ -64,10 +64,9 @@ class Engine:
         self.clients: dict[int, ClientState] = {}
         self.dropped: dict[int, ClientState] = {}  # cut off, awaiting unmap by the control plane
         self.parking = Parking()
-        self.calls: queue.SimpleQueue = queue.SimpleQueue()
+        self.calls = Calls()
         self.stopping = False
         self.running = False  # True while the thread serves; guarded by lock
-        self.failed = False   # the thread died of an error: its state is not to be trusted
         self.lock = threading.Lock()
         self.thread: threading.Thread | None = None
         self.stats = {"commands": 0, "disconnects": 0}
@@ -82,19 +81,15 @@ class Engine:
         self.thread.start()
 
     def submit(self, fn, *args) -> concurrent.futures.Future:
-        fut: concurrent.futures.Future = concurrent.futures.Future()
         with self.lock:
             if self.running:
-                self.calls.put((fn, args, fut))
+                fut = self.calls.put(fn, args)
                 self.doorbell.release()
                 return fut
-        if self.failed:  # half-applied state: touch nothing, as after a SIGKILL
-            fut.set_exception(DaemonUnavailable("the daemon's engine failed"))
-            return fut
-        # no engine thread (not started or stopped): the caller is now the
-        # only one touching engine state, so run the call here
-        self.calls.put((fn, args, fut))
-        self._run_calls()
+        # no engine thread (not started, stopped or failed): the caller is
+        # now the only one touching engine state, so run the call here
+        fut = self.calls.put(fn, args)
+        self.calls.run()
         return fut
 
     def stop(self, timeout: float = 10.0) -> None:
@@ -107,7 +102,7 @@ class Engine:
     def _run(self) -> None:
         try:
             while not self.stopping:
-                worked = self._run_calls()
+                worked = self.calls.run()
                 worked = self._serve_all() or worked
                 if self.parking.count:
                     self._cut_off_all(self.parking.settle(self.tables, time.monotonic()))
@@ -119,30 +114,12 @@ class Engine:
                 self.idler.sleep(rings, self.calls, self.parking.next_deadline())
         except BaseException:  # the engine dying silently would hang every client
             log.exception("engine thread crashed; the daemon will exit and keep every table")
-            self.failed = True
+            self.calls.failed = True
             self.on_crash()
         finally:
             with self.lock:  # after this, submit() runs calls in the caller's thread
                 self.running = False
-                self._run_calls()
-
-    def _run_calls(self) -> bool:
-        ran = False
-        while True:
-            try:
-                fn, args, fut = self.calls.get_nowait()
-            except queue.Empty:
-                return ran
-            ran = True
-            if not fut.set_running_or_notify_cancel():
-                continue
-            if self.failed:
-                fut.set_exception(DaemonUnavailable("the daemon's engine failed"))
-                continue
-            try:
-                fut.set_result(fn(*args))
-            except BaseException as exc:  # handed to the caller, not swallowed
-                fut.set_exception(exc)
+                self.calls.run()
 
     def _serve_all(self) -> bool:
         worked = False

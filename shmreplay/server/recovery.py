@@ -39,9 +39,9 @@ from .table import Table
 log = logging.getLogger("shmreplayd.recovery")
 
 
-def adopt(name: str, expected=None) -> TableMap:
-    """Map a table segment left by a dead daemon, after every check."""
-    tmap = TableMap.attach(name)
+def adopt(name: str, mode: int, gid: int, expected=None) -> TableMap:
+    """Map a table's segments left by a dead daemon, after every check."""
+    tmap = TableMap.adopt(name, mode, gid)
     try:
         if expected is not None and tmap.spec != expected:
             raise LayoutError(
@@ -119,7 +119,8 @@ async def open_tables(srv, restore_dir: str | None) -> None:
     declared = {spec.name: spec for spec in cfg.tables}
     for tname, seg in table_segments(cfg.instance).items():
         t0 = time.monotonic()
-        tmap = await srv.loop.run_in_executor(None, adopt, seg, declared.get(tname))
+        tmap = await srv.loop.run_in_executor(None, adopt, seg, cfg.segment_mode, cfg.gid,
+                                              declared.get(tname))
         table = await srv.add_table(tmap.spec, tmap=tmap, recover=True)
         srv.adopted.add(tname)
         log.info("table %s: adopted %s from a dead daemon: %d items (%.2f s)", tname, seg,
@@ -156,12 +157,11 @@ async def restore_table(srv, path: str, expected=None) -> dict:
         raise LayoutError(f"checkpoint {path} holds table {ck.spec.name!r} with another definition "
                           f"than the config's ({ck.spec} vs {expected})")
     name = names.table_segment(srv.cfg.instance, ck.spec.name)
-    tmap = await srv.loop.run_in_executor(None, TableMap.create, name, ck.spec, srv.cfg.segment_mode,
-                                          srv.cfg.gid)
+    tmap = await srv.loop.run_in_executor(None, TableMap.create, name, ck.spec, srv.cfg.gid)
     try:
         n = await srv.loop.run_in_executor(None, checkpoint.restore, ck, tmap)
     except BaseException:
-        tmap.seg.unlink()
+        tmap.unlink()
         tmap.release()
         raise
     table = await srv.add_table(ck.spec, tmap=tmap, recover=True)

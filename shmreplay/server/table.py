@@ -48,7 +48,7 @@ class Table:
         self.id = table_id
         self.spec = spec
         self.map = tmap
-        self.segment_name = tmap.seg.name
+        self.segment_name = tmap.name
         c = spec.capacity
         self.order = CommitOrder(c, self._alive)
         self.sampler = make_sampler(spec.sampler, c, spec.alpha, self.order)
@@ -270,7 +270,7 @@ class Table:
 
     def describe(self) -> dict:
         return {"id": self.id, "segment": self.segment_name, "spec": self.spec.to_wire(),
-                "segment_size": self.map.layout.size, "items": self.counters.size}
+                "segment_size": self.map.layout.size + self.map.layout.rows_size, "items": self.counters.size}
 
     def snapshot_stats(self) -> dict:
         led = self.ledger

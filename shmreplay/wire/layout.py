@@ -1,33 +1,51 @@
-"""Byte layout of a table segment (docs/layout.md draws it), and typed access to it.
+"""Byte layout of a table's two segments (docs/layout.md draws them), and typed access.
 
-``TableMap`` maps a segment as numpy views; ``LiveWords`` reads and writes
-its live counter words by name.  Who writes what: the daemon's engine
-thread writes the header's owner, the live words, gens, prios, state,
-times and seqno; a client writes only the field rows of slots it reserved,
-and reads the rest.
+A table is two POSIX shared-memory objects, so that what the daemon decides
+cannot be written by the clients it decides for:
 
-::
+* the **meta** segment ``shmreplay.<instance>.t.<table>``: header, live
+  words, schema and every per-slot array.  Written by the daemon only;
+  clients of other users may only read it (its mode has no group or other
+  write bit) and every client maps it ``PROT_READ``.
+* the **rows** segment ``shmreplay.<instance>.r.<table>``: a small header
+  and the field rows.  Clients write the rows of slots they reserved and
+  read the rest; the daemon never touches it through a mapping once the
+  table is served (checkpoints read it with ``pread``), so a client that
+  truncates it cannot make the daemon fault.
 
-    0      fixed header (HEADER dtype, 112 bytes): magic, layout version,
+``TableMap`` maps both as numpy views; ``LiveWords`` reads and writes the
+live counter words by name.
+
+Meta segment::
+
+    0      fixed header (HEADER dtype, 120 bytes): magic, layout version,
            header size, capacity, creator pid, creation time, segment size,
-           offsets of the per-slot arrays, schema length, owner pid and the
-           owner's start time (the daemon serving the table now)
-    128    live words, 16 x uint64 (written by the daemon only): size,
-           inserts, pending, samples, deletes, free, uses left, sampleable
-           mass (float64 bits) on the first cache line, which clients read
-           for len() and the rate-limiter probes; then the epoch, bumped
-           each time a daemon adopts or restores the table
-    256    schema: msgpack of TableSpec.to_wire() plus the field offsets
-    H      gens     uint32[capacity]   generation stamp of each slot
-           prios    float64[capacity]  raw priority of each committed slot
-           state    uint8[capacity]    FREE / RESERVED / COMMITTED / HELD
-           times    uint32[capacity]   times the item in the slot was sampled
-           seqno    uint64[capacity]   commit number of the item (1, 2, ...)
-           field 0  dtype[capacity, *shape]   (each array starts on a 4 KiB page)
+           offsets of the first per-slot arrays, schema length, owner pid and
+           the owner's start time (the daemon serving the table now), the
+           rows segment's size
+    192    live words, 16 x uint64 (daemon only): size, inserts, pending,
+           samples, deletes, free, uses left, sampleable mass (float64
+           bits), then the epoch, bumped each time a daemon adopts or
+           restores the table
+    320    schema: msgpack of TableSpec.to_wire() plus every offset
+    H      gens        uint32[capacity]  generation stamp of each slot
+           prios       float64[capacity] raw priority of each committed slot
+           state       uint8[capacity]   FREE / RESERVED / COMMITTED / HELD
+           times       uint32[capacity]  times the item in the slot was sampled
+           seqno       uint64[capacity]  commit number of the item (1, 2, ...)
+           lease_pid   uint32[capacity]  pid of the client a RESERVED slot is leased to
+           lease_cid   uint32[capacity]  that client's id at its daemon
+           lease_start uint64[capacity]  that process's start time (clock ticks)
+
+Rows segment::
+
+    0      ROWS_HEADER: magic, layout version, capacity, the meta segment's
+           creation time (binds the pair), size
+    4096   field 0  dtype[capacity, *shape]   (each array starts on a 4 KiB page)
            field 1  ...
 
-``H`` is 256 + len(schema) rounded up to 4 KiB.  Every offset follows from
-the schema, and the header also stores them so a reader can check both
+``H`` is 320 + len(schema) rounded up to 4 KiB.  Every offset follows from
+the schema, and the schema also stores them so a reader can check both
 agree; a change to this map must bump LAYOUT_VERSION.
 """
 
@@ -44,7 +62,7 @@ from ..schema import TableSpec, spec_from_wire
 from .segment import Segment
 
 MAGIC = b"SHMRTBL\x00"
-LAYOUT_VERSION = 3  # 2: HELD state, times and seqno arrays, limiter live words; 3: owner, epoch
+LAYOUT_VERSION = 4  # 2: HELD, times, seqno, limiter words; 3: owner, epoch; 4: meta/rows split, leases
 PAGE = 4096
 
 HEADER = np.dtype([
@@ -53,9 +71,15 @@ HEADER = np.dtype([
     ("segment_size", "<u8"), ("gens_off", "<u8"), ("prios_off", "<u8"),
     ("state_off", "<u8"), ("schema_len", "<u4"), ("reserved", "<u4"),
     ("times_off", "<u8"), ("seqno_off", "<u8"),
-    ("owner_pid", "<u8"), ("owner_start", "<u8"),
+    ("owner_pid", "<u8"), ("owner_start", "<u8"), ("rows_size", "<u8"),
 ])
-LIVE_OFF = 128
+ROWS_MAGIC = b"SHMRROW\x00"
+ROWS_HEADER = np.dtype([
+    ("magic", "S8"), ("layout_version", "<u4"), ("reserved", "<u4"),
+    ("capacity", "<u8"), ("created_ns", "<u8"), ("segment_size", "<u8"),
+])
+ROWS_OFF = 4096
+LIVE_OFF = 192
 LIVE_WORDS = 16
 LIVE_SIZE = 0      # committed items (what len(table) reports)
 LIVE_INSERTS = 1   # items committed since creation
@@ -69,7 +93,7 @@ LIVE_MASS = 7      # float64: the sampler's total mass; 0 means nothing can be d
 # it before it copies into slots leased from a daemon: a changed epoch means
 # that daemon died and its leases are void (recovery.py).
 LIVE_EPOCH = 8
-SCHEMA_OFF = 256
+SCHEMA_OFF = 320
 
 
 
@@ -134,116 +158,198 @@ def _align(x: int, a: int) -> int:
 
 
 class TableLayout:
-    """Offsets of every array of a table segment, derived from its spec."""
+    """Offsets of every array of a table's two segments, derived from its spec."""
 
     def __init__(self, spec: TableSpec):
         self.spec = spec
+        self.rows_offsets = _rows_offsets(spec)
         # the offsets depend on the header size, which depends on the schema
         # length, which includes the offsets: iterate to the fixed point
-        offsets = _offsets(spec, PAGE)
+        offsets = _meta_offsets(spec, PAGE)
         while True:
             self.schema_bytes = msgpack.packb(
-                {"spec": spec.to_wire(), "offsets": offsets}, use_bin_type=True)
+                {"spec": spec.to_wire(), "offsets": offsets, "rows": self.rows_offsets},
+                use_bin_type=True)
             self.header_size = _align(SCHEMA_OFF + len(self.schema_bytes), PAGE)
             if self.header_size == offsets[0]:
                 break
-            offsets = _offsets(spec, self.header_size)
+            offsets = _meta_offsets(spec, self.header_size)
         self.offsets = offsets
-        self.gens_off, self.prios_off, self.state_off, self.times_off, self.seqno_off = offsets[:5]
-        self.field_offs = dict(zip((f.name for f in spec.fields), offsets[5:-1]))
+        (self.gens_off, self.prios_off, self.state_off, self.times_off, self.seqno_off,
+         self.lease_pid_off, self.lease_cid_off, self.lease_start_off) = offsets[:8]
         self.size = offsets[-1]
+        self.field_offs = dict(zip((f.name for f in spec.fields), self.rows_offsets[:-1]))
+        self.rows_size = self.rows_offsets[-1]
 
 
-def _offsets(spec: TableSpec, header_size: int) -> list[int]:
-    c = spec.capacity
-    pos = header_size
-    out = [pos]                       # gens
-    pos = _align(pos + 4 * c, 64)
-    out.append(pos)                   # prios
-    pos = _align(pos + 8 * c, 64)
-    out.append(pos)                   # state
-    pos = _align(pos + c, 64)
-    out.append(pos)                   # times
-    pos = _align(pos + 4 * c, 64)
-    out.append(pos)                   # seqno
-    pos = _align(pos + 8 * c, PAGE)
+_PER_SLOT = (4, 8, 1, 4, 8, 4, 4, 8)  # bytes a slot in gens ... lease_start
+
+
+def _meta_offsets(spec: TableSpec, header_size: int) -> list[int]:
+    pos, out = header_size, []
+    for width in _PER_SLOT:
+        out.append(pos)
+        pos = _align(pos + width * spec.capacity, 64)
+    out.append(_align(pos, PAGE))     # segment size
+    return out
+
+
+def _rows_offsets(spec: TableSpec) -> list[int]:
+    pos, out = ROWS_OFF, []
     for f in spec.fields:
         out.append(pos)
-        pos = _align(pos + c * f.item_bytes, PAGE)
+        pos = _align(pos + spec.capacity * f.item_bytes, PAGE)
     out.append(pos)                   # segment size
     return out
 
 
 class TableMap:
-    """numpy views over a mapped table segment.
+    """numpy views over a table's mapped segments.
 
-    The daemon's engine thread is the only writer of gens, prios, state and
-    live words; clients write field rows of slots they reserved and read
-    everything.  Views are created once; hot paths index them directly.
+    The daemon's engine thread is the only writer of the meta segment;
+    clients write field rows of slots they reserved and read everything
+    else (their meta views are read-only).  Views are created once; hot
+    paths index them directly.
     """
 
-    def __init__(self, seg: Segment, layout: TableLayout):
-        self.seg = seg
+    def __init__(self, meta: Segment, rows: Segment, layout: TableLayout):
+        self.meta, self.rows = meta, rows
+        self.name = meta.name
         self.layout = layout
         self.spec = layout.spec
-        buf = seg.buf
+        buf = meta.buf
         c = self.spec.capacity
         self.header = np.ndarray((), HEADER, buffer=buf, offset=0)
         self.live = np.ndarray((LIVE_WORDS,), np.uint64, buffer=buf, offset=LIVE_OFF)
-        self.gens = np.ndarray((c,), np.uint32, buffer=buf, offset=layout.gens_off)
-        self.prios = np.ndarray((c,), np.float64, buffer=buf, offset=layout.prios_off)
-        self.state = np.ndarray((c,), np.uint8, buffer=buf, offset=layout.state_off)
-        self.times = np.ndarray((c,), np.uint32, buffer=buf, offset=layout.times_off)
-        self.seqno = np.ndarray((c,), np.uint64, buffer=buf, offset=layout.seqno_off)
+        lo = layout
+        self.gens = np.ndarray((c,), np.uint32, buffer=buf, offset=lo.gens_off)
+        self.prios = np.ndarray((c,), np.float64, buffer=buf, offset=lo.prios_off)
+        self.state = np.ndarray((c,), np.uint8, buffer=buf, offset=lo.state_off)
+        self.times = np.ndarray((c,), np.uint32, buffer=buf, offset=lo.times_off)
+        self.seqno = np.ndarray((c,), np.uint64, buffer=buf, offset=lo.seqno_off)
+        self.lease_pid = np.ndarray((c,), np.uint32, buffer=buf, offset=lo.lease_pid_off)
+        self.lease_cid = np.ndarray((c,), np.uint32, buffer=buf, offset=lo.lease_cid_off)
+        self.lease_start = np.ndarray((c,), np.uint64, buffer=buf, offset=lo.lease_start_off)
         self.words = LiveWords(self.live)
         self.fields = {
-            f.name: np.ndarray((c, *f.shape), f.dtype, buffer=buf, offset=layout.field_offs[f.name])
+            f.name: np.ndarray((c, *f.shape), f.dtype, buffer=rows.buf, offset=lo.field_offs[f.name])
             for f in self.spec.fields
         }
 
     @classmethod
-    def create(cls, name: str, spec: TableSpec, mode: int = 0o600,
-               gid: int = -1) -> "TableMap":
+    def create(cls, name: str, spec: TableSpec, gid: int = -1) -> "TableMap":
+        """Daemon: both segments, mode 0600 until ``open_to_clients``, so
+        nobody else maps them while they are filled (a restore)."""
         layout = TableLayout(spec)
-        seg = Segment.create(name, layout.size, mode, (-1, gid))
-        tm = cls(seg, layout)
+        meta = Segment.create(name, layout.size, 0o600, (-1, gid))
+        try:
+            rows = Segment.create(rows_name(name), layout.rows_size, 0o600, (-1, gid))
+        except BaseException:
+            meta.unlink()
+            meta.close()
+            raise
+        tm = cls(meta, rows, layout)
+        created = time.time_ns()
         h = tm.header
         h["layout_version"] = LAYOUT_VERSION
         h["header_size"] = layout.header_size
         h["capacity"] = spec.capacity
         h["creator_pid"] = h["owner_pid"] = os.getpid()
         h["owner_start"] = process_start(os.getpid())
-        h["created_ns"] = time.time_ns()
+        h["created_ns"] = created
         h["segment_size"] = layout.size
         h["gens_off"], h["prios_off"], h["state_off"] = layout.gens_off, layout.prios_off, layout.state_off
         h["times_off"], h["seqno_off"] = layout.times_off, layout.seqno_off
+        h["rows_size"] = layout.rows_size
         h["schema_len"] = len(layout.schema_bytes)
-        seg.buf[SCHEMA_OFF:SCHEMA_OFF + len(layout.schema_bytes)] = layout.schema_bytes
+        meta.buf[SCHEMA_OFF:SCHEMA_OFF + len(layout.schema_bytes)] = layout.schema_bytes
+        r = np.ndarray((), ROWS_HEADER, buffer=rows.buf, offset=0)
+        r["layout_version"], r["capacity"], r["created_ns"] = LAYOUT_VERSION, spec.capacity, created
+        r["segment_size"] = layout.rows_size
+        r["magic"] = ROWS_MAGIC
         # magic last: a reader that sees it sees a complete header
         h["magic"] = MAGIC
         return tm
 
+    def open_to_clients(self, mode: int, gid: int = -1) -> None:
+        """Daemon: give the segments their final modes.  The meta segment
+        never gets a group or other write bit, whatever ``mode`` says."""
+        self.meta.set_mode(meta_mode(mode), gid)
+        self.rows.set_mode(mode, gid)
+
+    @classmethod
+    def adopt(cls, name: str, mode: int, gid: int = -1) -> "TableMap":
+        """Daemon: map the segments a dead daemon of this instance left,
+        refusing any that this user did not make (``Segment.open_owned``)."""
+        meta = Segment.open_owned(name, meta_mode(mode), gid)
+        try:
+            rows = Segment.open_owned(rows_name(name), mode, gid)
+        except BaseException:
+            meta.close()
+            raise
+        return cls._checked(meta, rows)
+
     @classmethod
     def attach(cls, name: str, expected: TableSpec | None = None) -> "TableMap":
-        seg = Segment.attach(name)
+        """Client: the meta segment read-only, the rows read-write."""
+        meta = Segment.attach(name, read_only=True)
         try:
-            spec = read_spec(seg)
-            if expected is not None and spec != expected:
-                raise LayoutError(f"segment {name} holds table {spec}, expected {expected}")
-            layout = TableLayout(spec)
-            if layout.size != seg.size:
-                raise LayoutError(f"segment {name} is {seg.size} bytes, layout says {layout.size}")
-            return cls(seg, layout)
+            rows = Segment.attach(rows_name(name))
         except BaseException:
-            seg.close()
+            meta.close()
             raise
+        return cls._checked(meta, rows, expected)
+
+    @classmethod
+    def _checked(cls, meta: Segment, rows: Segment, expected: TableSpec | None = None) -> "TableMap":
+        try:
+            spec = read_spec(meta)
+            if expected is not None and spec != expected:
+                raise LayoutError(f"segment {meta.name} holds table {spec}, expected {expected}")
+            layout = TableLayout(spec)
+            if layout.size != meta.size:
+                raise LayoutError(f"segment {meta.name} is {meta.size} bytes, layout says {layout.size}")
+            check_rows(rows, layout, int(np.ndarray((), HEADER, buffer=meta.buf)["created_ns"]))
+            return cls(meta, rows, layout)
+        except BaseException:
+            meta.close()
+            rows.close()
+            raise
+
+    def unlink(self) -> None:
+        self.meta.unlink()
+        self.rows.unlink()
 
     def release(self) -> None:
         """Drop the views and unmap (views handed to users keep it mapped)."""
         self.header = self.live = self.gens = self.prios = self.state = None
         self.times = self.seqno = self.words = None
+        self.lease_pid = self.lease_cid = self.lease_start = None
         self.fields = {}
-        self.seg.close()
+        self.meta.close()
+        self.rows.close()
+
+
+def rows_name(meta_name: str) -> str:
+    """The rows segment that goes with a meta segment."""
+    head, sep, table = meta_name.rpartition(".t.")
+    return f"{head}.r.{table}" if sep else meta_name + ".r"
+
+
+def meta_mode(mode: int) -> int:
+    """The meta segment's mode: ``mode`` without group or other write."""
+    return (mode & ~0o022) | 0o600
+
+
+def check_rows(rows: Segment, layout: TableLayout, created_ns: int) -> None:
+    if rows.size != layout.rows_size:
+        raise LayoutError(f"segment {rows.name} is {rows.size} bytes, layout says {layout.rows_size}")
+    r = np.ndarray((), ROWS_HEADER, buffer=rows.buf, offset=0)
+    if bytes(r["magic"]) != ROWS_MAGIC or int(r["layout_version"]) != LAYOUT_VERSION:
+        raise LayoutError(f"segment {rows.name} is not a rows segment of layout {LAYOUT_VERSION}")
+    if int(r["capacity"]) != layout.spec.capacity or int(r["created_ns"]) != created_ns:
+        raise LayoutError(f"segment {rows.name} does not belong to its meta segment "
+                          "(capacity or creation time differ)")
 
 
 def process_start(pid: int) -> int:
@@ -275,6 +381,7 @@ def read_spec(seg: Segment) -> TableSpec:
         spec = spec_from_wire(doc["spec"])
     except Exception as exc:  # any decoding failure means a corrupt header
         raise LayoutError(f"segment {seg.name} has an unreadable schema: {exc}") from exc
-    if TableLayout(spec).offsets != doc.get("offsets"):
+    layout = TableLayout(spec)
+    if layout.offsets != doc.get("offsets") or layout.rows_offsets != doc.get("rows"):
         raise LayoutError(f"segment {seg.name}: stored offsets disagree with its schema")
     return spec

@@ -3,7 +3,8 @@
 Every object a daemon makes lives in /dev/shm under its instance name::
 
     shmreplay.<instance>.lock               the instance lock (server/ownership.py)
-    shmreplay.<instance>.t.<table>          a table segment (kept across restarts)
+    shmreplay.<instance>.t.<table>          a table's meta segment (kept across restarts)
+    shmreplay.<instance>.r.<table>          its rows segment
     shmreplay.<instance>.<pid>.c<n>         a client channel (unlinked once attached)
     sem.shmreplay.<instance>.<pid>.c<n>.s   its semaphore
     sem.shmreplay.<instance>.<pid>.bell     the daemon's doorbell
@@ -66,7 +67,7 @@ def instance_of(name: str) -> str | None:
 
 def is_table(name: str) -> bool:
     """Is this /dev/shm entry a table segment?"""
-    return not name.startswith("sem.") and ".t." in name
+    return not name.startswith("sem.") and (".t." in name or ".r." in name)
 
 
 def pid_in_name(name: str) -> int:

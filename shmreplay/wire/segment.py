@@ -26,10 +26,11 @@ from __future__ import annotations
 import errno
 import mmap
 import os
+import stat
 
 import posix_ipc
 
-from ..errors import LayoutError, ReplayError, ShmFull
+from ..errors import ForeignObject, LayoutError, ReplayError, ShmFull
 
 from .names import SHM_DIR
 # madvise(2) advice numbers (Linux >= 5.14); older kernels answer EINVAL and
@@ -41,10 +42,14 @@ MADV_POPULATE_WRITE = 23
 class Segment:
     """A mapped shared-memory object.  Not thread-safe; close() once."""
 
-    def __init__(self, name: str, mm: mmap.mmap, size: int):
+    def __init__(self, name: str, mm: mmap.mmap, size: int, fd: int | None = None):
         self.name = name
         self.buf = mm
         self.size = size
+        # the daemon keeps its segments open: to set their modes once they are
+        # ready, and to read rows with pread (a mapping would SIGBUS if a
+        # client with write access truncated the object)
+        self.fd = fd
 
     @classmethod
     def create(cls, name: str, size: int, mode: int = 0o600,
@@ -88,20 +93,25 @@ class Segment:
             shm.close_fd()
             _unlink_quiet(name)
             raise
-        shm.close_fd()
-        return cls(name, mm, size)
+        return cls(name, mm, size, shm.fd)
 
     @classmethod
-    def attach(cls, name: str, expected_size: int | None = None) -> "Segment":
+    def attach(cls, name: str, expected_size: int | None = None,
+               read_only: bool = False) -> "Segment":
+        """A client's mapping (``read_only``: PROT_READ, of an object it may
+        only read).  The descriptor is closed once mapped."""
         try:
-            shm = posix_ipc.SharedMemory(name)
+            shm = posix_ipc.SharedMemory(name, read_only=read_only)
         except posix_ipc.ExistentialError as exc:
             raise LayoutError(f"shared-memory segment {name} does not exist") from exc
         try:
             size = shm.size
             if expected_size is not None and size != expected_size:
                 raise LayoutError(f"segment {name} is {size} bytes, expected {expected_size}")
-            mm = mmap.mmap(shm.fd, size)
+            if size == 0:
+                raise LayoutError(f"segment {name} is empty (truncated?)")
+            mm = mmap.mmap(shm.fd, size, prot=mmap.PROT_READ if read_only else
+                           mmap.PROT_READ | mmap.PROT_WRITE)
         finally:
             shm.close_fd()
         advise_huge_pages(mm)
@@ -112,6 +122,36 @@ class Segment:
             raise
         return cls(name, mm, size)
 
+    @classmethod
+    def open_owned(cls, name: str, mode: int, gid: int = -1) -> "Segment":
+        """The daemon's re-opening of an object it made (adoption): refused
+        unless it is a regular file (no symlink followed, no FIFO waited on)
+        owned by this user with exactly ``mode`` (and group ``gid``), since
+        anyone may create a name in /dev/shm first."""
+        path = SHM_DIR + name
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        except FileNotFoundError:
+            raise LayoutError(f"shared-memory segment {name} does not exist") from None
+        except OSError as exc:
+            raise ForeignObject(f"{path} cannot be opened as this daemon's own object "
+                                f"({os.strerror(exc.errno)}): not adopting it") from None
+        try:
+            check_owned(path, os.fstat(fd), mode, gid)
+            size = os.fstat(fd).st_size
+            if size == 0:
+                raise LayoutError(f"segment {name} is empty (truncated?)")
+            mm = mmap.mmap(fd, size)
+        except BaseException:
+            os.close(fd)
+            raise
+        return cls(name, mm, size, fd)
+
+    def set_mode(self, mode: int, gid: int = -1) -> None:
+        """Daemon: open the object to its clients, once it is complete."""
+        os.fchown(self.fd, -1, gid)
+        os.fchmod(self.fd, mode)
+
     def close(self) -> None:
         """Let go of the mapping.  It is unmapped when the last numpy view
         of it dies, never before: numpy arrays over an mmap keep the mmap
@@ -119,6 +159,9 @@ class Segment:
         views alive would unmap memory they still point at (a crash in
         whichever thread touches them next)."""
         self.buf = None
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
 
     def unlink(self) -> None:
         _unlink_quiet(self.name)
@@ -163,6 +206,23 @@ def shmem_huge_pages() -> str:
             return f.read().split("[", 1)[1].split("]", 1)[0]
     except (OSError, IndexError):
         return "unknown"
+
+
+def check_owned(path: str, st: os.stat_result, mode: int, gid: int = -1) -> None:
+    """Raise ForeignObject unless ``st`` is a regular file of this user
+    with exactly ``mode`` (and group ``gid``, unless -1)."""
+    problems = []
+    if not stat.S_ISREG(st.st_mode):
+        problems.append("not a regular file")
+    if st.st_uid != os.geteuid():
+        problems.append(f"owned by uid {st.st_uid}, not {os.geteuid()}")
+    if stat.S_IMODE(st.st_mode) != mode:
+        problems.append(f"mode {stat.S_IMODE(st.st_mode):04o}, not {mode:04o}")
+    if gid != -1 and st.st_gid != gid:
+        problems.append(f"group {st.st_gid}, not {gid}")
+    if problems:
+        raise ForeignObject(f"{path} is not an object this daemon made ({', '.join(problems)}); "
+                            "not using it: remove it, or find out who created it")
 
 
 def _unlink_quiet(name: str) -> None:

@@ -35,6 +35,14 @@ def torn(data: dict) -> int:
     return int(np.sum((ids < 0) | np.any(data["obs"] != want, axis=1)))
 
 
+def writable_map(segment: str) -> TableMap:
+    """A table's segments mapped read-write, as only the daemon's own user
+    (or root) can: the meta segment is read-only to every client."""
+    from shmreplay.wire.layout import rows_name
+    from shmreplay.wire.segment import Segment
+    return TableMap._checked(Segment.attach(segment), Segment.attach(rows_name(segment)))
+
+
 def committed_ids(segment: str) -> np.ndarray:
     """The ids of every committed item, read straight from the table segment."""
     tm = TableMap.attach(segment)

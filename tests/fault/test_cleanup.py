@@ -28,7 +28,7 @@ def test_cleanup_removes_only_what_dead_daemons_left(start_daemon):
         c.flush()
     dead.crash()
     left = shm_entries(f"shmreplay.{dead.instance}.")
-    assert len(left) == 3  # lock, table, doorbell
+    assert len(left) == 4  # lock, table (meta and rows), doorbell
     # an object of an instance with no lock whose creator pid is dead
     orphan = f"/shmreplay.{dead.instance}z.999999999.c1"
     posix_ipc.SharedMemory(orphan, posix_ipc.O_CREX, size=4096).close_fd()
@@ -37,11 +37,12 @@ def test_cleanup_removes_only_what_dead_daemons_left(start_daemon):
     out = cleanup("--dry-run", "--instance", live.instance)
     assert f"live daemon pid {live.pid}" in out
     out = cleanup("--dry-run", "--instance", dead.instance)
-    assert "would remove 3 object(s)" in out
+    assert "would remove 4 object(s)" in out
     assert shm_entries(f"shmreplay.{dead.instance}.") == left
 
     out = cleanup("--keep-tables", "--instance", dead.instance)
-    assert shm_entries(f"shmreplay.{dead.instance}.") == {f"shmreplay.{dead.instance}.t.t"}
+    assert shm_entries(f"shmreplay.{dead.instance}.") == {f"shmreplay.{dead.instance}.t.t",
+                                                          f"shmreplay.{dead.instance}.r.t"}
     dead.start()  # the kept table is adopted
     with dead.connect() as c:
         assert len(c.table("t")) == 4

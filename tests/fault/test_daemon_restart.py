@@ -11,9 +11,10 @@ import numpy as np
 import pytest
 
 import shmreplay
-from shmreplay.wire.layout import COMMITTED, TableMap
+from shmreplay.wire.layout import COMMITTED, LAYOUT_VERSION, TableMap
 
-from faults import FIELDS, HANG_S, reap, actor, committed_ids, learner, rows, segment_rows, torn, wait_for
+from faults import (FIELDS, HANG_S, reap, actor, committed_ids, learner, rows, segment_rows, torn,
+                    wait_for, writable_map)
 
 CAPACITY = 1 << 17  # larger than everything the test inserts: nothing is evicted
 TABLES = [{"name": "per", "capacity": CAPACITY, "sampler": "prioritized", "alpha": 0.7,
@@ -220,12 +221,12 @@ def test_adoption_checks_magic_version_and_owner(start_daemon):
         c.flush()
     d.crash()
     seg = f"/shmreplay.{d.instance}.t.fifo"
-    tm = TableMap.attach(seg)
+    tm = writable_map(seg)
     try:
         tm.header["layout_version"] = 99
-        with pytest.raises(RuntimeError, match="layout version 99, this build reads version 3"):
+        with pytest.raises(RuntimeError, match=f"layout version 99, this build reads version {LAYOUT_VERSION}"):
             d.start()
-        tm.header["layout_version"] = 3
+        tm.header["layout_version"] = LAYOUT_VERSION
         tm.header["magic"] = b"NOTMINE\x00"
         with pytest.raises(RuntimeError, match="is not a shmreplay table"):
             d.start()
@@ -241,11 +242,11 @@ def test_adoption_checks_magic_version_and_owner(start_daemon):
     try:
         assert ready.wait(30)
         with pytest.raises(shmreplay.ReplayError, match=f"belongs to live process {owner.pid}"):
-            recovery.adopt(name)
+            recovery.adopt(name, 0o600, -1)
     finally:
         owner.kill()
         owner.join(10)
-        TableMap.attach(name).seg.unlink()
+        TableMap.attach(name).unlink()
     d.start()
     with d.connect() as c:
         assert len(c.table("fifo")) == 3
@@ -260,7 +261,8 @@ def test_a_handle_whose_table_did_not_come_back_never_writes_into_another(start_
     ta.insert_batch(rows(np.arange(4)))
     c.flush()
     d.crash()
-    os.unlink(f"/dev/shm/shmreplay.{d.instance}.t.a")  # the table is gone for good
+    for part in "tr":  # the table is gone for good
+        os.unlink(f"/dev/shm/shmreplay.{d.instance}.{part}.a")
     d.start()
     with d.connect(timeout=30) as admin:
         tb = admin.create_table("b", capacity=64, fields=FIELDS)

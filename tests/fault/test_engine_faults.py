@@ -7,35 +7,19 @@ user or root can: see test_hostile_clients.py for a group member, who
 cannot); the second injects a failure into a real daemon's engine thread
 (``crashing_daemon.py``)."""
 
-import mmap
 import os
 import sys
 import threading
 
 import numpy as np
-import posix_ipc
-import pytest
 
 import shmreplay
-from shmreplay.wire.layout import COMMITTED, TableLayout, TableMap
-
-from faults import FIELDS, HANG_S, committed_ids, rows, wait_for
+from faults import FIELDS, HANG_S, committed_ids, rows, wait_for, writable_map
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 VICTIM = {"name": "victim", "capacity": 4096, "sampler": "prioritized", "fields": FIELDS}
 ORDERED = {"name": "ordered", "capacity": 64, "sampler": "fifo", "remover": "fifo",
            "max_times_sampled": 3, "min_size_to_sample": 2, "fields": FIELDS}
-
-
-def _writable_times(segment: str) -> np.ndarray:
-    """The ``times`` array of a table, mapped writable (root may)."""
-    tm = TableMap.attach(segment)
-    layout, spec = tm.layout, tm.spec
-    tm.release()
-    shm = posix_ipc.SharedMemory(segment)
-    mm = mmap.mmap(shm.fd, shm.size)
-    shm.close_fd()
-    return np.ndarray((spec.capacity,), np.uint32, buffer=mm, offset=layout.times_off)
 
 
 def test_a_request_that_breaks_the_engine_cuts_off_only_its_client(start_daemon):
@@ -47,8 +31,7 @@ def test_a_request_that_breaks_the_engine_cuts_off_only_its_client(start_daemon)
             t = c.table("ordered")
             t.insert(**{k: v[0] for k, v in rows([1]).items()})
             c.flush()
-            times = _writable_times(f"/shmreplay.{d.instance}.t.ordered")
-            times[:] = 0xFFFFFFF0  # more uses than max_times_sampled allows
+            writable_map(f"/shmreplay.{d.instance}.t.ordered").times[:] = 0xFFFFFFF0  # more uses than max_times_sampled allows
             got = []
 
             def learn():

@@ -1,0 +1,58 @@
+"""Reading a table's rows from the daemon, without mapping them.
+
+Clients may write the rows segment, so one of them may also truncate it.
+A process that touches a truncated mapping dies of SIGBUS; ``pread`` of a
+truncated object just returns fewer bytes.  So the daemon, which must
+survive any client, reads rows (for checkpoints) only through
+``RowSource`` and never through a mapping once the table is served.
+
+Any thread; one ``RowSource`` per reader.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+
+from ..errors import ReplayError
+
+
+class RowSource:
+    """The rows of one table, read by ``pread`` from its own descriptor (a
+    dup, so a table dropped meanwhile does not close it under the reader)."""
+
+    def __init__(self, tmap):
+        self.name = tmap.rows.name
+        self.fd = os.dup(tmap.rows.fd)
+        self.offsets = dict(tmap.layout.field_offs)
+
+    def take(self, field, slots: np.ndarray) -> np.ndarray:
+        """``field``'s rows of ``slots``, in that order.  Slots next to each
+        other are read in one call (a FIFO table's oldest items usually are)."""
+        n, ib = slots.shape[0], field.item_bytes
+        order = np.argsort(slots, kind="stable")
+        s = slots[order]
+        raw = np.empty((n, ib), np.uint8)
+        starts = np.flatnonzero(np.diff(s, prepend=-2) != 1)
+        ends = np.append(starts[1:], n)
+        flat = memoryview(raw.reshape(-1))
+        base = self.offsets[field.name]
+        for a, b in zip(starts.tolist(), ends.tolist()):
+            self._read(flat[a * ib:b * ib], base + int(s[a]) * ib)
+        out = np.empty_like(raw)
+        out[order] = raw
+        return out.view(field.dtype).reshape(n, *field.shape)
+
+    def _read(self, into: memoryview, offset: int) -> None:
+        while into.nbytes:
+            got = os.preadv(self.fd, [into], offset)
+            if got <= 0:
+                raise ReplayError(f"rows segment {self.name} is shorter than its table "
+                                  "(truncated by a client with write access?)")
+            into, offset = into[got:], offset + got
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1

@@ -225,7 +225,7 @@ class TableMap:
 
     @classmethod
     def attach(cls, name: str, expected: TableSpec | None = None) -> "TableMap":
-        seg = Segment.attach(name)
+        seg = Segment.attach(name, None if expected is None else TableLayout(expected).size)
         try:
             spec = read_spec(seg)
             if expected is not None and spec != expected:

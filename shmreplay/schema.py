@@ -22,6 +22,9 @@ REMOVERS = ("fifo", "lifo", "uniform")
 SPEC_KEYS = ("name", "capacity", "fields", "sampler", "alpha", "remover", "max_times_sampled",
              "min_size_to_sample", "samples_per_insert", "error_buffer")
 MAX_CAPACITY = 2**32 - 1  # keys carry the slot in their low 32 bits
+# a table's rows must fit one mapping: x86-64 gives a process 2**47 bytes
+# (128 TiB) of address space, so a larger table could never be attached
+MAX_TABLE_BYTES = 2**47
 MAX_FIELDS = 64
 _TABLE_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,63}$")
 _FIELD_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,63}$")
@@ -223,8 +226,23 @@ def make_spec(name, capacity, fields, sampler="prioritized", alpha=0.6, remover=
             eb = _number(name, "error_buffer", eb)
     spec = TableSpec(str(name), int(capacity), parse_fields(fields), str(sampler), alpha,
                      str(remover), mts, mss, spi, eb)
+    _check_size(spec)
     _check_limits(spec)
     return spec
+
+
+def _check_size(spec: TableSpec) -> None:
+    """Refuse, naming the field, rows no segment could hold (sizes are
+    Python ints here: nothing overflows before the check)."""
+    total = 0
+    for f in spec.fields:
+        rows = spec.capacity * f.item_bytes
+        total += rows
+        if total > MAX_TABLE_BYTES:
+            raise SchemaError(
+                f"table {spec.name!r}: field {f.name!r} ({f.dtype}, shape {f.shape}: "
+                f"{f.item_bytes} bytes an item) brings the rows of {spec.capacity} items to "
+                f"{total} bytes; a table holds at most 2**47 ({MAX_TABLE_BYTES}) bytes")
 
 
 def _check_limits(spec: TableSpec) -> None:

@@ -13,6 +13,7 @@ import pytest
 
 import shmreplay
 from shmreplay.wire import records as C
+from shmreplay.wire.layout import TableMap
 
 from rawclient import commit, reserve, send_raw
 from conftest import SMALL_FIELDS
@@ -154,6 +155,43 @@ def test_too_large_table_fails_at_create_with_shm_full(daemon, client):
     assert not [n for n in os.listdir("/dev/shm") if "giant" in n]
     client.create_table("t", capacity=10, fields=SMALL_FIELDS)
     assert_still_serving(daemon)
+
+
+
+@pytest.mark.parametrize("capacity, fields", [
+    (10, {"a": ("int64", ()), "big": ("uint8", (2**62,))}),     # was: "internal error" from the daemon
+    (10, {"a": ("int64", ()), "big": ("float32", (2**70,))}),   # was: OverflowError in the client
+    (2**32 - 1, {"a": ("int64", ()), "big": ("float64", (2**20,))}),  # 2**55 bytes of rows
+])
+def test_sizes_no_segment_could_hold_are_schema_errors(daemon, client, capacity, fields):
+    with pytest.raises(shmreplay.SchemaError, match=r"table 'huge': field 'big' .* at most 2\*\*47"):
+        client.create_table("huge", capacity=capacity, fields=fields)
+    assert "huge" not in client.list_tables()
+
+
+def test_the_daemon_refuses_sizes_no_segment_could_hold(daemon, client):
+    """A definition that skips the client's checks gets the same answer."""
+    spec = {"name": "huge", "capacity": 10, "fields": [["big", "|u1", [2**62]]]}
+    with pytest.raises(shmreplay.SchemaError, match="field 'big'"):
+        client._request("create_table", spec=spec, exist_ok=False)
+    client.create_table("t", capacity=10, fields=SMALL_FIELDS)
+    assert_still_serving(daemon)
+
+
+def test_a_truncated_table_segment_is_a_layout_error(start_daemon):
+    d = start_daemon(tables=[{"name": "t", "capacity": 100, "fields": SMALL_FIELDS}])
+    with d.connect() as c:
+        spec = c.table("t").spec
+    d.crash()
+    path = f"/dev/shm/shmreplay.{d.instance}.t.t"
+    size = os.path.getsize(path)
+    os.truncate(path, 0)
+    with pytest.raises(shmreplay.LayoutError, match=f"is 0 bytes, expected {size}"):
+        TableMap.attach(path[len("/dev/shm"):], spec)  # as a client's handle attaches it
+    with pytest.raises(RuntimeError, match="is 0 bytes"):  # the next daemon will not adopt it
+        d.start()
+    os.unlink(path)
+    d.start()  # the table starts empty, as the config says
 
 
 def test_bad_sample_arguments(table):

@@ -16,7 +16,10 @@ With ``connect(..., reconnect=True)`` a call that finds the daemon gone
 waits up to ``reconnect_timeout`` s for it to come back, reopens every
 table, voids every lease, and runs again once (``retry.py``); the first
 ``flush()`` after that raises ``DaemonUnavailable`` if inserts or a
-writer's open items from before the restart may be lost.
+writer's open items from before the restart may be lost, however the
+restart was noticed.  ``close()`` raises it too, once everything is closed,
+so a client that ends without a last ``flush()`` is told as well (but a
+``with`` block that ends by an exception lets that exception go on).
 
 Waiting.  ``insert``/``insert_batch``/``sample`` wait while the table's
 limits hold them (rate limiter, min_size_to_sample, reuse limits), as
@@ -29,15 +32,14 @@ happens in the daemon, so it costs no CPU here (``pipe.in_slices``).
 from __future__ import annotations
 
 import os
-import time
 
-from ..errors import DaemonUnavailable, ReplayError, ReplayTimeout, UnknownTable
+from ..errors import DaemonUnavailable, ReplayError
 from ..schema import make_spec
 from ..wire import records as R
 from ..wire.names import client_socket_path
 from .link import ControlLink
 from .pipe import CommandPipe, deadline_of, in_slices
-from .retry import retried, with_retries
+from .retry import report_loss, retried, with_retries
 from .table import ReconnectingTable, Table
 
 DEFAULT_TIMEOUT = 30.0
@@ -51,6 +53,10 @@ def connect(path: str | None = None, timeout: float = DEFAULT_TIMEOUT, reconnect
 
 
 class Client:
+    """A lease with the daemon; made by ``connect``.  See *Durability*
+    above for what ``flush()`` and ``close()`` vouch for, and when they
+    raise DaemonUnavailable instead."""
+
     def __new__(cls, path: str, timeout: float = DEFAULT_TIMEOUT, reconnect: bool = False,
                 reconnect_timeout: float = 60.0):
         if reconnect and cls is Client:
@@ -114,48 +120,32 @@ class Client:
             self._pipe.close()
             self._link = self._pipe = None
 
-    def _reconnect(self) -> None:
-        """Open a new lease, waiting up to reconnect_timeout for a daemon,
-        and rebind every table handle to what the daemon serves now."""
-        self._abandon()
-        lost = [t._forget_connection() for t in self._tables.values()]
-        self._lost = self._lost or self._dirty or any(lost)
-        deadline = time.monotonic() + self.reconnect_timeout
-        while True:
-            try:
-                self._open()
-                break
-            except (DaemonUnavailable, ReplayTimeout) as exc:
-                if time.monotonic() > deadline:
-                    raise DaemonUnavailable(f"no daemon came back at {self.path} within "
-                                            f"{self.reconnect_timeout} s: {exc}") from None
-                time.sleep(0.1)
-        self.reconnects += 1
-        for name, t in list(self._tables.items()):
-            try:
-                t._rebind(self._link.request("open_table", name=name)["table"])
-            except UnknownTable:
-                t.id = 0  # no table has id 0: the handle's next call raises UnknownTable
-                del self._tables[name]
-
     def close(self) -> None:
-        """Wait until my inserts are applied (bounded), then end the lease."""
+        """Wait until my inserts are applied (bounded), then end the lease;
+        then, like ``flush()``, raise DaemonUnavailable if inserts made before
+        a daemon restart may be lost (no other error of that flush is raised)."""
         if self._closed or self._link is None or self._pid != os.getpid():
             self._closed = True
             return
+        failed = None
         try:
-            self.flush()
-        except ReplayError:
-            pass
+            self._flush()
+        except ReplayError as exc:
+            failed = exc
         finally:
             self._closed = True
             self._abandon()
+        report_loss(self, failed)  # a quiet close would vouch for them
 
     def __enter__(self) -> "Client":
         return self
 
-    def __exit__(self, *exc) -> None:
-        self.close()
+    def __exit__(self, exc_type, *_) -> None:
+        try:
+            self.close()
+        except DaemonUnavailable:
+            if exc_type is None:  # else the block's own error goes on: it vouched for nothing
+                raise
 
     def _begin(self) -> None:
         """Prologue of data calls: fork check, replies that arrived, deferred errors."""
@@ -282,11 +272,7 @@ class Client:
         counts.  After a daemon restart, raises DaemonUnavailable once if
         inserts made before it may be lost."""
         self._flush()
-        if self._lost:  # outside the retried call: a second reconnect cannot hide it
-            self._lost = False
-            raise DaemonUnavailable(
-                "the daemon was restarted since the last flush; inserts made before the restart "
-                "may be lost (those since are applied)")
+        report_loss(self)  # outside the retried call: a second reconnect cannot hide it
 
     @retried
     def _flush(self) -> None:

@@ -30,6 +30,7 @@ from __future__ import annotations
 from ..errors import DaemonUnavailable, ReplayError
 from ..wire import records as R
 from .pipe import in_slices
+from .retry import reconnect
 
 
 class SlotLease:
@@ -77,7 +78,7 @@ class SlotLease:
             cl = self.table._client
             if not cl.reconnect or cl._closed:
                 raise
-            cl._reconnect()
+            reconnect(cl)
             return fn(*args)
 
     # ---- reserving ----

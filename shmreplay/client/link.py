@@ -10,10 +10,11 @@ call.  One thread at a time (the ``Client``'s).
 
 from __future__ import annotations
 
+import os
 import select
 import socket
 
-from ..errors import DaemonUnavailable, ProtocolError, ReplayTimeout
+from ..errors import DaemonUnavailable, PermissionDenied, ProtocolError, ReplayTimeout
 from ..wire.control import PROTOCOL_VERSION, ClientConnection
 
 
@@ -31,6 +32,11 @@ class ControlLink:
             raise DaemonUnavailable(
                 f"no shmreplay daemon at {path} ({exc.strerror}); start shmreplayd or "
                 "set $SHMREPLAY_SOCKET") from None
+        except PermissionError as exc:  # the socket's (or a directory's) mode keeps us out
+            sock.close()
+            raise PermissionDenied(
+                f"user {os.getuid()} may not open the socket {path} ({exc.strerror}); the daemon's "
+                "segment_mode and group decide who may connect") from None
         except socket.timeout:
             sock.close()
             raise ReplayTimeout(f"connecting to {path} timed out after {timeout} s") from None

@@ -38,6 +38,7 @@ path as a table adopted after a crash (``recovery.rebuild``).
 from __future__ import annotations
 
 import collections
+import math
 import os
 import time
 import zlib
@@ -284,42 +285,81 @@ class Checkpoint:
 
 
 def load(path: str) -> Checkpoint:
-    """Read and verify a checkpoint (format, version, sizes, CRCs)."""
-    if not os.path.exists(os.path.join(path, "DONE")):
-        raise LayoutError(f"checkpoint {path} is incomplete (no DONE marker)")
-    with open(os.path.join(path, "meta.msgpack"), "rb") as f:
-        raw = f.read()
-    with open(os.path.join(path, "DONE")) as f:
-        if f.read().strip() != str(zlib.crc32(raw)):
-            raise LayoutError(f"checkpoint {path}: meta.msgpack does not match its DONE marker")
+    """Read and verify a checkpoint.  Whatever is wrong with it (a file
+    missing, short, unreadable or failing its CRC, bytes that do not
+    decode, another format or layout version, a meta that does not describe
+    the arrays of its own table) is a LayoutError naming the directory and
+    the fault: the caller then tries the checkpoint before it, so no damage
+    may escape as another exception."""
     try:
-        meta = msgpack.unpackb(raw, raw=False)
-        if meta.get("format") != FORMAT:
-            raise LayoutError(f"{path} is not a shmreplay checkpoint")
-        if meta.get("format_version") != FORMAT_VERSION:
-            raise LayoutError(f"checkpoint {path} has format version {meta.get('format_version')}, "
-                              f"this build reads version {FORMAT_VERSION}")
-        spec = spec_from_wire(meta["spec"])
+        return _load(path)
     except LayoutError:
         raise
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise LayoutError(f"checkpoint {path} is damaged: {type(exc).__name__}: {exc}") from exc
+
+
+def _read(path: str, name: str) -> bytes:
+    try:
+        with open(os.path.join(path, name), "rb") as f:
+            return f.read()
+    except FileNotFoundError:
+        raise LayoutError(f"checkpoint {path}: {name} is missing") from None
+
+
+def _load(path: str) -> Checkpoint:
+    done = _read(path, "DONE")  # bytes: a damaged marker must not fail to decode
+    raw = _read(path, "meta.msgpack")
+    if done.strip() != str(zlib.crc32(raw)).encode():
+        raise LayoutError(f"checkpoint {path}: meta.msgpack does not match its DONE marker "
+                          f"(DONE holds {done[:24]!r})")
+    try:
+        meta = msgpack.unpackb(raw, raw=False)
+        spec = spec_from_wire(meta["spec"])
     except Exception as exc:
         raise LayoutError(f"checkpoint {path} has an unreadable meta.msgpack: {exc}") from exc
+    if meta.get("format") != FORMAT:
+        raise LayoutError(f"{path} is not a shmreplay checkpoint")
+    for key, want in (("format_version", FORMAT_VERSION), ("layout_version", LAYOUT_VERSION)):
+        if meta.get(key) != want:  # the arrays mean what this version's segment means
+            raise LayoutError(f"checkpoint {path} has {key.replace('_', ' ')} {meta.get(key)}, "
+                              f"this build reads version {want}")
+    files, counters = meta["files"], meta["counters"]
+    n = int(files["slots"]["shape"][0])
+    want = {"slots": (np.int64, (n,)), "gens": (np.uint32, (spec.capacity,)),
+            "prios": (np.float64, (n,)), "times": (np.uint32, (n,)), "seqno": (np.uint64, (n,)),
+            "valid": (np.uint8, (n,))}
+    want.update({f"f.{f.name}": (f.dtype, (n, *f.shape)) for f in spec.fields})
+    if set(files) != set(want) or not all(isinstance(counters[k], int) for k in
+                                          ("inserts", "samples", "deletes", "epoch")):
+        raise LayoutError(f"checkpoint {path}: meta.msgpack lists files {sorted(files)} and "
+                          f"counters {counters}, not those of table {spec.name!r}")
     arrays = {}
-    for name, d in meta["files"].items():
-        fpath = os.path.join(path, f"{name}.bin")
-        if os.path.getsize(fpath) != d["bytes"]:
-            raise LayoutError(f"checkpoint {path}: {name}.bin is {os.path.getsize(fpath)} bytes, "
-                              f"expected {d['bytes']}")
-        a = (np.memmap(fpath, dtype=np.dtype(d["dtype"]), mode="r", shape=tuple(d["shape"]))
-             if d["bytes"] else np.empty(tuple(d["shape"]), np.dtype(d["dtype"])))
-        flat = np.ascontiguousarray(a).view(np.uint8).reshape(-1)
-        crc = 0
-        for lo in range(0, flat.shape[0], CHUNK_BYTES):
-            crc = zlib.crc32(flat[lo:lo + CHUNK_BYTES], crc)
-        if crc != d["crc32"]:
-            raise LayoutError(f"checkpoint {path}: {name}.bin fails its CRC-32 check")
-        arrays[name] = a
-    return Checkpoint(path, spec, meta["counters"], arrays)
+    for name, (dtype, shape) in want.items():
+        d = files[name]
+        if np.dtype(d["dtype"]) != np.dtype(dtype) or tuple(d["shape"]) != shape:
+            raise LayoutError(f"checkpoint {path}: {name}.bin is described as {d['dtype']} "
+                              f"{d['shape']}, table {spec.name!r} needs {np.dtype(dtype).str} {shape}")
+        arrays[name] = _array(path, name, np.dtype(dtype), shape, d)
+    return Checkpoint(path, spec, counters, arrays)
+
+
+def _array(path: str, name: str, dtype: np.dtype, shape: tuple, d: dict) -> np.ndarray:
+    """One array file, memory-mapped once its size and CRC-32 are checked."""
+    fpath = os.path.join(path, f"{name}.bin")
+    if not os.path.exists(fpath):
+        raise LayoutError(f"checkpoint {path}: {name}.bin is missing")
+    size, nbytes = os.path.getsize(fpath), dtype.itemsize * math.prod(shape)
+    if size != nbytes or d["bytes"] != nbytes:
+        raise LayoutError(f"checkpoint {path}: {name}.bin is {size} bytes, expected {nbytes}")
+    a = np.memmap(fpath, dtype=dtype, mode="r", shape=shape) if nbytes else np.empty(shape, dtype)
+    flat = np.ascontiguousarray(a).view(np.uint8).reshape(-1)
+    crc = 0
+    for lo in range(0, flat.shape[0], CHUNK_BYTES):
+        crc = zlib.crc32(flat[lo:lo + CHUNK_BYTES], crc)
+    if crc != d["crc32"]:
+        raise LayoutError(f"checkpoint {path}: {name}.bin fails its CRC-32 check")
+    return a
 
 
 def restore(ck: Checkpoint, tmap: TableMap) -> int:

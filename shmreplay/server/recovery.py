@@ -131,15 +131,15 @@ async def open_tables(srv, restore_dir: str | None) -> None:
         if tname in have:
             continue
         if tname in saved:
-            await restore_newest(srv, saved[tname], declared.get(tname))
+            await restore_newest(srv, tname, saved[tname], declared.get(tname))
         else:
             await srv.add_table(declared[tname])
 
 
-async def restore_newest(srv, paths: list[str], expected) -> dict:
-    """Restore the newest checkpoint that loads; a damaged one (CRC, size,
-    version) is logged and the one before it tried.  If none loads the
-    daemon does not start: starting empty would hide the loss."""
+async def restore_newest(srv, table: str, paths: list[str], expected) -> dict:
+    """Restore the newest checkpoint that loads; a damaged one (any fault
+    ``checkpoint.load`` finds) is logged and the one before it tried.  If
+    none loads the daemon does not start: starting empty would hide the loss."""
     errors = []
     for path in reversed(paths):
         try:
@@ -147,7 +147,9 @@ async def restore_newest(srv, paths: list[str], expected) -> dict:
         except LayoutError as exc:
             log.error("checkpoint %s cannot be restored: %s", path, exc)
             errors.append(str(exc))
-    raise LayoutError("no checkpoint of the table could be restored: " + "; ".join(errors))
+    raise LayoutError(f"no checkpoint of table {table!r} could be restored, so the daemon does not "
+                      "start it empty (that would hide the loss); repair the checkpoints or move "
+                      "them away: " + "; ".join(errors))
 
 
 async def restore_table(srv, path: str, expected=None) -> dict:

@@ -292,7 +292,8 @@ class TableMap:
     @classmethod
     def attach(cls, name: str, expected: TableSpec | None = None) -> "TableMap":
         """Client: the meta segment read-only, the rows read-write."""
-        meta = Segment.attach(name, read_only=True)
+        meta = Segment.attach(name, None if expected is None else TableLayout(expected).size,
+                              read_only=True)
         try:
             rows = Segment.attach(rows_name(name))
         except BaseException:

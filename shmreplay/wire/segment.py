@@ -106,10 +106,9 @@ class Segment:
             raise LayoutError(f"shared-memory segment {name} does not exist") from exc
         try:
             size = shm.size
-            if expected_size is not None and size != expected_size:
-                raise LayoutError(f"segment {name} is {size} bytes, expected {expected_size}")
-            if size == 0:
-                raise LayoutError(f"segment {name} is empty (truncated?)")
+            if size == 0 or (expected_size is not None and size != expected_size):  # 0: truncated
+                raise LayoutError(f"segment {name} is {size} bytes, expected "
+                                  f"{'a nonzero size' if expected_size is None else expected_size}")
             mm = mmap.mmap(shm.fd, size, prot=mmap.PROT_READ if read_only else
                            mmap.PROT_READ | mmap.PROT_WRITE)
         finally:

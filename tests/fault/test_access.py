@@ -91,7 +91,9 @@ def map_segment(name):
 
 
 def test_a_stranger_is_refused_and_cannot_map_segments(daemon, users):
-    with pytest.raises(PermissionError):  # the socket's mode keeps it out first
+    # the socket's mode keeps it out first
+    with pytest.raises(shmreplay.PermissionDenied,
+                       match=f"user {users[STRANGER][0]} may not open the socket {daemon.socket}"):
         as_user(users[STRANGER], connect_only, daemon.socket)
     with pytest.raises(PermissionError):
         as_user(users[STRANGER], map_segment, f"shmreplay.{daemon.instance}.t.t")

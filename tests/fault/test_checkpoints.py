@@ -79,18 +79,33 @@ def test_round_trip_is_bit_exact(start_daemon, tmp_path):
         assert len(c.table("per").sample(64)) == 64
 
 
-def rewrite(path, name, fn):
-    """Change one array file of a checkpoint and re-seal it (CRC, DONE), as a
-    checkpoint written that way would be."""
+def reseal(path, fn):
+    """Change a checkpoint's meta with ``fn(meta)`` and seal it again (DONE),
+    as a checkpoint written that way would be."""
     meta = msgpack.unpackb(open(os.path.join(path, "meta.msgpack"), "rb").read(), raw=False)
-    d = meta["files"][name]
-    a = np.fromfile(os.path.join(path, f"{name}.bin"), dtype=np.dtype(d["dtype"])).reshape(d["shape"])
-    a = fn(a)
-    a.tofile(os.path.join(path, f"{name}.bin"))
-    d["crc32"] = zlib.crc32(a.tobytes())
+    fn(meta)
     raw = msgpack.packb(meta, use_bin_type=True)
     open(os.path.join(path, "meta.msgpack"), "wb").write(raw)
     open(os.path.join(path, "DONE"), "w").write(f"{zlib.crc32(raw)}\n")
+
+
+def rewrite(path, name, fn):
+    """Change one array file of a checkpoint and re-seal it (CRC, DONE)."""
+    def change(meta):
+        d = meta["files"][name]
+        a = np.fromfile(os.path.join(path, f"{name}.bin"), dtype=np.dtype(d["dtype"]))
+        a = fn(a.reshape(d["shape"]))
+        a.tofile(os.path.join(path, f"{name}.bin"))
+        d["crc32"] = zlib.crc32(a.tobytes())
+    reseal(path, change)
+
+
+def flip_byte(path, at=7):
+    with open(path, "r+b") as f:
+        f.seek(at)
+        byte = f.read(1)
+        f.seek(at)
+        f.write(bytes([byte[0] ^ 0x40]))
 
 
 def test_damaged_and_incomplete_checkpoints_are_never_restored(start_daemon, tmp_path):
@@ -106,11 +121,7 @@ def test_damaged_and_incomplete_checkpoints_are_never_restored(start_daemon, tmp
         newest = c.checkpoint(ck, "per")[0]["path"]
     # a newer checkpoint that never got its DONE marker, and a flipped byte
     os.makedirs(os.path.join(ck, "per@29991231T000000.000000000Z"))
-    with open(os.path.join(newest, "f.obs.bin"), "r+b") as f:
-        f.seek(7)
-        byte = f.read(1)
-        f.seek(7)
-        f.write(bytes([byte[0] ^ 0x40]))
+    flip_byte(os.path.join(newest, "f.obs.bin"))
     assert d.stop() == 0
     d.start(["--restore", ck])
     with d.connect() as c:
@@ -121,9 +132,49 @@ def test_damaged_and_incomplete_checkpoints_are_never_restored(start_daemon, tmp
         with open(os.path.join(path, "DONE"), "w") as f:
             f.write("0\n")
     assert d.stop() == 0
-    with pytest.raises(RuntimeError, match="no checkpoint of the table could be restored"):
+    with pytest.raises(RuntimeError, match="no checkpoint of table 'per' could be restored"):
         d.start(["--restore", ck])
     d.start()  # without --restore: a fresh, empty table
+
+
+
+def _truncate(path):
+    os.truncate(path, os.path.getsize(path) // 2)
+
+
+DAMAGE = {  # what can happen to the newest checkpoint on disk after it was sealed
+    "non-UTF-8 byte in DONE": lambda p: open(os.path.join(p, "DONE"), "wb").write(b"\xff12\n"),
+    "prios.bin missing": lambda p: os.unlink(os.path.join(p, "prios.bin")),
+    "meta.msgpack missing": lambda p: os.unlink(os.path.join(p, "meta.msgpack")),
+    "rows file truncated": lambda p: _truncate(os.path.join(p, "f.obs.bin")),
+    "rows file byte flipped": lambda p: flip_byte(os.path.join(p, "f.vec.bin")),
+    "other format version": lambda p: reseal(p, lambda m: m.update(format_version=99)),
+    "other layout version": lambda p: reseal(p, lambda m: m.update(layout_version=99)),
+}
+
+
+@pytest.mark.parametrize("damage", sorted(DAMAGE))
+def test_any_damage_to_the_newest_checkpoint_falls_back_to_the_older(start_daemon, tmp_path,
+                                                                      damage):
+    ck = str(tmp_path / "ck")
+    d = start_daemon(tables=TABLES[:1])
+    seg = f"/shmreplay.{d.instance}.t.per"
+    with d.connect() as c:
+        t = c.table("per")
+        t.insert_batch(mixed_rows(np.arange(100)), priorities=np.linspace(0.5, 5.0, 100))
+        c.flush()
+        older = c.checkpoint(ck, "per")[0]["path"]
+        held = table_state(seg)  # nothing runs between the checkpoint and this read
+        t.insert_batch(mixed_rows(np.arange(100, 150)))
+        c.flush()
+        newest = c.checkpoint(ck, "per")[0]["path"]
+    assert d.stop() == 0
+    DAMAGE[damage](newest)
+    d.start(["--restore", ck])
+    assert_same(held, table_state(seg))
+    log = d.log()
+    assert f"checkpoint {newest} cannot be restored" in log, log[-2000:]
+    assert f"restored 100 items from {older}" in log
 
 
 def worker(sock, kind, stop, out):

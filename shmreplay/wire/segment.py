@@ -139,7 +139,7 @@ class Segment:
             check_owned(path, os.fstat(fd), mode, gid)
             size = os.fstat(fd).st_size
             if size == 0:
-                raise LayoutError(f"segment {name} is empty (truncated?)")
+                raise LayoutError(f"segment {name} is 0 bytes, expected a nonzero size (truncated?)")
             mm = mmap.mmap(fd, size)
         except BaseException:
             os.close(fd)

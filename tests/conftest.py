@@ -21,6 +21,7 @@ import time
 import pytest
 
 import shmreplay
+from shmreplay.wire.names import lock_path, runtime_dir
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _counter = itertools.count()
@@ -34,13 +35,19 @@ def remove_entries(instance: str) -> None:
     """Clean up after a daemon the test SIGKILLed on purpose."""
     for n in shm_entries(f"shmreplay.{instance}."):
         os.unlink(os.path.join("/dev/shm", n))
+    try:
+        os.unlink(lock_path(instance))
+    except FileNotFoundError:
+        pass
 
 
 def own_entries() -> set[str]:
-    """What this run made: every name a test uses carries ``test<pid>``
-    followed by a non-digit, so runs side by side never see each other's."""
+    """What this run made, in /dev/shm and the runtime directory (instance
+    locks): every name a test uses carries ``test<pid>`` followed by a
+    non-digit, so runs side by side never see each other's."""
     mine = re.compile(rf"shmreplay\.test{os.getpid()}(?!\d)")
-    return {n for n in os.listdir("/dev/shm") if mine.search(n)}
+    rundir = os.listdir(runtime_dir()) if os.path.isdir(runtime_dir()) else []
+    return {n for n in os.listdir("/dev/shm") + rundir if mine.search(n)}
 
 
 @pytest.fixture(scope="session", autouse=True)

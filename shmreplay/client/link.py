@@ -11,8 +11,10 @@ call.  One thread at a time (the ``Client``'s).
 from __future__ import annotations
 
 import os
+import pwd
 import select
 import socket
+import struct
 
 from ..errors import DaemonUnavailable, PermissionDenied, ProtocolError, ReplayTimeout
 from ..wire.control import PROTOCOL_VERSION, ClientConnection
@@ -40,6 +42,11 @@ class ControlLink:
         except socket.timeout:
             sock.close()
             raise ReplayTimeout(f"connecting to {path} timed out after {timeout} s") from None
+        try:
+            check_daemon(sock, path)
+        except BaseException:
+            sock.close()
+            raise
         self.sock = sock
         self._poll = select.poll()
         self._poll.register(sock.fileno(), select.POLLIN)
@@ -111,3 +118,30 @@ class ControlLink:
 
     def close(self) -> None:
         self.sock.close()
+
+
+ENV_DAEMON_USER = "SHMREPLAY_DAEMON_USER"
+_CRED = struct.Struct("3i")
+
+
+def check_daemon(sock: socket.socket, path: str) -> None:
+    """Refuse, before a byte is sent, a peer that is not this user, root or
+    a daemon user named in $SHMREPLAY_DAEMON_USER (names or uids, comma
+    separated): anyone who took the socket path first could otherwise read
+    every row we insert and feed us theirs."""
+    pid, uid, _ = _CRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _CRED.size))
+    if uid in (os.getuid(), 0) or uid in daemon_uids():
+        return
+    raise PermissionDenied(
+        f"the process answering on {path} (pid {pid}) runs as uid {uid}: not you, not root and not "
+        f"${ENV_DAEMON_USER}; refusing to talk to it (did someone else take the socket path?)")
+
+
+def daemon_uids() -> set[int]:
+    out = set()
+    for word in os.environ.get(ENV_DAEMON_USER, "").replace(",", " ").split():
+        try:
+            out.add(int(word) if word.isdigit() else pwd.getpwnam(word).pw_uid)
+        except KeyError:
+            raise PermissionDenied(f"${ENV_DAEMON_USER} names user {word!r}, who does not exist") from None
+    return out

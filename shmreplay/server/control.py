@@ -15,11 +15,12 @@ import asyncio
 import logging
 import os
 import socket
+import stat
 import time
 
 import posix_ipc
 
-from ..errors import (CapacityError, DaemonUnavailable, PermissionDenied, ProtocolError,
+from ..errors import (CapacityError, DaemonUnavailable, ForeignObject, PermissionDenied, ProtocolError,
                       ReplayError, TableExists, UnknownTable)
 from ..schema import check_table_name, spec_from_wire
 from ..wire import control as protocol
@@ -365,10 +366,20 @@ class ControlConnection(asyncio.Protocol):
 
 
 def _claim_socket_path(path: str) -> None:
-    """Remove a stale socket file; refuse if a live daemon answers on it."""
-    if not os.path.exists(path):
-        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    """Check the socket's directory is one only this user (or root) can
+    write (``names.secure_dir``; created 0700 if missing), then remove a
+    stale socket; refuse if a live daemon answers on it, or if the name is
+    not a socket."""
+    directory = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(directory):
+        os.makedirs(os.path.dirname(directory), exist_ok=True)
+    names.secure_dir(directory)
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
         return
+    if not stat.S_ISSOCK(st.st_mode):
+        raise ForeignObject(f"socket path {path} exists and is not a socket; not touching it")
     probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     probe.settimeout(1.0)
     try:

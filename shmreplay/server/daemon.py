@@ -124,13 +124,10 @@ class Daemon:
             log.info("shared-memory huge pages are %r: learners gather large rows ~30%% slower; "
                      "echo advise > /sys/kernel/mm/transparent_hugepage/shmem_enabled", mode)
         cfg = self.cfg
-        self.lock = ownership.InstanceLock.acquire(cfg.instance, cfg.segment_mode, cfg.gid)
-        stale = [n for n in ownership.scan().get(cfg.instance, [])
-                 if not names.is_table(n) and not n.endswith(".lock")]
-        for n in stale:  # we hold the lock: their daemon is dead
-            os.unlink(os.path.join(names.SHM_DIR, n))
+        self.lock = ownership.InstanceLock.acquire(cfg.instance)
+        stale = ownership.remove_dead_channels(cfg.instance)  # we hold the lock: their daemon is dead
         if stale:
-            log.info("removed %d channel(s) and doorbell(s) of a dead daemon", len(stale))
+            log.info("removed %d channel(s) and doorbell(s) of a dead daemon", stale)
         self.doorbell = create_semaphore(names.doorbell(cfg.instance, os.getpid()), cfg.segment_mode,
                                          (-1, cfg.gid))
         self.engine = Engine(self.doorbell, cfg.spin_us, cfg.idle_timeout_s)

@@ -1,7 +1,8 @@
 """Who owns the shared objects of an instance, and removing those of dead owners.
 
-Every object a daemon makes lives in /dev/shm under its instance name
-(``wire.names`` lists them).  A daemon holds an exclusive ``flock`` on the instance lock from before it
+Every shared object a daemon makes lives in /dev/shm under its instance
+name, and its instance lock in its runtime directory (``wire.names`` lists
+them).  A daemon holds an exclusive ``flock`` on the instance lock from before it
 makes or adopts anything until after it removed everything.  The kernel
 drops the lock when the process dies, however it dies, so "the lock can be
 taken" is exactly "no live daemon serves this instance": no pid files that
@@ -19,14 +20,16 @@ from __future__ import annotations
 import errno
 import fcntl
 import os
+import stat
 import time
 from dataclasses import dataclass
 
 import numpy as np
 
-from ..errors import ReplayError
+from ..errors import ForeignObject, ReplayError
 from ..wire.layout import HEADER, MAGIC, process_start
-from ..wire.names import PREFIX, SHM_DIR, instance_of, is_table, lock_path, pid_in_name
+from ..wire.names import SHM_DIR, instance_of, is_table, lock_path, pid_in_name, secure_dir
+from ..wire.segment import check_owned
 
 
 class InstanceLock:
@@ -39,12 +42,24 @@ class InstanceLock:
         self.path = path
 
     @classmethod
-    def acquire(cls, instance: str, mode: int = 0o660, gid: int = -1,
-                wait_s: float = 2.0) -> "InstanceLock":
+    def acquire(cls, instance: str, wait_s: float = 2.0) -> "InstanceLock":
+        """The lock file lives in the runtime directory (``names.secure_dir``
+        checks only this user can write it) and is opened without following
+        a symlink and checked to be this user's, so nobody can plant one."""
         path = lock_path(instance)
+        secure_dir(os.path.dirname(path))
         deadline = time.monotonic() + wait_s
         while True:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, mode)
+            try:
+                fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK
+                             | os.O_CLOEXEC, 0o600)
+            except OSError as exc:
+                raise ForeignObject(f"cannot open the instance lock {path}: {exc.strerror}") from None
+            try:
+                check_owned(path, os.fstat(fd), 0o600)
+            except BaseException:
+                os.close(fd)
+                raise
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
@@ -68,8 +83,6 @@ class InstanceLock:
             os.close(fd)
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"{os.getpid()} {process_start(os.getpid())}\n".encode(), 0)
-        os.fchmod(fd, mode)
-        os.fchown(fd, -1, gid)
         return cls(instance, fd, path)
 
     def release(self) -> None:
@@ -79,6 +92,13 @@ class InstanceLock:
         except FileNotFoundError:
             pass
         os.close(self.fd)
+
+
+def _unlink_quiet(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
 
 
 def _read_owner(fd: int) -> tuple[int, int]:
@@ -114,6 +134,24 @@ def scan(shm_dir: str = SHM_DIR) -> dict[str, list[str]]:
     return out
 
 
+def remove_dead_channels(instance: str, shm_dir: str = SHM_DIR) -> int:
+    """With the instance lock held: remove the channels and doorbells a dead
+    daemon of this instance left.  Only regular files of this user: a name
+    someone else planted is none of ours to remove (or follow)."""
+    n = 0
+    for name in scan(shm_dir).get(instance, []):
+        path = os.path.join(shm_dir, name)
+        try:
+            st = os.lstat(path)
+        except FileNotFoundError:
+            continue
+        if is_table(name) or st.st_uid != os.geteuid() or not stat.S_ISREG(st.st_mode):
+            continue
+        os.unlink(path)
+        n += 1
+    return n
+
+
 def _object_owner(name: str) -> tuple[int, int]:
     """(pid, start) named by an object without an instance lock: the pid in
     a channel's or doorbell's name, the owner in a table's header."""
@@ -141,27 +179,24 @@ def cleanup(dry_run: bool = False, keep_tables: bool = False, only: str | None =
     for inst, names in scan(shm_dir).items():
         if only is not None and inst != only:
             continue
-        lock = f"{PREFIX}{inst}.lock"
+        lock = lock_path(inst)
         fd = None
-        if lock in names:
-            try:
-                fd = os.open(os.path.join(shm_dir, lock), os.O_RDWR | os.O_CLOEXEC)
-            except FileNotFoundError:
-                fd = None
-            if fd is not None:
-                try:
-                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                except BlockingIOError:
-                    reports.append(StaleReport(inst, _read_owner(fd)[0], names))
-                    os.close(fd)
-                    continue
         try:
-            stale = [n for n in names if n != lock
-                     and (fd is not None or not _alive(*_object_owner(n)))
+            fd = os.open(lock, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError:
+            fd = None  # no lock (or not ours to take): decide by the owners' pids
+        if fd is not None:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                reports.append(StaleReport(inst, _read_owner(fd)[0], names))
+                os.close(fd)
+                continue
+        try:
+            stale = [n for n in names
+                     if (fd is not None or not _alive(*_object_owner(n)))
                      and not (keep_tables and is_table(n))]
-            if fd is not None:
-                stale.append(lock)  # last, while we hold it
-            elif fd is None and len(stale) < len(names):
+            if fd is None and len(stale) < len(names):
                 live = [n for n in names if n not in stale and not (keep_tables and is_table(n))]
                 if live:
                     reports.append(StaleReport(inst, _object_owner(live[0])[0], live))
@@ -174,6 +209,8 @@ def cleanup(dry_run: bool = False, keep_tables: bool = False, only: str | None =
                     except OSError as exc:
                         if exc.errno != errno.ENOENT:
                             raise
+                if fd is not None:  # last, while we hold it
+                    _unlink_quiet(lock)
         finally:
             if fd is not None:
                 os.close(fd)

@@ -13,6 +13,10 @@ daemon: SIGKILL, OOM kill, or a shutdown with ``retain_tables``):
 * if the config declares a table of that name, the schema must be the
   same; a different one is an error, never a silent reformat;
 * its owner (pid and start time in the header) must be dead;
+* both segments must be regular files of the daemon's user with the modes
+  it gives them, opened without following a symlink (anyone may create a
+  name in /dev/shm first): a planted table is logged and left alone, and
+  if the config names it the daemon does not start;
 
 then the ``Table`` is rebuilt from it (``rebuild``): every committed item
 stays, with its priority, times sampled and commit order; slots that were
@@ -30,7 +34,7 @@ import time
 
 import numpy as np
 
-from ..errors import LayoutError, ReplayError
+from ..errors import ForeignObject, LayoutError, ReplayError
 from ..wire import names
 from ..wire.layout import COMMITTED, FREE, HELD, RESERVED, TableMap, process_start
 from . import checkpoint, ownership
@@ -119,8 +123,12 @@ async def open_tables(srv, restore_dir: str | None) -> None:
     declared = {spec.name: spec for spec in cfg.tables}
     for tname, seg in table_segments(cfg.instance).items():
         t0 = time.monotonic()
-        tmap = await srv.loop.run_in_executor(None, adopt, seg, cfg.segment_mode, cfg.gid,
-                                              declared.get(tname))
+        try:
+            tmap = await srv.loop.run_in_executor(None, adopt, seg, cfg.segment_mode, cfg.gid,
+                                                  declared.get(tname))
+        except ForeignObject as exc:  # planted: never opened beyond an fstat, never removed
+            log.error("table %s: %s", tname, exc)
+            continue
         table = await srv.add_table(tmap.spec, tmap=tmap, recover=True)
         srv.adopted.add(tname)
         log.info("table %s: adopted %s from a dead daemon: %d items (%.2f s)", tname, seg,

@@ -1,18 +1,26 @@
 """Names both sides agree on: the control socket's path and every shared object.
 
-Every object a daemon makes lives in /dev/shm under its instance name::
+Every shared-memory object a daemon makes lives in /dev/shm under its
+instance name::
 
-    shmreplay.<instance>.lock               the instance lock (server/ownership.py)
     shmreplay.<instance>.t.<table>          a table's meta segment (kept across restarts)
     shmreplay.<instance>.r.<table>          its rows segment
     shmreplay.<instance>.<pid>.c<n>         a client channel (unlinked once attached)
     sem.shmreplay.<instance>.<pid>.c<n>.s   its semaphore
     sem.shmreplay.<instance>.<pid>.bell     the daemon's doorbell
 
+The instance lock and the default socket live in the user's runtime
+directory (``runtime_dir()``), which only that user (or root) can write:
+anyone may create a name in /dev/shm or /tmp first, so nothing the daemon
+must trust lives there under a guessable name.
+
+    <runtime dir>/shmreplay.<instance>.lock  the instance lock (server/ownership.py)
+    <runtime dir>/shmreplay.sock             the default control socket
+
 Socket path: a daemon takes ``--socket``, its config's ``daemon.socket``,
 ``$SHMREPLAY_SOCKET``, then ``default_socket_path()``; a client takes its
 ``path`` argument, ``$SHMREPLAY_SOCKET``, then the same default, so a daemon
-and a client started with no configuration always meet.
+and a client of one user started with no configuration always meet.
 
 Pure functions; any thread.
 """
@@ -20,14 +28,60 @@ Pure functions; any thread.
 from __future__ import annotations
 
 import os
+import stat
+
+from ..errors import ForeignObject, ReplayError
 
 ENV_SOCKET = "SHMREPLAY_SOCKET"
 SHM_DIR = "/dev/shm"
 PREFIX = "shmreplay."
 
 
+def runtime_dir() -> str:
+    """systemd's ``$RUNTIME_DIRECTORY`` (the unit's RuntimeDirectory=), else
+    ``$XDG_RUNTIME_DIR/shmreplay``, else /run/shmreplay for root, else
+    /tmp/shmreplay-<uid> (which ``secure_dir`` then checks is this user's)."""
+    d = os.environ.get("RUNTIME_DIRECTORY")
+    if d:
+        return d.split(":")[0]
+    x = os.environ.get("XDG_RUNTIME_DIR")
+    if x:
+        return os.path.join(x, "shmreplay")
+    return "/run/shmreplay" if os.geteuid() == 0 else f"/tmp/shmreplay-{os.getuid()}"
+
+
+def secure_dir(path: str, create: bool = True) -> str:
+    """Return ``path`` once it is a real directory (no symlink) owned by
+    this user or root that no one else can write; create it 0700 if it is
+    missing.  Raises ForeignObject naming what is wrong."""
+    if create:
+        try:
+            os.mkdir(path, 0o700)
+        except FileExistsError:
+            pass
+        except OSError as exc:
+            raise ReplayError(f"cannot create directory {path}: {exc.strerror}") from None
+    try:
+        st = os.lstat(path)
+    except OSError as exc:
+        raise ReplayError(f"directory {path}: {exc.strerror}") from None
+    problems = []
+    if not stat.S_ISDIR(st.st_mode):
+        problems.append("not a directory (a symlink?)")
+    if st.st_uid not in (os.geteuid(), 0):
+        problems.append(f"owned by uid {st.st_uid}")
+    if st.st_mode & 0o022:
+        problems.append(f"writable by others (mode {stat.S_IMODE(st.st_mode):04o})")
+    if problems:
+        raise ForeignObject(
+            f"{path} is not a safe place for a lock or socket: {', '.join(problems)}; "
+            "anyone who can write there could take the name first.  Use a directory only "
+            "this user can write ($XDG_RUNTIME_DIR, or RuntimeDirectory= in the unit)")
+    return path
+
+
 def default_socket_path() -> str:
-    return f"/tmp/shmreplay-{os.getuid()}.sock"
+    return os.path.join(runtime_dir(), "shmreplay.sock")
 
 
 def client_socket_path(path: str | None = None) -> str:
@@ -52,7 +106,7 @@ def doorbell(instance: str, daemon_pid: int) -> str:
 
 
 def lock_path(instance: str) -> str:
-    return os.path.join(SHM_DIR, f"{PREFIX}{instance}.lock")
+    return os.path.join(runtime_dir(), f"{PREFIX}{instance}.lock")
 
 
 def instance_of(name: str) -> str | None:

@@ -66,6 +66,12 @@ class Segment:
         try:
             shm = posix_ipc.SharedMemory(name, posix_ipc.O_CREX, mode=mode, size=0)
         except posix_ipc.ExistentialError as exc:
+            try:
+                st = os.lstat(SHM_DIR + name)
+            except OSError:
+                st = None
+            if st is not None and (st.st_uid != os.geteuid() or not stat.S_ISREG(st.st_mode)):
+                check_owned(SHM_DIR + name, st, stat.S_IMODE(st.st_mode))  # raises, naming the owner
             raise ReplayError(
                 f"shared-memory segment {name} exists already: another daemon uses it, "
                 f"or a dead one left it behind (remove it with rm /dev/shm{name})"

@@ -1,11 +1,14 @@
 """Promise 4: ``shmreplay cleanup`` removes what dead daemons left and
 never touches a live daemon's objects."""
 
+import os
 import subprocess
 import sys
 
 import numpy as np
 import posix_ipc
+
+from shmreplay.wire.names import lock_path
 
 from conftest import shm_entries
 from faults import FIELDS, rows
@@ -28,7 +31,8 @@ def test_cleanup_removes_only_what_dead_daemons_left(start_daemon):
         c.flush()
     dead.crash()
     left = shm_entries(f"shmreplay.{dead.instance}.")
-    assert len(left) == 4  # lock, table (meta and rows), doorbell
+    assert len(left) == 3  # table (meta and rows), doorbell
+    assert os.path.exists(lock_path(dead.instance))  # in the runtime directory
     # an object of an instance with no lock whose creator pid is dead
     orphan = f"/shmreplay.{dead.instance}z.999999999.c1"
     posix_ipc.SharedMemory(orphan, posix_ipc.O_CREX, size=4096).close_fd()
@@ -37,7 +41,7 @@ def test_cleanup_removes_only_what_dead_daemons_left(start_daemon):
     out = cleanup("--dry-run", "--instance", live.instance)
     assert f"live daemon pid {live.pid}" in out
     out = cleanup("--dry-run", "--instance", dead.instance)
-    assert "would remove 4 object(s)" in out
+    assert "would remove 3 object(s)" in out
     assert shm_entries(f"shmreplay.{dead.instance}.") == left
 
     out = cleanup("--keep-tables", "--instance", dead.instance)
@@ -50,6 +54,7 @@ def test_cleanup_removes_only_what_dead_daemons_left(start_daemon):
     for inst in (live.instance, dead.instance, dead.instance + "z"):
         cleanup("--instance", inst)
     assert shm_entries(f"shmreplay.{dead.instance}.") == set()
+    assert not os.path.exists(lock_path(dead.instance))
     assert shm_entries(f"shmreplay.{dead.instance}z.") == set()
     assert shm_entries(f"shmreplay.{live.instance}.") == mine  # never touched
     with live.connect() as c:

@@ -1,4 +1,4 @@
-"""The SPSC command ring over a real shared-memory segment, across processes."""
+"""The SPSC command ring over a real sealed memfd, across processes."""
 
 import multiprocessing as mp
 import os
@@ -19,8 +19,8 @@ def payload_for(seq: int) -> np.ndarray:
     return ((np.arange(size) + seq) % 251).astype(np.uint8)
 
 
-def produce(name: str) -> None:
-    ch = Channel.attach(name)
+def produce(fd: int) -> None:
+    ch = Channel.attach(fd)
     ring = ch.requests
     for seq in range(1, N_RECORDS + 1):
         p = payload_for(seq)
@@ -39,15 +39,18 @@ def produce(name: str) -> None:
 
 @pytest.fixture
 def channel():
-    name = f"/shmreplay.test{os.getpid()}.chan"
-    ch = Channel.create(name, LAYOUT, os.getpid(), os.getpid())
+    ch = Channel.create(LAYOUT, os.getpid(), os.getpid())
     yield ch
-    ch.seg.unlink()
+    ch.release()
 
 
 def test_records_and_payloads_arrive_in_order_and_intact_across_processes(channel):
-    proc = mp.get_context("fork").Process(target=produce, args=(channel.seg.name,))
+    # the child maps the channel from its own copy of the descriptor, as a
+    # client maps the one the daemon passes it
+    fd = os.dup(channel.fd)
+    proc = mp.get_context("fork").Process(target=produce, args=(fd,))
     proc.start()
+    os.close(fd)
     ring = channel.requests
     seen = 0
     deadline = time.monotonic() + 120
@@ -97,3 +100,11 @@ def test_producer_sees_no_room_until_consumer_frees_it(channel):
     assert ring.pending() == LAYOUT.req_slots
     ring.consume(4, None)
     assert ring.room() == 4
+
+
+def test_a_client_cannot_resize_its_channel_under_the_daemon(channel):
+    """Sealed: shrinking it would make the daemon's next touch a SIGBUS."""
+    for size in (0, channel.layout.size // 2, channel.layout.size * 2):
+        with pytest.raises(PermissionError):
+            os.ftruncate(channel.fd, size)
+    assert os.fstat(channel.fd).st_size == channel.layout.size

@@ -12,6 +12,7 @@ import pytest
 
 import shmreplay
 from conftest import SMALL_FIELDS, shm_entries, write_config
+from shmreplay.wire.names import lock_path
 
 TABLE = {"name": "cfg", "capacity": 100, "sampler": "uniform", "alpha": 0.6,
          "fields": {"obs": ("uint8", (4, 8, 8)), "action": ("int64", ()), "reward": ("float32", ())}}
@@ -41,10 +42,10 @@ def test_sigterm_unlinks_every_segment_and_semaphore(start_daemon):
     c.table("cfg").insert(**row(1))
     c.create_table("extra", capacity=10, fields=SMALL_FIELDS)
     mine = shm_entries(f"shmreplay.{d.instance}.")
-    assert any(".t.cfg" in n for n in mine) and any(".bell" in n for n in mine)
+    assert any(".t.cfg" in n for n in mine) and any(".r.extra" in n for n in mine)
     assert d.stop() == 0
     assert shm_entries(f"shmreplay.{d.instance}.") == set()
-    assert not os.path.exists(d.socket)
+    assert not os.path.exists(d.socket) and not os.path.exists(lock_path(d.instance))
     assert "signal received; shutting down" in d.log()
     c.close()
 

@@ -1,9 +1,7 @@
-"""The engine thread's failure path, in-process with a real semaphore."""
+"""The engine thread's failure path and its thread rules, in-process."""
 
-import os
 import threading
 
-import posix_ipc
 import pytest
 
 import shmreplay
@@ -11,32 +9,27 @@ import shmreplay
 from shmreplay.server.engine import Engine
 
 
-class BreakableBell:
-    """A real doorbell semaphore whose waits start failing on demand (the
-    fault injected: the engine's sleep raising)."""
+def break_sleep(eng: Engine, broken: threading.Event) -> None:
+    """The fault injected: once ``broken`` is set, the engine's sleep raises
+    (outside every per-client guard, as a bug in the engine would)."""
+    sleep = eng.idler.sleep
 
-    def __init__(self):
-        self.sem = posix_ipc.Semaphore(f"/shmreplay.test{os.getpid()}.bell", posix_ipc.O_CREX, 0o600, 0)
-        self.sem.unlink()
-        self.broken = False
-
-    def release(self):
-        self.sem.release()
-
-    def acquire(self, timeout):
-        if self.broken:
+    def sleep_or_fail(*args):
+        if broken.is_set():
             raise OSError("doorbell lost")
-        self.sem.acquire(timeout)
+        sleep(*args)
+
+    eng.idler.sleep = sleep_or_fail
 
 
 def test_a_crashed_engine_reports_it_and_later_calls_fail_fast_touching_nothing():
-    bell = BreakableBell()
-    crashed = threading.Event()
-    eng = Engine(bell, spin_us=0, idle_timeout=0.05, on_crash=crashed.set)
+    broken, crashed = threading.Event(), threading.Event()
+    eng = Engine(spin_us=0, idle_timeout=0.05, on_crash=crashed.set)
+    break_sleep(eng, broken)
     eng.start()
     assert eng.submit(lambda: 41 + 1).result(5) == 42   # served by the engine thread
     assert eng.submit(threading.get_ident).result(5) == eng.thread.ident
-    bell.broken = True
+    broken.set()
     assert crashed.wait(5), "the crash must be reported (the daemon then exits non-zero)"
     eng.thread.join(5)
     assert not eng.thread.is_alive()
@@ -46,15 +39,13 @@ def test_a_crashed_engine_reports_it_and_later_calls_fail_fast_touching_nothing(
     with pytest.raises(shmreplay.DaemonUnavailable, match="engine failed"):
         eng.submit(touched.append, 1).result(1)
     assert touched == []
-    bell.sem.close()
 
 
 def test_entry_points_run_only_on_the_engine_thread():
     """The control plane reaches engine state only through submit(); calling
     an entry point from another thread while the engine runs is a bug that
     debug mode (plain python, asserts on) catches at once."""
-    bell = BreakableBell()
-    eng = Engine(bell, spin_us=0, idle_timeout=0.05)
+    eng = Engine(spin_us=0, idle_timeout=0.05)
     try:
         eng.start()
         assert eng.submit(eng.table_names).result(5) == []
@@ -62,5 +53,4 @@ def test_entry_points_run_only_on_the_engine_thread():
             eng.table_names()
     finally:
         eng.stop()
-        bell.sem.close()
     assert eng.table_names() == []  # stopped: the caller is the only one left

@@ -372,7 +372,7 @@ def test_scribbled_control_words_disconnect_only_the_offender(start_daemon):
         bad = daemon.connect(timeout=10)
         bt = bad.table("t")
         atomics.store(bad._pipe.chan.ctl, word, np.uint64(2**63 + 12345))
-        bad._pipe.doorbell.release()
+        os.eventfd_write(bad._pipe.to_daemon, 1)
         with pytest.raises(shmreplay.ProtocolError, match="impossible position"):
             for _ in range(100):  # the offender learns it from its next waits
                 bad._link.live()

@@ -99,10 +99,10 @@ class Client:
             t._forget_connection()
         link = ControlLink(self.path, self.timeout)
         try:
-            hello = link.hello(os.getpid())
+            hello, fds = link.hello(os.getpid())
             self.daemon_pid = hello["daemon_pid"]
             self.max_batch = int(hello["max_batch"])
-            pipe = CommandPipe(link, hello)
+            pipe = CommandPipe(link, fds)
             try:
                 link.ready()
             except BaseException:

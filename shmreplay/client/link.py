@@ -48,13 +48,22 @@ class ControlLink:
             sock.close()
             raise
         self.sock = sock
+        self.fds: list[int] = []  # descriptors the daemon passed (hello's)
         self._poll = select.poll()
         self._poll.register(sock.fileno(), select.POLLIN)
 
-    def hello(self, pid: int) -> dict:
+    def hello(self, pid: int) -> tuple[dict, list[int]]:
         """The handshake's first half: the daemon creates this client's
-        channel and names it (and the semaphores) in its reply."""
-        return self.request("hello", protocol=PROTOCOL_VERSION, pid=pid)
+        channel and doorbells and passes their descriptors with its reply.
+        Returns the reply and the descriptors, which the caller owns."""
+        reply = self.request("hello", protocol=PROTOCOL_VERSION, pid=pid)
+        fds, self.fds = self.fds, []
+        want = len(reply.get("fds", ()))
+        if len(fds) != want or want != 3:
+            for fd in fds:
+                os.close(fd)
+            raise ProtocolError(f"the daemon's hello passed {len(fds)} descriptors, expected 3")
+        return reply, fds
 
     def ready(self) -> None:
         """The handshake's second half: the channel is mapped; the daemon
@@ -69,7 +78,7 @@ class ControlLink:
         try:
             self.sock.sendall(frame)
             while True:
-                data = self.sock.recv(1 << 16)
+                data = self._recv()
                 if not data:
                     self._closed()
                 self.conn.receive(data)
@@ -83,6 +92,14 @@ class ControlLink:
         except (BrokenPipeError, ConnectionResetError) as exc:
             self._read_bye()  # a refused connection is closed with a reason; raise that
             raise DaemonUnavailable(f"daemon at {self.path} went away: {exc}") from None
+
+    def _recv(self) -> bytes:
+        """Read bytes and any descriptors the daemon attached to them."""
+        data, fds, flags, _ = socket.recv_fds(self.sock, 1 << 16, _MAX_FDS, socket.MSG_CMSG_CLOEXEC)
+        self.fds.extend(fds)
+        if flags & socket.MSG_CTRUNC:
+            raise ProtocolError("the daemon passed more descriptors than a hello carries")
+        return data
 
     def _closed(self):
         if self.conn.bye is None:
@@ -117,9 +134,13 @@ class ControlLink:
             raise self.conn.bye
 
     def close(self) -> None:
+        for fd in self.fds:
+            os.close(fd)
+        self.fds = []
         self.sock.close()
 
 
+_MAX_FDS = 4
 ENV_DAEMON_USER = "SHMREPLAY_DAEMON_USER"
 _CRED = struct.Struct("3i")
 

@@ -9,24 +9,27 @@ replies to streamed commands (COMMIT, UPDATE, which have no reply
 otherwise) into a *deferred* error that the next call raises.
 
 Waiting spins briefly on the reply ring, then sleeps on the channel's
-semaphore (docs/protocol.md, "Waking"), waking every 50 ms to ask the
-control link whether the daemon is still there.  One thread at a time.
+doorbell, an eventfd the daemon passed with the channel (docs/protocol.md,
+"Waking"), waking every 50 ms to ask the control link whether the daemon
+is still there.  One thread at a time.
 """
 
 from __future__ import annotations
 
+import os
+import select
 import time
 
 import numpy as np
-import posix_ipc
 
 from ..errors import RateLimited, ReplayError, ReplayTimeout
 from ..wire import atomics
-from ..wire.channel import CTL_RESP_HEAD, Channel
+from ..wire.channel import CTL_RESP_HEAD, Channel, drain
+from ..wire.channel import ring as ring_bell
 from ..wire.records import read_error
 from .link import ControlLink
 
-# Spin budget before sleeping on the semaphore, set from how long the last
+# Spin budget before sleeping on the doorbell, set from how long the last
 # reply took: twice that if it fits under SPIN_MAX_S, else the minimum.  On
 # an idle box replies come in tens to a few hundred microseconds (a learner's
 # UPDATE then SAMPLE: ~160 us) and spinning saves a ~35 us wake-up on each
@@ -38,17 +41,20 @@ SPIN_MIN_S, SPIN_MAX_S = 1e-6, 400e-6
 
 
 class CommandPipe:
-    def __init__(self, link: ControlLink, hello: dict):
-        """Attach the channel and semaphores the daemon's hello reply names."""
+    def __init__(self, link: ControlLink, fds: list[int]):
+        """Attach the channel and doorbells the daemon passed with its hello
+        reply (takes the descriptors)."""
         self.link = link
         self.timeout = link.timeout
-        self.chan = Channel.attach(hello["channel"])
+        chan_fd, self.to_daemon, self.to_client = fds
         try:
-            self.sem = posix_ipc.Semaphore(hello["channel_sem"])
-            self.doorbell = posix_ipc.Semaphore(hello["doorbell"])
+            self.chan = Channel.attach(chan_fd)
         except BaseException:
-            self.chan.release()
+            os.close(self.to_daemon)
+            os.close(self.to_client)
             raise
+        self._bell = select.poll()
+        self._bell.register(self.to_client, select.POLLIN)
         self.req = self.chan.requests
         self.resp = self.chan.responses
         self.seq = 0
@@ -74,7 +80,7 @@ class CommandPipe:
             time.sleep(20e-6)
         self.seq = seq
         if ring.publish():
-            self.doorbell.release()
+            ring_bell(self.to_daemon)
         return seq
 
     def expect(self, seq: int) -> None:
@@ -138,10 +144,9 @@ class CommandPipe:
         remaining = deadline - time.monotonic()
         try:
             # wake at least every 50 ms to notice a daemon that died
-            self.sem.acquire(max(0.0, min(0.05, remaining)))
-            return
-        except posix_ipc.BusyError:
-            pass
+            if self._bell.poll(max(0, min(50, int(remaining * 1e3) + 1))):
+                drain(self.to_client)
+                return
         finally:
             ring.clear_sleeping()
         self.link.live()
@@ -149,8 +154,8 @@ class CommandPipe:
             raise ReplayTimeout(f"daemon did not answer within {self.timeout} s")
 
     def close(self) -> None:
-        for sem in (self.sem, self.doorbell):
-            sem.close()
+        for fd in (self.to_daemon, self.to_client):
+            os.close(fd)
         self.req = self.resp = None
         self.chan.release()
 

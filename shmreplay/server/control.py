@@ -1,9 +1,8 @@
 """The daemon's control plane: a Unix-socket server on asyncio/uvloop.
 
 Runs on the daemon's event-loop thread.  One ``ControlConnection`` per
-client wraps ``wire.control.ServerConnection`` (the sans-IO rules) around a
-transport.  Requests of one connection are answered in order by one task;
-anything that touches tables runs on the engine thread, through the
+client (connection.py) answers its requests in order; anything that
+touches tables runs on the engine thread, through the
 engine's named entry points (``ControlServer.call``); slow work (creating
 a multi-GiB segment, writing a checkpoint) runs in the default executor so
 the loop keeps serving.
@@ -18,34 +17,18 @@ import socket
 import stat
 import time
 
-import posix_ipc
-
-from ..errors import (CapacityError, DaemonUnavailable, ForeignObject, PermissionDenied, ProtocolError,
-                      ReplayError, TableExists, UnknownTable)
+from ..errors import CapacityError, DaemonUnavailable, ForeignObject, ReplayError, TableExists
 from ..schema import check_table_name, spec_from_wire
-from ..wire import control as protocol
-from ..wire import names, records
-from ..wire.channel import Channel, ChannelLayout
-from ..wire.control import ADMIN_OPS, PROTOCOL_VERSION
+from ..wire import names
+from ..wire.control import PROTOCOL_VERSION
 from ..wire.layout import TableMap
-from ..wire.segment import create_semaphore, unlink_semaphore_quiet
-from . import access, checkpoint, recovery
+from . import checkpoint, recovery
 from .config import DaemonConfig
 from .engine import Engine
-from .outbox import ClientState
+from .connection import ControlConnection
 from .table import Table
 
 log = logging.getLogger("shmreplayd.control")
-
-# a refused connection is closed when the client speaks, or after this long
-REFUSED_LINGER_S = 10.0
-
-# a channel holds two of the largest batch each way; 256 records a ring
-# lets a client stream commands
-CHANNEL = ChannelLayout(req_slots=256, resp_slots=256,
-                        req_payload=records.REQUEST_PAYLOAD_BYTES,
-                        resp_payload=records.REPLY_PAYLOAD_BYTES)
-
 
 class ControlServer:
     def __init__(self, cfg: DaemonConfig, engine: Engine):
@@ -193,176 +176,6 @@ class ControlServer:
         return {"daemon_pid": self.pid, "protocol": PROTOCOL_VERSION, "instance": self.cfg.instance,
                 "socket": self.path, "uptime_s": time.time() - self.started,
                 "connections": len(self.connections), **snap}
-
-
-class ControlConnection(asyncio.Protocol):
-    def __init__(self, server: ControlServer):
-        self.srv = server
-        self.cid = server.next_cid
-        server.next_cid += 1
-        self.conn = protocol.ServerConnection()
-        self.transport: asyncio.Transport | None = None
-        self.queue: asyncio.Queue = asyncio.Queue()
-        self.worker: asyncio.Task | None = None
-        self.channel: Channel | None = None
-        self.sem: posix_ipc.Semaphore | None = None
-        self.peer: access.Peer | None = None
-        self.attached = False
-        self.closed = False
-        self.refused = False
-
-    # ---- asyncio.Protocol ----
-    def connection_made(self, transport) -> None:
-        self.transport = transport
-        srv = self.srv
-        try:
-            self.peer = access.peer_of(transport.get_extra_info("socket"))
-        except OSError as exc:
-            log.warning("connection %d: cannot read its credentials (%s); closing it", self.cid, exc)
-            transport.close()
-            return
-        refusal = None
-        if not access.may_connect(srv.cfg, self.peer):
-            refusal = PermissionDenied(
-                f"user {self.peer.uid} may not use this daemon (not its user, not in "
-                "allowed_users, not in allowed_groups)")
-        elif len(srv.connections) >= srv.cfg.max_clients:
-            refusal = CapacityError(f"the daemon serves {len(srv.connections)} clients, its limit "
-                                    f"(max_clients {srv.cfg.max_clients})")
-        if refusal is not None:
-            log.warning("connection %d (pid %d, uid %d) refused: %s", self.cid, self.peer.pid,
-                        self.peer.uid, refusal)
-            # the notice first; the close only once the client has spoken (its
-            # hello): closing at once can reset the socket before the client
-            # reads why, and it would see a broken pipe instead of the reason
-            transport.write(protocol.notice_bye(refusal))
-            self.closed = self.refused = True
-            asyncio.get_running_loop().call_later(REFUSED_LINGER_S, transport.close)
-            return
-        srv.connections[self.cid] = self
-        self.worker = asyncio.get_running_loop().create_task(self._work())
-
-    def data_received(self, data: bytes) -> None:
-        if self.closed:
-            if self.refused:
-                self.transport.close()
-            return
-        try:
-            for msg in self.conn.receive(data):
-                self.queue.put_nowait(msg)
-        except ProtocolError as exc:
-            log.warning("connection %d: %s; closing it", self.cid, exc)
-            self.kick(exc)
-
-    def connection_lost(self, exc) -> None:
-        if self.cid not in self.srv.connections:
-            return  # refused at connect: nothing was set up
-        self.closed = True
-        self.srv.connections.pop(self.cid, None)
-        if self.worker is not None:
-            self.worker.cancel()
-        task = asyncio.get_running_loop().create_task(self._end_lease())
-        self.srv.detaching.add(task)
-        task.add_done_callback(self.srv.detaching.discard)
-
-    def kick(self, exc: BaseException) -> None:
-        """Send a bye notice and close (rule 4)."""
-        if self.transport is not None and not self.transport.is_closing():
-            try:
-                self.transport.write(protocol.notice_bye(exc))
-            except ProtocolError:
-                pass
-            self.transport.close()
-
-    # ---- requests ----
-    async def _work(self) -> None:
-        while True:
-            msg = await self.queue.get()
-            rid = msg["id"]
-            try:
-                result = await self._dispatch(msg)
-                frame = protocol.reply_ok(rid, **(result or {}))
-            except ReplayError as exc:
-                frame = protocol.reply_error(rid, exc)
-            except Exception as exc:  # a bug must not take the daemon down
-                log.exception("connection %d: %s failed", self.cid, msg.get("op"))
-                frame = protocol.reply_error(rid, ReplayError(f"internal error: {exc}"))
-            if self.transport.is_closing():
-                return
-            self.transport.write(frame)
-
-    async def _dispatch(self, msg: dict) -> dict | None:
-        op, srv = msg["op"], self.srv
-        if op in ADMIN_OPS and not access.may_administer(srv.cfg, self.peer):
-            raise PermissionDenied(f"{op} is an admin operation: only the daemon's user, root or "
-                                   f"the admin_group may run it (you are uid {self.peer.uid})")
-        if op == "hello":
-            return self._hello(msg["pid"])
-        if op == "ready":
-            return await self._ready()
-        if op == "create_table":
-            return {"table": await srv.create_table(msg["spec"], msg["exist_ok"])}
-        if op == "open_table":
-            d = await srv.call(srv.engine.describe, check_table_name(msg["name"]))
-            if d is None:
-                raise UnknownTable(f"no table named {msg['name']!r}")
-            return {"table": d}
-        if op == "drop_table":
-            await srv.drop_table(msg["name"])
-            return None
-        if op == "list_tables":
-            return {"tables": await srv.call(srv.engine.describe)}
-        if op in ("stats", "status"):
-            return await srv.status()
-        if op == "checkpoint":
-            if not all(isinstance(n, str) for n in msg["tables"]):
-                raise ProtocolError("checkpoint: 'tables' must be a list of names")
-            return {"checkpoints": await srv.checkpoint(msg["tables"], msg["to"])}
-        if op == "shutdown":
-            log.info("shutdown requested by pid %d (uid %d)", self.peer.pid, self.peer.uid)
-            srv.request_shutdown()
-            return None
-        raise ProtocolError(f"op {op!r} has no handler")
-
-    def _hello(self, pid: int) -> dict:
-        cfg, srv = self.srv.cfg, self.srv
-        if not 0 < pid < 2**32:
-            raise ProtocolError(f"hello: pid {pid} is not a process id")
-        name = names.channel_segment(cfg.instance, srv.pid, self.cid)
-        sem = names.channel_semaphore(name)
-        # the client must open both: give them to its user when we can (root)
-        owner = (self.peer.uid if os.geteuid() == 0 else -1, cfg.gid)
-        self.channel = Channel.create(name, CHANNEL, pid, srv.pid, cfg.segment_mode, owner)
-        self.sem = create_semaphore(sem, cfg.segment_mode, owner)
-        return {"protocol": PROTOCOL_VERSION, "daemon_pid": srv.pid, "instance": cfg.instance,
-                "channel": name, "channel_sem": sem, "doorbell": names.doorbell(cfg.instance, srv.pid),
-                "max_batch": records.MAX_BATCH}
-
-    async def _ready(self) -> None:
-        # the client has both open: drop the names now, so nothing is left in
-        # /dev/shm if either side dies; the objects live while mapped/open
-        self.channel.seg.unlink()
-        self.sem.unlink()
-        cl = ClientState(self.cid, self.conn.client_pid, self.channel, self.sem)
-        # attached before the await: if the connection drops meanwhile this
-        # task is cancelled, and _end_lease must still detach (engine calls
-        # run in order, so the detach follows the add if the add ran)
-        self.attached = True
-        await self.srv.call(self.srv.engine.add_client, cl)
-        log.debug("client %d (pid %d) attached", self.cid, self.conn.client_pid)
-
-    async def _end_lease(self) -> None:
-        if self.attached:
-            cl = await self.srv.call(self.srv.engine.detach_client, self.cid)
-            if cl is not None:  # drop its views so the unmap below succeeds
-                cl.detach()
-        if self.channel is not None:
-            self.channel.seg.unlink()  # no-op after ready
-            self.channel.release()
-        if self.sem is not None:
-            unlink_semaphore_quiet(self.sem.name)
-            self.sem.close()
-        log.debug("connection %d closed", self.cid)
 
 
 def _claim_socket_path(path: str) -> None:

@@ -7,9 +7,10 @@ own thread.  Signals are handled here and nowhere else.
 Startup, in order (nothing is served until all of it succeeded):
   1. read the config; set up logging to stderr
   2. compile the numba kernels, or load them from numba's cache
-  3. take the instance lock (a live daemon of this instance: refuse to
-     start); remove channels and doorbells dead daemons of it left
-  4. create the doorbell semaphore and start the engine thread
+  3. take the instance lock in the runtime directory (a live daemon of
+     this instance: refuse to start); remove channels dead daemons of older
+     builds left in /dev/shm (this build's channels have no names)
+  4. start the engine thread
   5. bring up the tables (recovery.py): adopt the segments a dead daemon
      left, else restore the newest checkpoint, else create them
   6. listen on the control socket; start periodic checkpoints; tell
@@ -19,15 +20,15 @@ Shutdown (SIGTERM, SIGINT or the admin ``shutdown`` op, all of which set
 one event in ``Daemon.run``), in order:
   1. tell systemd STOPPING=1; stop periodic checkpoints; stop accepting
      connections; send every client a bye and close it; remove the socket
-  2. end every lease: the engine applies what each ring still holds and
-     unlinks each client's channel
-  3. drop every table through the engine: unmap its segment, and unlink it
-     unless ``retain_tables`` (then the next daemon adopts it).  After an
-     engine failure steps 2 and 3 touch nothing: every table stays for the
-     next daemon, exactly as after a SIGKILL, and the exit code is 1
+  2. end every lease: the engine applies what each ring still holds, then
+     each client's channel and doorbells are closed
+  3. drop every table through the engine: unmap its segments, and unlink
+     them unless ``retain_tables`` (then the next daemon adopts them).
+     After an engine failure steps 2 and 3 touch nothing: every table
+     stays for the next daemon, exactly as after a SIGKILL, and the exit
+     code is 1
   4. stop the engine thread
-  5. unlink the doorbell semaphore
-  6. release the instance lock
+  5. release the instance lock
 """
 
 from __future__ import annotations
@@ -42,14 +43,13 @@ import sys
 import time
 
 import numpy as np
-import posix_ipc
 import uvloop
 
 from ..errors import ReplayError
 from ..priorities import first_invalid_priority
 from ..version import __version__
-from ..wire import atomics, names
-from ..wire.segment import create_semaphore, shmem_huge_pages, unlink_semaphore_quiet
+from ..wire import atomics
+from ..wire.segment import shmem_huge_pages
 from . import ownership, recovery, sumtree
 from .config import DaemonConfig, check_instance, load_config
 from .control import ControlServer
@@ -100,7 +100,6 @@ class Daemon:
         self.restore_dir = restore_dir or cfg.checkpoint_dir or None
         self.lock: ownership.InstanceLock | None = None
         self.periodic: asyncio.Task | None = None
-        self.doorbell: posix_ipc.Semaphore | None = None
         self.engine: Engine | None = None
         self.control: ControlServer | None = None
         self.stop_event: asyncio.Event | None = None
@@ -128,9 +127,7 @@ class Daemon:
         stale = ownership.remove_dead_channels(cfg.instance)  # we hold the lock: their daemon is dead
         if stale:
             log.info("removed %d channel(s) and doorbell(s) of a dead daemon", stale)
-        self.doorbell = create_semaphore(names.doorbell(cfg.instance, os.getpid()), cfg.segment_mode,
-                                         (-1, cfg.gid))
-        self.engine = Engine(self.doorbell, cfg.spin_us, cfg.idle_timeout_s)
+        self.engine = Engine(cfg.spin_us, cfg.idle_timeout_s)
         self.control = ControlServer(cfg, self.engine)
         self.control.request_shutdown = lambda: self._stop("shutdown requested")
         self.engine.on_client_error = self.control.on_client_error
@@ -171,10 +168,7 @@ class Daemon:
                                                    keep_adopted=not self.started)  # step 3
         if self.engine is not None:
             self.engine.stop()                          # step 4
-        if self.doorbell is not None:                   # step 5
-            unlink_semaphore_quiet(self.doorbell.name)
-            self.doorbell.close()
-        if self.lock is not None:                       # step 6
+        if self.lock is not None:                       # step 5
             self.lock.release()
         log.info("stopped")
 

@@ -3,8 +3,9 @@
 All table state is touched by this thread only, so tables need no locks.
 The control plane (the event-loop thread) reaches it through ``submit``:
 it queues a call of one of the entry points below (table create/drop,
-client attach/detach, stats) to run between bursts, rings the doorbell so
-a sleeping engine notices, and gets a ``concurrent.futures.Future``.
+client attach/detach, stats) to run between bursts, rings the engine's own
+doorbell (an eventfd) so a sleeping engine notices, and gets a
+``concurrent.futures.Future``.
 Entry points assert, in debug mode, that they run on the engine thread.
 
 Loop: run queued calls; serve every channel (up to BURST records each, for
@@ -25,10 +26,9 @@ import logging
 import threading
 import time
 
-import posix_ipc
-
 from ..errors import ProtocolError, ReplayError, UnknownTable
 from ..wire import records as R
+from ..wire.channel import new_doorbell, ring
 from . import parking
 from .calls import Calls
 from .idle import Idler
@@ -53,10 +53,10 @@ def entry_point(method):
 
 
 class Engine:
-    def __init__(self, doorbell: posix_ipc.Semaphore, spin_us: float = 250.0,
-                 idle_timeout: float = 1.0, on_client_error=None, on_crash=None):
-        self.doorbell = doorbell
-        self.idler = Idler(doorbell, spin_us, idle_timeout)
+    def __init__(self, spin_us: float = 250.0, idle_timeout: float = 1.0, on_client_error=None,
+                 on_crash=None):
+        self.bell = new_doorbell()  # the control plane's: private to this process
+        self.idler = Idler(self.bell, spin_us, idle_timeout)
         self.on_client_error = on_client_error or (lambda cid, exc: None)
         self.on_crash = on_crash or (lambda: None)
         self.tables: dict[int, Table] = {}
@@ -84,7 +84,7 @@ class Engine:
         with self.lock:
             if self.running:
                 fut = self.calls.put(fn, args)
-                self.doorbell.release()
+                ring(self.bell)
                 return fut
         # no engine thread (not started, stopped or failed): the caller is
         # now the only one touching engine state, so run the call here
@@ -94,7 +94,7 @@ class Engine:
 
     def stop(self, timeout: float = 10.0) -> None:
         self.stopping = True
-        self.doorbell.release()
+        ring(self.bell)
         if self.thread is not None:
             self.thread.join(timeout)
 
@@ -214,6 +214,7 @@ class Engine:
     def _drop(self, cl: ClientState) -> None:
         if self.clients.pop(cl.id, None) is None:
             return
+        self.idler.unwatch(cl.to_daemon)
         self.dropped[cl.id] = cl
         cl.outbox.clear()
         self.parking.unpark_client(cl)
@@ -262,6 +263,7 @@ class Engine:
     @entry_point
     def add_client(self, cl: ClientState) -> None:
         self.clients[cl.id] = cl
+        self.idler.watch(cl.to_daemon)
 
     @entry_point
     def detach_client(self, cid: int) -> ClientState | None:

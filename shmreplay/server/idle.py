@@ -4,23 +4,28 @@ The spin budget follows the gaps between commands: after a wait, it is set
 to twice the gap if that fits under ``spin_us`` (commands come back to
 back: spinning saves a ~35 us wake-up), else to the 2 us minimum (a
 trickle: spinning would be pure cost, e.g. 1,000 inserts/s).  Then the
-engine announces sleep in every ring and waits on the doorbell semaphore,
-which clients post when they see the announcement (docs/protocol.md,
-"Waking"); an idle engine uses no CPU.
+engine announces sleep in every ring and waits in ``epoll`` on every
+client's doorbell (an eventfd only that client and the daemon hold) and
+its own (rung by the control plane), which clients ring when they see the
+announcement (docs/protocol.md, "Waking"); an idle engine uses no CPU.
+Whatever a client writes into its own eventfd can only wake the engine
+early: nothing it does to it can make the engine's wait fail.
 
 Engine thread only.
 """
 
 from __future__ import annotations
 
+import select
 import time
 
-import posix_ipc
+from ..wire.channel import drain
 
 
 class Idler:
-    def __init__(self, doorbell: posix_ipc.Semaphore, spin_us: float, idle_timeout: float):
-        self.doorbell = doorbell
+    def __init__(self, bell: int, spin_us: float, idle_timeout: float):
+        self.epoll = select.epoll()
+        self.epoll.register(bell, select.EPOLLIN)
         self.spin_max = spin_us * 1e-6
         self.spin_min = min(2e-6, self.spin_max)
         self.spin_s = self.spin_max
@@ -51,9 +56,16 @@ class Idler:
         self.spin_s = min(self.spin_max, 2 * gap) if gap < self.spin_max else self.spin_min
         self.spin_s = max(self.spin_min, self.spin_s)
 
+    def watch(self, fd: int) -> None:
+        """A client's doorbell: wake when it rings."""
+        self.epoll.register(fd, select.EPOLLIN)
+
+    def unwatch(self, fd: int) -> None:
+        self.epoll.unregister(fd)
+
     def sleep(self, rings: list, calls, deadline: float | None) -> None:
-        """Sleep on the doorbell until a client or a call rings it, the
-        idle timeout passes, or ``deadline`` (a parked request's) comes."""
+        """Sleep until a client or a call rings a doorbell, the idle
+        timeout passes, or ``deadline`` (a parked request's) comes."""
         try:
             if any([r.set_sleeping() for r in rings]) or not calls.empty():
                 return
@@ -61,12 +73,12 @@ class Idler:
             timeout = self.idle_timeout
             if deadline is not None:
                 timeout = max(0.0, min(timeout, deadline - time.monotonic()))
-            try:
-                self.doorbell.acquire(timeout)
+            rang = self.epoll.poll(timeout)
+            for fd, _ in rang:
+                drain(fd)
+            if rang:
                 self.stats["wakeups"] += 1
                 self._learn_gap(time.perf_counter() - self.idle_since)
-            except posix_ipc.BusyError:
-                pass
         finally:
             for r in rings:
                 r.clear_sleeping()

@@ -1,5 +1,6 @@
-"""An attached client as the engine sees it: its channel, its semaphore, and
-the replies waiting for room in its ring.
+"""An attached client as the engine sees it: its channel, its two doorbells
+(eventfds: ``to_daemon`` it rings, ``to_client`` we ring), and the replies
+waiting for room in its ring.
 
 Replies are queued (``respond``) and written when the ring has room
 (``flush``), so a client slow to read never blocks the engine; one that
@@ -13,23 +14,22 @@ from __future__ import annotations
 
 import collections
 
-import posix_ipc
-
 from ..errors import ProtocolError
 from ..wire.channel import Channel
+from ..wire.channel import ring as ring_bell
 from ..wire.records import Reply, put_reply
 
 MAX_OUTBOX = 1024  # replies a client may leave unread before it is cut off
 
 
 class ClientState:
-    def __init__(self, cid: int, pid: int, channel: Channel, sem: posix_ipc.Semaphore):
+    def __init__(self, cid: int, pid: int, channel: Channel, to_daemon: int, to_client: int):
         self.id = cid
         self.pid = pid
         self.channel = channel
         self.req = channel.requests
         self.resp = channel.responses
-        self.sem = sem
+        self.to_daemon, self.to_client = to_daemon, to_client
         self.outbox: collections.deque = collections.deque()
 
     def respond(self, reply: Reply) -> None:
@@ -49,7 +49,7 @@ class ClientState:
             self.outbox.popleft()
             wrote += 1
         if wrote and ring.publish():
-            self.sem.release()
+            ring_bell(self.to_client)
 
     def detach(self) -> None:
         """Drop the views of the channel, so the control plane can unmap it."""

@@ -3,7 +3,9 @@
 Each ring has one producer thread (in one process) and one consumer thread
 (in the other): the client's thread and the daemon's engine thread.
 
-One segment per attached client, created by the daemon::
+One sealed memfd per attached client, created by the daemon and passed to
+the client over the control socket (SCM_RIGHTS), so no other process can
+open it by name::
 
     0     header (CHANNEL_HEADER): magic, layout version, sizes, offsets, pids
     256   control words, uint64, each on its own 64-byte cache line (CTL_*)
@@ -32,9 +34,10 @@ here give exactly that on those targets, so the code is portable, but only
 x86-64 is tested.
 
 Sleeping.  A consumer that found nothing spins briefly, then sets its
-``*_SLEEPING`` word, re-checks ``head``, and only then waits on a semaphore;
-the producer publishes ``head`` and then reads that word, posting the
-semaphore if it is set.  Both sides use seq_cst store-then-load
+``*_SLEEPING`` word, re-checks ``head``, and only then waits on its eventfd
+(one per direction, private to the daemon and this client, passed with the
+channel); the producer publishes ``head`` and then reads that word, writing
+the eventfd if it is set.  Both sides use seq_cst store-then-load
 (``atomics.store_then_load``), so at least one of them sees the other and a
 wake-up cannot be lost.
 
@@ -46,12 +49,16 @@ channel's own arrays.
 
 from __future__ import annotations
 
+import fcntl
+import mmap
+import os
+
 import numpy as np
 
 from ..errors import CapacityError, LayoutError, ProtocolError
 from . import atomics, records
 from .records import RECORD
-from .segment import Segment
+from .segment import Segment, prefault
 
 CHANNEL_MAGIC = b"SHMRCHN\x00"
 CHANNEL_VERSION = 2  # 2: records_version in the header
@@ -217,10 +224,25 @@ class Channel:
                               CTL_RESP_PAY_TAIL, CTL_CLIENT_SLEEPING)
 
     @classmethod
-    def create(cls, name: str, layout: ChannelLayout, client_pid: int, daemon_pid: int,
-               mode: int = 0o600, owner: tuple[int, int] = (-1, -1)) -> "Channel":
-        seg = Segment.create(name, layout.size, mode, owner)
-        h = np.ndarray((), CHANNEL_HEADER, buffer=seg.buf, offset=0)
+    def create(cls, layout: ChannelLayout, client_pid: int, daemon_pid: int,
+               label: str = "shmreplay-channel") -> "Channel":
+        """Daemon: a channel in a sealed memfd.  It has no name another
+        process could open; the daemon passes ``fd`` to its one client over
+        the control socket and then closes it.  Its size is sealed, so the
+        client cannot shrink it under the daemon's mapping (a SIGBUS).
+        ``label`` only names it in /proc/<pid>/maps (no one can open it by it)."""
+        fd = os.memfd_create(label, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        try:
+            os.ftruncate(fd, layout.size)
+            fcntl.fcntl(fd, fcntl.F_ADD_SEALS,
+                        fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL)
+            mm = mmap.mmap(fd, layout.size)
+        except BaseException:
+            os.close(fd)
+            raise
+        seg = Segment("memfd:" + label, mm, layout.size, fd)
+        prefault(mm, write=True)
+        h = np.ndarray((), CHANNEL_HEADER, buffer=mm, offset=0)
         h["layout_version"], h["header_size"] = CHANNEL_VERSION, REC_OFF
         h["req_slots"], h["resp_slots"] = layout.req_slots, layout.resp_slots
         h["req_payload"], h["resp_payload"] = layout.req_payload, layout.resp_payload
@@ -232,23 +254,40 @@ class Channel:
         del h
         return cls(seg, layout)
 
+    @property
+    def fd(self) -> int | None:
+        """The memfd, until the daemon handed it over (``handed_over``)."""
+        return self.seg.fd
+
+    def handed_over(self) -> None:
+        """Daemon: the client has its copy; ours is not needed (the mapping stays)."""
+        if self.seg.fd is not None:
+            os.close(self.seg.fd)
+            self.seg.fd = None
+
     @classmethod
-    def attach(cls, name: str) -> "Channel":
-        seg = Segment.attach(name)
+    def attach(cls, fd: int) -> "Channel":
+        """Client: map the channel the daemon passed; takes ``fd`` (closes it)."""
+        try:
+            size = os.fstat(fd).st_size
+            mm = mmap.mmap(fd, size)
+        finally:
+            os.close(fd)
+        seg = Segment("memfd:channel", mm, size)
         try:
             h = np.ndarray((), CHANNEL_HEADER, buffer=seg.buf, offset=0)
             if bytes(h["magic"]) != CHANNEL_MAGIC:
-                raise LayoutError(f"segment {name} is not a shmreplay channel")
+                raise LayoutError("the daemon passed something that is not a shmreplay channel")
             if int(h["layout_version"]) != CHANNEL_VERSION:
-                raise LayoutError(f"channel {name} has layout version {int(h['layout_version'])}, "
+                raise LayoutError(f"channel has layout version {int(h['layout_version'])}, "
                                   f"this build reads {CHANNEL_VERSION}")
             if int(h["records_version"]) != records.VERSION:
-                raise LayoutError(f"channel {name} carries records of version "
+                raise LayoutError(f"channel carries records of version "
                                   f"{int(h['records_version'])}, this build speaks {records.VERSION}")
             layout = ChannelLayout(int(h["req_slots"]), int(h["resp_slots"]),
                                    int(h["req_payload"]), int(h["resp_payload"]))
             if layout.size != seg.size or layout.req_off != int(h["req_off"]):
-                raise LayoutError(f"channel {name}: header disagrees with its size")
+                raise LayoutError("channel header disagrees with its size")
             del h
             return cls(seg, layout)
         except BaseException:
@@ -258,3 +297,24 @@ class Channel:
     def release(self) -> None:
         self.header = self.ctl = self.requests = self.responses = None
         self.seg.close()
+
+
+# ---- doorbells: one eventfd per direction, passed with the channel ----
+def new_doorbell() -> int:
+    """Daemon: an eventfd, non-blocking, so a peer that filled its counter
+    (writing 2**64-2) can only make its own wake-ups fail, never block us."""
+    return os.eventfd(0, os.EFD_CLOEXEC | os.EFD_NONBLOCK)
+
+
+def ring(fd: int) -> None:
+    try:
+        os.eventfd_write(fd, 1)
+    except BlockingIOError:  # the counter is full: the other side has a wake-up pending anyway
+        pass
+
+
+def drain(fd: int) -> None:
+    try:
+        os.eventfd_read(fd)
+    except BlockingIOError:
+        pass

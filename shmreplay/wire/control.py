@@ -11,8 +11,11 @@ Rules (docs/protocol.md has the message sequences):
    ``"error"`` (an errors class name) and ``"message"``.  Requests on one
    connection are answered in order.
 3. The first request must be ``hello`` with this PROTOCOL_VERSION; a
-   mismatch is refused.  The second must be ``ready`` (the client has
-   mapped its channel).  After that any other op is allowed.
+   mismatch is refused.  Its reply carries three descriptors (SCM_RIGHTS,
+   on the reply's first byte): the client's channel (a sealed memfd) and
+   its two doorbells (eventfds: to the daemon, to the client), listed by
+   name in the reply's ``fds``.  The second request must be ``ready`` (the
+   client has mapped its channel).  After that any other op is allowed.
 4. The daemon may send one unsolicited notice, ``{"op": "bye", "error":..,
    "message": ..}``, just before it closes the connection.
 5. A connection is the client's lease: when it closes, for any reason, the
@@ -33,7 +36,7 @@ import msgpack
 
 from ..errors import ProtocolError, ReplayError, error_from_name
 
-PROTOCOL_VERSION = 2  # 2: checkpoint and shutdown ops; access control
+PROTOCOL_VERSION = 3  # 2: checkpoint and shutdown ops; access control; 3: channel passed as fds
 MAX_FRAME = 1 << 20
 _LEN = struct.Struct(">I")
 

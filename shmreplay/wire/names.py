@@ -5,9 +5,12 @@ instance name::
 
     shmreplay.<instance>.t.<table>          a table's meta segment (kept across restarts)
     shmreplay.<instance>.r.<table>          its rows segment
-    shmreplay.<instance>.<pid>.c<n>         a client channel (unlinked once attached)
-    sem.shmreplay.<instance>.<pid>.c<n>.s   its semaphore
-    sem.shmreplay.<instance>.<pid>.bell     the daemon's doorbell
+
+Client channels and doorbells have no names: the daemon passes them to
+their one client over the control socket (a sealed memfd and two
+eventfds).  Names of the form ``shmreplay.<instance>.<pid>.c<n>`` and
+``sem.shmreplay.<instance>.<pid>.*`` are older builds' channels and
+doorbells, which a starting daemon or ``shmreplay cleanup`` removes.
 
 The instance lock and the default socket live in the user's runtime
 directory (``runtime_dir()``), which only that user (or root) can write:
@@ -91,18 +94,6 @@ def client_socket_path(path: str | None = None) -> str:
 def table_segment(instance: str, table: str) -> str:
     """Stable per instance, so a restarted daemon finds its tables."""
     return f"/{PREFIX}{instance}.t.{table}"
-
-
-def channel_segment(instance: str, daemon_pid: int, client: int) -> str:
-    return f"/{PREFIX}{instance}.{daemon_pid}.c{client}"
-
-
-def channel_semaphore(channel: str) -> str:
-    return channel + ".s"
-
-
-def doorbell(instance: str, daemon_pid: int) -> str:
-    return f"/{PREFIX}{instance}.{daemon_pid}.bell"
 
 
 def lock_path(instance: str) -> str:

@@ -128,6 +128,8 @@ def exchange(path: str, data: bytes) -> list:
 
 def test_fuzzed_control_socket(victims, capsys):
     d, c, t = victims
+    before = daemon_channels(d.pid)
+    assert before[0] == 1  # the innocent client's channel
     rng = np.random.default_rng(2026)
     kinds = [0] * 6
     for i in range(SOCKET_ROUNDS):
@@ -148,13 +150,25 @@ def test_fuzzed_control_socket(victims, capsys):
         print(f"\n[fuzz figures] control socket: {SOCKET_ROUNDS} hostile connections "
               f"(noise, random msgpack, truncated, oversized, random requests, hostile values: "
               f"{kinds}); {log.count('closing it')} closed with a logged reason")
-    # fuzzed hellos left no channels (each is removed when the daemon has
-    # ended that connection's lease, which may follow the close a little)
+    # fuzzed hellos left no channel mapped and no doorbell open in the daemon
+    # (each is closed once the daemon has ended that connection's lease,
+    # which may follow the close a little): what is left is what was there
+    # before, the innocent client's
+    wait_for(lambda: daemon_channels(d.pid) == before,
+             "the daemon to close the fuzzed connections' channels and doorbells")
 
-    def channels():
-        left = {n for n in os.listdir("/dev/shm") if f"shmreplay.{d.instance}." in n}
-        return [n for n in left if ".c" in n.split(".t.")[0]]
-    wait_for(lambda: not channels(), "the daemon to remove the fuzzed connections' channels")
+
+def daemon_channels(pid: int) -> tuple[int, int]:
+    """(channels mapped, eventfds open) in the daemon process."""
+    with open(f"/proc/{pid}/maps") as f:
+        maps = sum("memfd:shmreplay." in line for line in f)
+    fds = 0
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            fds += os.readlink(f"/proc/{pid}/fd/{fd}") == "anon_inode:[eventfd]"
+        except FileNotFoundError:
+            pass
+    return maps, fds
 
 
 def test_fuzzed_command_rings(victims, capsys):
@@ -181,7 +195,7 @@ def test_fuzzed_command_rings(victims, capsys):
         ring.head += n
         records += n
         if ring.publish():
-            bad._pipe.doorbell.release()
+            os.eventfd_write(bad._pipe.to_daemon, 1)
         try:
             bt.sample(1, timeout=0.2)
             bad.flush()

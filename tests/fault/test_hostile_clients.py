@@ -4,17 +4,23 @@ may damage rows (they are its to write); it may not change anything the
 daemon decides with, cut off another client, or stop the daemon."""
 
 import errno
+import mmap
 import os
 import tempfile
+import threading
 
+import numpy as np
 import pytest
 
-from faults import FIELDS
+import shmreplay
+
+from faults import FIELDS, HANG_S, rows
 from people import GROUP, MEMBER, as_user, needs_root, users  # noqa: F401 (a fixture)
 
 pytestmark = needs_root
 
-TABLES = [{"name": "victim", "capacity": 4096, "fields": FIELDS},
+TABLES = [{"name": "victim", "capacity": 1 << 16, "fields": FIELDS},
+          {"name": "still", "capacity": 4096, "fields": FIELDS},
           {"name": "shared", "capacity": 256, "fields": FIELDS}]
 
 
@@ -58,3 +64,106 @@ def test_a_member_can_read_but_never_write_the_daemons_metadata(daemon, users):
     meta = f"/dev/shm/shmreplay.{daemon.instance}.t.victim"
     got = as_user(users[MEMBER], try_to_write_meta, meta)
     assert got == {"open_rw": "EACCES", "truncate": "EINVAL"}, got
+
+
+def scribble(sock, instance, seed):
+    """Attach as a client, then write random bytes over every byte of every
+    object of the instance this user can open for writing."""
+    c = shmreplay.connect(sock, timeout=60)
+    c.table("shared").insert_batch(rows(np.arange(8)))
+    c.flush()
+    rng = np.random.default_rng(seed)
+    wrote, refused = [], []
+    for path in instance_objects(instance):
+        try:
+            fd = os.open(path, os.O_RDWR)
+        except OSError:
+            refused.append(path)
+            continue
+        try:
+            size = os.fstat(fd).st_size
+            if size:
+                mm = mmap.mmap(fd, size)
+                mm[:] = rng.integers(0, 256, size, dtype=np.uint8).tobytes()
+                mm.close()
+            wrote.append(path)
+        finally:
+            os.close(fd)
+    # the daemon's descriptors (other clients' channels among them) are
+    # out of reach: /proc/<pid>/fd of another user's process
+    daemon_pid = c.daemon_pid
+    try:
+        for fd in os.listdir(f"/proc/{daemon_pid}/fd"):
+            os.close(os.open(f"/proc/{daemon_pid}/fd/{fd}", os.O_RDWR))
+            wrote.append(f"/proc/{daemon_pid}/fd/{fd}")
+    except OSError:
+        refused.append(f"/proc/{daemon_pid}/fd")
+    # its own channel and doorbells: anything it writes there cuts off itself only
+    pipe = c._pipe
+    buf = np.frombuffer(pipe.chan.seg.buf, np.uint8)
+    buf[:] = rng.integers(0, 256, buf.shape[0], dtype=np.uint8)
+    for fd in (pipe.to_daemon, pipe.to_client):
+        try:
+            os.eventfd_write(fd, 2**64 - 2)
+        except OSError:
+            pass
+    try:
+        c.table("shared").insert_batch(rows(np.arange(8, 16)))
+        c.flush()
+    except shmreplay.ReplayError:
+        pass  # it may have cut itself off; others must not notice
+    try:
+        c.close()
+    except shmreplay.ReplayError:
+        pass
+    return wrote, refused
+
+
+def meta_bytes(instance: str, table: str) -> bytes:
+    with open(f"/dev/shm/shmreplay.{instance}.t.{table}", "rb") as f:
+        return f.read()
+
+
+def innocent(sock, stop, out):
+    """An actor and learner of another user's table, running through the scribble."""
+    try:
+        with shmreplay.connect(sock, timeout=60) as c:
+            t, i = c.table("victim"), 10_000
+            while not stop.is_set():
+                if i < 10_000 + 32_000:  # a budget: nothing is ever evicted, however long it runs
+                    t.insert_batch(rows(np.arange(i, i + 16)))
+                    c.flush()
+                    i += 16
+                t.sample(16)
+            out.append(i - 10_000)
+    except BaseException as exc:
+        out.append(exc)
+
+
+def test_random_scribble_by_a_member_changes_no_metadata_and_loses_no_item(daemon, users):
+    with daemon.connect() as owner:
+        owner.table("still").insert_batch(rows(np.arange(3000)))
+        owner.table("victim").insert_batch(rows(np.arange(1000)))
+        owner.flush()
+        before = meta_bytes(daemon.instance, "still")
+        stop, out = threading.Event(), []
+        th = threading.Thread(target=innocent, args=(daemon.socket, stop, out), daemon=True)
+        th.start()
+        try:
+            wrote, refused = as_user(users[MEMBER], scribble, daemon.socket, daemon.instance, 7)
+        finally:
+            stop.set()
+            th.join(HANG_S)
+        # rows are writable (damage allowed); metadata and the daemon's descriptors never
+        assert any(".r.still" in p for p in wrote), (wrote, refused)
+        assert not any(".t." in p or "/proc/" in p for p in wrote), wrote
+        assert any("/proc/" in p for p in refused)
+        assert meta_bytes(daemon.instance, "still") == before
+        assert daemon.proc.poll() is None
+        # the innocent client was never cut off, and no table lost an item
+        assert len(out) == 1 and isinstance(out[0], int), out
+        assert len(owner.table("still")) == 3000
+        assert len(owner.table("victim")) == 1000 + out[0]
+        owner.table("still").insert_batch(rows(np.arange(3000, 3100)))
+        owner.flush()
+        assert len(owner.table("still")) == 3100

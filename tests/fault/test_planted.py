@@ -9,14 +9,13 @@ import socket
 import stat
 import tempfile
 
-import numpy as np
 import pytest
 
 import shmreplay
 from shmreplay.schema import make_spec
 from shmreplay.wire.layout import TableMap
 
-from faults import FIELDS, rows
+from faults import FIELDS
 from people import STRANGER, as_user, needs_root, users  # noqa: F401 (a fixture)
 
 pytestmark = needs_root

@@ -1,0 +1,239 @@
+"""One client's control connection, on the daemon's event-loop thread.
+
+``ControlConnection`` wraps ``wire.control.ServerConnection`` (the sans-IO
+rules) around a transport.  It checks who connected (SO_PEERCRED) at
+once; answers its requests in order from one task; at ``hello`` makes the
+client's channel (a sealed memfd) and doorbells (eventfds) and passes them
+with the reply (SCM_RIGHTS), so they never have a name; at ``ready``
+hands the client to the engine; and when the connection closes, for any
+reason, ends the client's lease.  Table and admin work goes to the
+``ControlServer`` (control.py).
+"""
+
+from __future__ import annotations
+
+import array
+import asyncio
+import logging
+import os
+import socket
+
+from ..errors import CapacityError, PermissionDenied, ProtocolError, ReplayError, UnknownTable
+from ..schema import check_table_name
+from ..wire import control as protocol
+from ..wire import records
+from ..wire.channel import Channel, ChannelLayout, new_doorbell
+from ..wire.control import ADMIN_OPS, PROTOCOL_VERSION
+from . import access
+from .outbox import ClientState
+
+log = logging.getLogger("shmreplayd.control")
+
+# a refused connection is closed when the client speaks, or after this long
+REFUSED_LINGER_S = 10.0
+
+# a channel holds two of the largest batch each way; 256 records a ring
+# lets a client stream commands
+CHANNEL = ChannelLayout(req_slots=256, resp_slots=256,
+                        req_payload=records.REQUEST_PAYLOAD_BYTES,
+                        resp_payload=records.REPLY_PAYLOAD_BYTES)
+
+
+
+class ControlConnection(asyncio.Protocol):
+    def __init__(self, server):  # a control.ControlServer
+        self.srv = server
+        self.cid = server.next_cid
+        server.next_cid += 1
+        self.conn = protocol.ServerConnection()
+        self.transport: asyncio.Transport | None = None
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.worker: asyncio.Task | None = None
+        self.channel: Channel | None = None
+        self.bells: tuple = ()      # (to_daemon, to_client) eventfds
+        self.passing: list = []     # descriptors the hello reply carries
+        self.peer: access.Peer | None = None
+        self.attached = False
+        self.closed = False
+        self.refused = False
+
+    # ---- asyncio.Protocol ----
+    def connection_made(self, transport) -> None:
+        self.transport = transport
+        srv = self.srv
+        try:
+            self.peer = access.peer_of(transport.get_extra_info("socket"))
+        except OSError as exc:
+            log.warning("connection %d: cannot read its credentials (%s); closing it", self.cid, exc)
+            transport.close()
+            return
+        refusal = None
+        if not access.may_connect(srv.cfg, self.peer):
+            refusal = PermissionDenied(
+                f"user {self.peer.uid} may not use this daemon (not its user, not in "
+                "allowed_users, not in allowed_groups)")
+        elif len(srv.connections) >= srv.cfg.max_clients:
+            refusal = CapacityError(f"the daemon serves {len(srv.connections)} clients, its limit "
+                                    f"(max_clients {srv.cfg.max_clients})")
+        if refusal is not None:
+            log.warning("connection %d (pid %d, uid %d) refused: %s", self.cid, self.peer.pid,
+                        self.peer.uid, refusal)
+            # the notice first; the close only once the client has spoken (its
+            # hello): closing at once can reset the socket before the client
+            # reads why, and it would see a broken pipe instead of the reason
+            transport.write(protocol.notice_bye(refusal))
+            self.closed = self.refused = True
+            asyncio.get_running_loop().call_later(REFUSED_LINGER_S, transport.close)
+            return
+        srv.connections[self.cid] = self
+        self.worker = asyncio.get_running_loop().create_task(self._work())
+
+    def data_received(self, data: bytes) -> None:
+        if self.closed:
+            if self.refused:
+                self.transport.close()
+            return
+        try:
+            for msg in self.conn.receive(data):
+                self.queue.put_nowait(msg)
+        except ProtocolError as exc:
+            log.warning("connection %d: %s; closing it", self.cid, exc)
+            self.kick(exc)
+
+    def connection_lost(self, exc) -> None:
+        if self.cid not in self.srv.connections:
+            return  # refused at connect: nothing was set up
+        self.closed = True
+        self.srv.connections.pop(self.cid, None)
+        if self.worker is not None:
+            self.worker.cancel()
+        task = asyncio.get_running_loop().create_task(self._end_lease())
+        self.srv.detaching.add(task)
+        task.add_done_callback(self.srv.detaching.discard)
+
+    def kick(self, exc: BaseException) -> None:
+        """Send a bye notice and close (rule 4)."""
+        if self.transport is not None and not self.transport.is_closing():
+            try:
+                self.transport.write(protocol.notice_bye(exc))
+            except ProtocolError:
+                pass
+            self.transport.close()
+
+    # ---- requests ----
+    async def _work(self) -> None:
+        while True:
+            msg = await self.queue.get()
+            rid = msg["id"]
+            try:
+                result = await self._dispatch(msg)
+                frame = protocol.reply_ok(rid, **(result or {}))
+            except ReplayError as exc:
+                frame = protocol.reply_error(rid, exc)
+            except Exception as exc:  # a bug must not take the daemon down
+                log.exception("connection %d: %s failed", self.cid, msg.get("op"))
+                frame = protocol.reply_error(rid, ReplayError(f"internal error: {exc}"))
+            if self.transport.is_closing():
+                return
+            if self.passing and msg["op"] == "hello":
+                try:
+                    self._send_with_fds(frame)
+                except (OSError, ProtocolError) as exc:
+                    log.warning("connection %d: could not hand over its channel: %s", self.cid, exc)
+                    self.kick(ProtocolError(f"could not hand over the channel: {exc}"))
+                    return
+            else:
+                self.transport.write(frame)
+
+    async def _dispatch(self, msg: dict) -> dict | None:
+        op, srv = msg["op"], self.srv
+        if op in ADMIN_OPS and not access.may_administer(srv.cfg, self.peer):
+            raise PermissionDenied(f"{op} is an admin operation: only the daemon's user, root or "
+                                   f"the admin_group may run it (you are uid {self.peer.uid})")
+        if op == "hello":
+            return self._hello(msg["pid"])
+        if op == "ready":
+            return await self._ready()
+        if op == "create_table":
+            return {"table": await srv.create_table(msg["spec"], msg["exist_ok"])}
+        if op == "open_table":
+            d = await srv.call(srv.engine.describe, check_table_name(msg["name"]))
+            if d is None:
+                raise UnknownTable(f"no table named {msg['name']!r}")
+            return {"table": d}
+        if op == "drop_table":
+            await srv.drop_table(msg["name"])
+            return None
+        if op == "list_tables":
+            return {"tables": await srv.call(srv.engine.describe)}
+        if op in ("stats", "status"):
+            return await srv.status()
+        if op == "checkpoint":
+            if not all(isinstance(n, str) for n in msg["tables"]):
+                raise ProtocolError("checkpoint: 'tables' must be a list of names")
+            return {"checkpoints": await srv.checkpoint(msg["tables"], msg["to"])}
+        if op == "shutdown":
+            log.info("shutdown requested by pid %d (uid %d)", self.peer.pid, self.peer.uid)
+            srv.request_shutdown()
+            return None
+        raise ProtocolError(f"op {op!r} has no handler")
+
+    def _hello(self, pid: int) -> dict:
+        """Make this client's channel and doorbells; they travel with the
+        reply (``_send_with_fds``), never under a name another process could
+        open."""
+        cfg, srv = self.srv.cfg, self.srv
+        if not 0 < pid < 2**32:
+            raise ProtocolError(f"hello: pid {pid} is not a process id")
+        if self.channel is not None:
+            raise ProtocolError("hello sent twice")
+        self.channel = Channel.create(CHANNEL, self.peer.pid, srv.pid,
+                                      f"shmreplay.{cfg.instance}.c{self.cid}")
+        self.bells = (new_doorbell(), new_doorbell())
+        self.passing = [self.channel.fd, *self.bells]
+        return {"protocol": PROTOCOL_VERSION, "daemon_pid": srv.pid, "instance": cfg.instance,
+                "max_batch": records.MAX_BATCH, "fds": ["channel", "to_daemon", "to_client"]}
+
+    async def _ready(self) -> None:
+        if self.channel is None or self.passing:
+            raise ProtocolError("ready before the channel was handed over")
+        # the pid is the kernel's (SO_PEERCRED), not what the client says
+        cl = ClientState(self.cid, self.peer.pid, self.channel, *self.bells)
+        # attached before the await: if the connection drops meanwhile this
+        # task is cancelled, and _end_lease must still detach (engine calls
+        # run in order, so the detach follows the add if the add ran)
+        self.attached = True
+        await self.srv.call(self.srv.engine.add_client, cl)
+        log.debug("client %d (pid %d) attached", self.cid, self.peer.pid)
+
+    def _send_with_fds(self, frame: bytes) -> None:
+        """Write the hello reply with the channel and doorbells attached
+        (SCM_RIGHTS), then close our copy of the channel's descriptor.  The
+        transport has nothing queued yet (hello is the first reply), so
+        writing on the socket itself keeps the stream in order."""
+        fds, self.passing = self.passing, []
+        if self.transport.get_write_buffer_size():
+            raise ProtocolError("hello reply would overtake queued bytes")
+        sock = socket.socket(fileno=os.dup(self.transport.get_extra_info("socket").fileno()))
+        try:
+            sent = sock.sendmsg([frame], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))])
+        finally:
+            sock.close()
+            self.channel.handed_over()
+        if sent < len(frame):
+            self.transport.write(frame[sent:])
+
+    async def _end_lease(self) -> None:
+        if self.attached:
+            cl = await self.srv.call(self.srv.engine.detach_client, self.cid)
+            if cl is not None:  # drop its views so the unmap below succeeds
+                cl.detach()
+        if self.channel is not None:
+            self.channel.release()
+        for fd in self.bells:
+            os.close(fd)
+        self.bells = ()
+        # the cancelled worker's traceback holds frames that hold us: break
+        # the cycle, so its channel is unmapped now, not at some later GC
+        self.worker = self.channel = None
+        log.debug("connection %d closed", self.cid)

@@ -27,7 +27,10 @@ def _status(client, args) -> None:
     for name, t in st["tables"].items():
         print(f"table {name}: {t['size']}/{t['capacity']} items ({t['sampler']}), "
               f"{t['inserts']} inserted, {t['samples']} sampled, {t['evictions']} evicted, "
-              f"{t['reserved']} reserved, {t['stale_priority_updates']} stale updates")
+              f"{t['reserved']} reserved, {t['held']} held, {t['stale_priority_updates']} stale updates")
+        for h in t["holders"]:  # a learner that hangs keeps these until the daemon's hold_timeout_s
+            print(f"  client {h['client']}, pid {h['pid']}: {h['held']} slots held, "
+                  f"oldest {h['oldest_s']:.1f} s")
 
 
 def _cleanup(args) -> int:

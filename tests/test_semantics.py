@@ -212,10 +212,13 @@ def test_queue_delivers_each_item_exactly_once_in_order_per_actor(daemon, client
 
 
 # ---- rate limiting ----
-def test_an_insert_waits_through_slices_while_every_slot_is_held(daemon, client):
+def test_an_insert_waits_through_slices_while_every_slot_is_held(start_daemon):
     """Every slot reserved or held (a learner still reading its last sample of
     a queue) is a wait like the rate limiter's: ``timeout=None`` keeps waiting
-    past the client's 1 s slices, a finite timeout ends in SlotsBusy."""
+    past the client's 1 s slices, a finite timeout ends in SlotsBusy.  A
+    queue waits for held slots rather than evict an item not yet sampled."""
+    daemon = start_daemon(seed=1234, hold_timeout_s=3600.0)  # the holds outlast any slow run
+    client = daemon.connect()
     q = client.create_queue("q", 8, F)
     insert_ids(q, 0, 8)
     learner = daemon.connect()
@@ -247,6 +250,7 @@ def test_an_insert_waits_through_slices_while_every_slot_is_held(daemon, client)
     assert done.wait(HANG_S) and "exc" not in box, box
     learner.close()
     assert len(q) == 7
+    client.close()
 
 
 def test_sample_blocks_until_min_size_reached(client, daemon):

@@ -27,7 +27,7 @@ Same threading rule as the table handle: one thread at a time.
 
 from __future__ import annotations
 
-from ..errors import DaemonUnavailable, ReplayError
+from ..errors import DaemonUnavailable, RateLimited, ReplayError
 from ..wire import records as R
 from .pipe import in_slices
 from .retry import reconnect
@@ -85,25 +85,31 @@ class SlotLease:
     def _reserve(self, n: int, deadline: float | None) -> list:
         t = self.table
         pipe = t._client._pipe
+        got = None
         if self.ahead is not None:
             seq, self.ahead = self.ahead, None
-            rid, contiguous, slots = pipe.wait(seq, R.read_reserve_reply, pipe.timeout)
-        else:
+            try:
+                got = pipe.wait(seq, R.read_reserve_reply, 0.0)
+            except RateLimited:
+                pass  # no room when it was asked: ask again, waiting as this call may
+        if got is None:
             def attempt(w):
                 return pipe.wait(pipe.send(R.put_reserve, t.id, n, R.timeout_us(w)),
                                  R.read_reserve_reply, w)
-            rid, contiguous, slots = in_slices(deadline, attempt)
+            got = in_slices(deadline, attempt)
+        rid, contiguous, slots = got
         self.cur = [rid, slots, 0, contiguous]
         return self.cur
 
     def _ask_ahead(self, n: int) -> None:
-        """Ask for the next reservation at half time, so its reply is there when needed."""
+        """Ask for the next reservation at half time, so its reply is there
+        when needed.  It may not wait in the daemon: the call that will use
+        it has a timeout of its own, which the daemon does not know yet."""
         cur = self.cur
         if (self.ahead is None and 0 < n <= self.size
                 and cur[1].shape[0] - cur[2] < max(n, self.size // 2)):
             pipe = self.table._client._pipe
-            self.ahead = pipe.send(R.put_reserve, self.table.id, self.size,
-                                   R.timeout_us(pipe.timeout))
+            self.ahead = pipe.send(R.put_reserve, self.table.id, self.size, R.timeout_us(0.0))
             pipe.expect(self.ahead)
 
     # ---- inserts: copy and commit in one call ----

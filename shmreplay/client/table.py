@@ -177,7 +177,8 @@ class Table:
         must then check the generation stamps as ``sample`` does.  On a
         table with ``max_times_sampled``, slots of items drawn for the last
         time stay held for this learner until its next ``sample_indices``
-        call on the table or ``release()``, so read them before that."""
+        call on the table or ``release()``, and at most the daemon's
+        ``hold_timeout_s``, so read them before that."""
         n, beta = self._check_draw(batch_size, beta)
         self.release()
         b = new_batch((), n)

@@ -25,7 +25,7 @@ _INSTANCE = re.compile(r"^[A-Za-z0-9_-]{1,32}$")
 DAEMON_KEYS = {"socket", "instance", "segment_mode", "spin_us", "idle_timeout_s", "log_level", "seed",
                "retain_tables", "recovery_quarantine_s", "checkpoint_dir", "checkpoint_interval_s",
                "checkpoint_keep", "checkpoint_buffer_mb", "group", "allowed_users", "allowed_groups", "admin_group",
-               "max_clients", "max_tables"}
+               "max_clients", "max_tables", "hold_timeout_s"}
 
 
 @dataclass
@@ -40,6 +40,7 @@ class DaemonConfig:
     # recovery and checkpoints (docs/reliability.md)
     retain_tables: bool = False       # leave table segments at shutdown for the next daemon
     recovery_quarantine_s: float = 5.0
+    hold_timeout_s: float = 5.0       # longest a learner may keep slots of its last samples
     checkpoint_dir: str = ""          # periodic checkpoints go here; restored at start
     checkpoint_interval_s: float = 0.0  # 0: no periodic checkpoints
     checkpoint_keep: int = 2
@@ -100,6 +101,8 @@ def parse_config(doc: dict, where: str = "config") -> DaemonConfig:
         cfg.seed = d["seed"]
     cfg.retain_tables = _bool(d, "retain_tables", False, where)
     cfg.recovery_quarantine_s = _number(d, "recovery_quarantine_s", 5.0, where)
+    # 0 would free held slots before any learner could copy their rows
+    cfg.hold_timeout_s = _number(d, "hold_timeout_s", 5.0, where, lo=0.001)
     cfg.checkpoint_dir = str(d.get("checkpoint_dir", ""))
     if cfg.checkpoint_dir and not os.path.isabs(cfg.checkpoint_dir):
         raise SchemaError(f"{where}: checkpoint_dir must be an absolute path, got {cfg.checkpoint_dir!r}")

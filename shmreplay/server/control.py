@@ -117,9 +117,9 @@ class ControlServer:
         try:
             if recover:
                 table = recovery.rebuild(self.next_table_id, spec, tmap, seed,
-                                         self.cfg.recovery_quarantine_s)
+                                         self.cfg.recovery_quarantine_s, self.cfg.hold_timeout_s)
             else:
-                table = Table(self.next_table_id, spec, tmap, seed)
+                table = Table(self.next_table_id, spec, tmap, seed, hold_timeout_s=self.cfg.hold_timeout_s)
         except BaseException:
             if fresh:  # an adopted or restored segment is the caller's to keep or drop
                 tmap.unlink()

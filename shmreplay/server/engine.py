@@ -9,9 +9,11 @@ doorbell (an eventfd) so a sleeping engine notices, and gets a
 Entry points assert, in debug mode, that they run on the engine thread.
 
 Loop: run queued calls; serve every channel (up to BURST records each, for
-fairness, then one publish of the replies); retry parked requests
-(``parking.py``); if nothing was found, spin, then sleep on the doorbell
-(``idle.py``).
+fairness, then one publish of the replies); free the slots of expired holds
+(``table.expire_holds``) before retrying parked requests (``parking.py``),
+so a parked RESERVE can take them; if nothing was found, spin, then sleep
+on the doorbell (``idle.py``) until the next parked deadline or hold expiry
+at the latest.
 
 Each record is decoded by ``wire.records`` and applied by the handler of
 its op.  Replies wait in the client's outbox until its ring has room
@@ -33,8 +35,8 @@ from . import parking
 from .calls import Calls
 from .idle import Idler
 from .outbox import ClientState
-from .parking import Parking, Waiter
-from .table import Table
+from .parking import Parking, Waiter, earliest
+from .table import Table, expire_holds
 
 log = logging.getLogger("shmreplayd.engine")
 
@@ -104,6 +106,7 @@ class Engine:
             while not self.stopping:
                 worked = self.calls.run()
                 worked = self._serve_all() or worked
+                hold_ends = expire_holds(self.tables.values(), time.monotonic())
                 if self.parking.count:
                     self._cut_off_all(self.parking.settle(self.tables, time.monotonic()))
                 if worked:
@@ -111,7 +114,7 @@ class Engine:
                 rings = [cl.req for cl in self.clients.values()]
                 if self.idler.spin(rings, self.calls):
                     continue
-                self.idler.sleep(rings, self.calls, self.parking.next_deadline())
+                self.idler.sleep(rings, self.calls, earliest(self.parking.next_deadline(), hold_ends))
         except BaseException:  # the engine dying silently would hang every client
             log.exception("engine thread crashed; the daemon will exit and keep every table")
             self.calls.failed = True
@@ -281,11 +284,10 @@ class Engine:
 
     @entry_point
     def snapshot(self) -> dict:
-        tables = {}
+        tables, pids = {}, {cid: cl.pid for cid, cl in self.clients.items()}
         for t in self.tables.values():
-            st = t.snapshot_stats()
-            st["limiter"]["waiting_inserts"], st["limiter"]["waiting_samples"] = \
-                self.parking.waiting(t.id)
+            st = t.snapshot_stats(pids)
+            st["limiter"]["waiting_inserts"], st["limiter"]["waiting_samples"] = self.parking.waiting(t.id)
             tables[t.spec.name] = st
         return {"engine": {**self.stats, **self.idler.stats, "parked": self.parking.total},
                 "clients": len(self.clients), "tables": tables}

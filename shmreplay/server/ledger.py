@@ -13,7 +13,11 @@ writer learns the slot index, so a key (``wire.records``) drawn before the
 reservation no longer matches the slot.  A reservation is committed in
 parts, in order.  A hold keeps slots of items sampled for the last time
 (``max_times_sampled``) out of use until the learner that drew them
-releases them, so a row handed out is never overwritten while being read.
+releases them, so a row handed out is never overwritten while being read,
+or until it is ``hold_timeout_s`` old (``expire``): a learner that hangs
+must not keep slots for ever.  Its late gather still returns no wrong row:
+a slot is reused only through ``reserve``, which bumps the stamp the
+learner re-reads after its copy.
 
 The ledger does not decide which slots to reserve (the table asks the free
 list, then its remover) nor what committed items are; it keeps the books.
@@ -24,26 +28,34 @@ Engine thread only; no method may run concurrently with another.
 from __future__ import annotations
 
 import collections
+import logging
 import time
 
 import numpy as np
 
-from ..errors import ProtocolError
+from ..errors import ProtocolError, SlotsBusy
 from ..wire.layout import COMMITTED, FREE, HELD, RESERVED, TableMap
 from .slotqueue import SlotQueue
 
+log = logging.getLogger("shmreplayd.table")
+
 MAX_HOLDS = 64  # open holds per client; past this the oldest is released (its batch is long gathered)
+HOLD_TIMEOUT_S = 5.0
 
 
 class SlotLedger:
-    def __init__(self, name: str, tmap: TableMap):
+    def __init__(self, name: str, tmap: TableMap, hold_timeout_s: float = HOLD_TIMEOUT_S):
         self.name = name
         self.map = tmap
         self.free = SlotQueue(tmap.spec.capacity)
         self.reservations: dict[int, list] = {}  # rid -> [owner, slots, how many committed]
         self.next_rid = 1
-        self.holds: dict[int, tuple[int, np.ndarray]] = {}  # hid -> (owner, slots)
+        self.holds: dict[int, tuple[int, np.ndarray, float]] = {}  # hid -> (owner, slots, since)
         self.holds_of: dict[int, collections.deque] = {}
+        # (since, hid) in the order holds were made, which is the order they
+        # expire in; released ones are dropped when they reach the front
+        self.by_age: collections.deque = collections.deque()
+        self.hold_timeout_s = hold_timeout_s
         self.next_hid = 1
         self.pending = 0  # slots reserved and not committed
         self.held = 0     # slots held for learners
@@ -107,6 +119,14 @@ class SlotLedger:
             self.quarantine = None
         return len(self.free)
 
+    def busy(self) -> SlotsBusy:
+        """What an insert that found no free or evictable slot is told."""
+        return SlotsBusy(
+            f"table {self.name!r}: no slot is free or evictable now; {self.pending} are reserved "
+            f"by writers that have not committed and {self.held} are held by learners still "
+            f"reading their last sample (a hold ends at the latest {self.hold_timeout_s:g} s "
+            "after its sample)")
+
     def take_free(self, k: int) -> np.ndarray:
         """Up to k slots off the free list, oldest first."""
         return self.free.pop(k)
@@ -118,7 +138,9 @@ class SlotLedger:
         self.held += slots.shape[0]
         hid = self.next_hid
         self.next_hid += 1
-        self.holds[hid] = (owner, slots)
+        since = time.monotonic()
+        self.holds[hid] = (owner, slots, since)
+        self.by_age.append((since, hid))
         mine = self.holds_of.setdefault(owner, collections.deque())
         mine.append(hid)
         if len(mine) > MAX_HOLDS:
@@ -131,7 +153,7 @@ class SlotLedger:
             raise ProtocolError(f"table {self.name!r}: RELEASE of hold {hid}, which never existed")
         entry = self.holds.get(hid)
         if entry is None:
-            return  # released already (the MAX_HOLDS cap got there first)
+            return  # released already: the MAX_HOLDS cap or the hold's expiry got there first
         if entry[0] != owner:
             raise ProtocolError(f"table {self.name!r}: hold {hid} is not yours")
         del self.holds[hid]
@@ -142,6 +164,35 @@ class SlotLedger:
         self.held -= slots.shape[0]
         self.map.state[slots] = FREE
         self.free.push(slots)
+
+    def expire(self, now: float) -> tuple[int, float | None]:
+        """Release every hold made ``hold_timeout_s`` or more before ``now``.
+        Returns how many slots that freed, and when the next hold expires
+        (None: no hold is open)."""
+        q, freed = self.by_age, 0
+        while q:
+            since, hid = q[0]
+            entry = self.holds.get(hid)
+            if entry is not None:
+                if since + self.hold_timeout_s > now:
+                    return freed, since + self.hold_timeout_s
+                owner, n = entry[0], entry[1].shape[0]
+                log.warning("table %s: client %d did not release %d held slots within %g s "
+                            "(a hung learner?); freed them", self.name, owner, n, self.hold_timeout_s)
+                self.release(owner, hid)
+                freed += n
+            q.popleft()
+        return freed, None
+
+    def holders(self, pids: dict) -> list[dict]:
+        """Who holds slots: per client its id, pid (from ``pids``), how many
+        slots, and the age of its oldest hold in seconds."""
+        now, out = time.monotonic(), {}
+        for owner, slots, since in self.holds.values():  # oldest first
+            h = out.setdefault(owner, {"client": owner, "pid": pids.get(owner, 0), "held": 0,
+                                       "oldest_s": round(now - since, 3)})
+            h["held"] += slots.shape[0]
+        return list(out.values())
 
     def release_owner(self, owner: int) -> int:
         """An owner's lease ended: free what it reserved but never committed,

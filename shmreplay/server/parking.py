@@ -141,6 +141,11 @@ class Parking:
                    default=None)
 
 
+def earliest(*deadlines: float | None) -> float | None:
+    """The first of some deadlines (None: no deadline)."""
+    return min((d for d in deadlines if d is not None), default=None)
+
+
 def run(table, w: Waiter) -> None:
     """Run a RESERVE or SAMPLE and queue its reply; raises Blocked."""
     if w.op == RESERVE:

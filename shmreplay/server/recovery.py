@@ -38,6 +38,7 @@ from ..errors import ForeignObject, LayoutError, ReplayError
 from ..wire import names
 from ..wire.layout import COMMITTED, FREE, HELD, RESERVED, TableMap, process_start
 from . import checkpoint, ownership
+from .ledger import HOLD_TIMEOUT_S
 from .table import Table
 
 log = logging.getLogger("shmreplayd.recovery")
@@ -62,7 +63,8 @@ def adopt(name: str, mode: int, gid: int, expected=None) -> TableMap:
     return tmap
 
 
-def rebuild(table_id: int, spec, tmap: TableMap, seed=None, quarantine_s: float = 0.0) -> Table:
+def rebuild(table_id: int, spec, tmap: TableMap, seed=None, quarantine_s: float = 0.0,
+            hold_timeout_s: float = HOLD_TIMEOUT_S) -> Table:
     """A table rebuilt from a segment a dead daemon served (or a restored
     checkpoint): the committed items (state, priority, times sampled,
     commit number) are the truth; everything else is derived.  Slots a
@@ -71,7 +73,7 @@ def rebuild(table_id: int, spec, tmap: TableMap, seed=None, quarantine_s: float 
     they stay out of use for ``quarantine_s``, in case a writer of the old
     daemon is still copying into one (writers check the epoch before they
     copy).  Engine thread, or before the table is served."""
-    t = Table(table_id, spec, tmap, seed, fresh=False)
+    t = Table(table_id, spec, tmap, seed, fresh=False, hold_timeout_s=hold_timeout_s)
     m = tmap
     st = m.state
     mts = spec.max_times_sampled

@@ -10,9 +10,11 @@ A table is composed of parts that each own their state:
   the ordered ones read (``order.CommitOrder``).
 
 Slots for a writer come from the free list first, then by evicting the
-item the remover picks.  An item sampled for the ``max_times_sampled``-th
-time leaves the table at once; its slot is held for the learner that drew
-it.  Requests that cannot run now raise ``counters.Blocked``; the engine
+item the remover picks, which never picks a held slot (its item left the
+table).  An item sampled for the ``max_times_sampled``-th time leaves the
+table at once; its slot is held for the learner that drew it, at most
+``hold_timeout_s`` (``expire_holds``, which the engine calls every pass).
+Requests that cannot run now raise ``counters.Blocked``; the engine
 parks them (``parking.py``), so a waiting request never blocks the engine or
 another table.  ``recovery.rebuild`` makes a table from a segment that a
 dead daemon or a checkpoint left.
@@ -26,13 +28,13 @@ import logging
 
 import numpy as np
 
-from ..errors import CapacityError, PriorityError, ProtocolError, SlotsBusy
+from ..errors import CapacityError, PriorityError, ProtocolError
 from ..priorities import check_priorities
 from ..schema import TableSpec
 from ..wire.layout import COMMITTED, TableMap
 from ..wire.records import key_slots, make_keys, stale
 from .counters import Blocked, LimiterCounters
-from .ledger import SlotLedger
+from .ledger import HOLD_TIMEOUT_S, SlotLedger
 from .order import CommitOrder
 from .reuse import draw_limited
 from .selectors import make_remover, make_sampler
@@ -42,7 +44,7 @@ log = logging.getLogger("shmreplayd.table")
 
 class Table:
     def __init__(self, table_id: int, spec: TableSpec, tmap: TableMap, seed=None,
-                 fresh: bool = True):
+                 fresh: bool = True, hold_timeout_s: float = HOLD_TIMEOUT_S):
         """``fresh``: the segment is new and every slot free.  Otherwise the
         caller fills the parts in (``recovery.rebuild``)."""
         self.id = table_id
@@ -53,7 +55,7 @@ class Table:
         self.order = CommitOrder(c, self._alive)
         self.sampler = make_sampler(spec.sampler, c, spec.alpha, self.order)
         self.remover = make_remover(spec.remover, c, self.order)
-        self.ledger = SlotLedger(spec.name, tmap)
+        self.ledger = SlotLedger(spec.name, tmap, hold_timeout_s)
         self.counters = LimiterCounters(spec, tmap.words)
         self.max_priority = 1.0
         self.rng = np.random.default_rng(seed)
@@ -63,7 +65,7 @@ class Table:
                       "removed_after_max_samples": 0, "stale_priority_updates": 0,
                       "priority_updates": 0, "reclaimed_reservations": 0, "tree_rebuilds": 0,
                       "insert_waits": 0, "sample_waits": 0, "timeouts": 0, "recovered_items": 0,
-                      "recovered_orphans": 0}
+                      "recovered_orphans": 0, "expired_held_slots": 0}
         if fresh:
             self.ledger.free.push(np.arange(c, dtype=np.int64))
             self.publish()
@@ -91,15 +93,14 @@ class Table:
         room = cnt.insert_room(led.pending, n)
         if room == 0:
             raise Blocked(cnt.insert_refusal(led.pending))
-        # while learners hold slots, take only free ones: evicting instead
-        # would push out items the table has room for once they release
-        # (a queue would lose them)
-        k = min(room, free + (0 if led.held else cnt.size))
+        # a full table evicts what its remover picks even while slots are
+        # held, so a hung learner stops no writer; but a rate-limited table
+        # (a queue) admits an insert because a sampled item made room, and
+        # evicting an unsampled item for it would lose that item: it waits
+        # for the held slots, at most hold_timeout_s
+        k = min(room, free + (0 if led.held and self.spec.rate_limited else cnt.size))
         if k == 0:
-            raise Blocked(SlotsBusy(
-                f"table {self.spec.name!r}: no slot is free or evictable now; "
-                f"{led.pending} are reserved by writers that have not committed and "
-                f"{led.held} are held by learners still reading their last sample"))
+            raise Blocked(led.busy())
         slots = led.take_free(k)
         if slots.shape[0] < k:
             slots = np.concatenate((slots, self._evict(k - slots.shape[0])))
@@ -218,6 +219,15 @@ class Table:
         self.ledger.release(owner, hid)
         self.publish()
 
+    def expire_holds(self, now: float) -> float | None:
+        """Free the slots of holds older than ``hold_timeout_s``; returns
+        when the next hold expires (None: none is open)."""
+        freed, soonest = self.ledger.expire(now)
+        if freed:
+            self.stats["expired_held_slots"] += freed
+            self.publish()
+        return soonest
+
     def update_priorities(self, keys: np.ndarray, priorities: np.ndarray) -> int:
         n = keys.shape[0]
         check_priorities(priorities, n, f"update_priorities on table {self.spec.name!r}",
@@ -272,10 +282,22 @@ class Table:
         return {"id": self.id, "segment": self.segment_name, "spec": self.spec.to_wire(),
                 "segment_size": self.map.layout.size + self.map.layout.rows_size, "items": self.counters.size}
 
-    def snapshot_stats(self) -> dict:
+    def snapshot_stats(self, pids: dict | None = None) -> dict:
+        """The numbers; ``pids`` (client id -> pid) names who holds slots."""
         led = self.ledger
         return {**self.stats, "size": self.counters.size, "capacity": self.spec.capacity,
-                "reserved": led.pending, "held": led.held,
+                "reserved": led.pending, "held": led.held, "holders": led.holders(pids or {}),
                 "limiter": self.counters.snapshot(led.pending),
                 "max_priority": self.max_priority, "sampler": self.spec.sampler,
                 "remover": self.spec.remover}
+
+
+def expire_holds(tables, now: float) -> float | None:
+    """Expire the old holds of every table; returns when the next one
+    expires (None: no hold is open), for the engine's sleep."""
+    soonest = None
+    for t in tables:
+        at = t.expire_holds(now)
+        if at is not None and (soonest is None or at < soonest):
+            soonest = at
+    return soonest

@@ -30,7 +30,7 @@ ACTOR_BUDGET = T_CAPACITY - 1024
 
 
 def test_clients_killed_at_every_step_cost_nobody_anything(start_daemon, capsys):
-    d = start_daemon(tables=TABLES)
+    d = start_daemon(tables=TABLES, hold_timeout_s=3600.0)  # a victim's holds outlast any slow run
     ctx = mp.get_context("fork")
     admin = d.connect(timeout=30)
     admin.table("q").insert_batch(rows(np.arange(4)))   # full: the next insert waits

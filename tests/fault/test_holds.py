@@ -125,7 +125,7 @@ def test_writers_evict_around_a_hung_learners_holds_and_status_names_it(start_da
         assert "8 held" in status.stdout
         assert re.search(rf"client \d+, pid {learner.pid}: 8 slots held, oldest ", status.stdout), \
             status.stdout
-        tm = TableMap.attach(t._map.seg.name)
+        tm = TableMap.attach(t._map.name)
         held = np.flatnonzero(tm.state == HELD)
         stamps = tm.gens[held].copy()
         # twice the table's worth, without waiting: every insert evicts the
@@ -136,7 +136,7 @@ def test_writers_evict_around_a_hung_learners_holds_and_status_names_it(start_da
         st = admin.stats()["tables"]["t"]
         assert (st["held"], st["size"], st["evictions"]) == (8, 504, 1024)
         assert np.all(tm.state[held] == HELD) and np.array_equal(tm.gens[held], stamps)
-        assert np.array_equal(committed_ids(t._map.seg.name), new[-504:])
+        assert np.array_equal(committed_ids(t._map.name), new[-504:])
         tm.release()
         os.kill(learner.pid, signal.SIGKILL)
         wait_for(lambda: admin.stats()["tables"]["t"]["held"] == 0, "the killed learner's holds to go back")
@@ -167,7 +167,7 @@ def writer_until_reused(sock, segment, stamps, out):
 def test_holds_expire_and_a_late_gather_redraws_the_reused_rows(start_daemon):
     d, admin, t = full_table(start_daemon, {"name": "t", "capacity": 64, "sampler": "fifo", "fields": FIELDS},
                              rows(np.arange(64)), hold_timeout_s=1.0)
-    segment = t._map.seg.name
+    segment = t._map.name
     outs = {how: CTX.SimpleQueue() for how in ("before", "mid")}
     learners, writer = {}, None
 

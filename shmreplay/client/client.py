@@ -73,6 +73,7 @@ class Client:
         self._lost = False  # inserts were unflushed when a daemon died (flush says so)
         self._tables: dict[str, Table] = {}
         self._link = self._pipe = None
+        self._pid, self._lease_key = 0, 0  # this process's lease at its daemon (pid << 32 | id)
         self._open()
 
     # ---- pickling / fork ----
@@ -92,6 +93,10 @@ class Client:
 
     # ---- the lease ----
     def _open(self) -> None:
+        # the lease this process held at its last daemon: the leases were
+        # voided just below, so if that daemon died, the next may reuse the
+        # slots it gave us (server/orphans.py)
+        resume = self._lease_key if self._pid == os.getpid() else 0
         self._pid = os.getpid()
         self._closed = False
         self._dirty = False  # commits sent since the last flush
@@ -99,8 +104,9 @@ class Client:
             t._forget_connection()
         link = ControlLink(self.path, self.timeout)
         try:
-            hello, fds = link.hello(os.getpid())
+            hello, fds = link.hello(os.getpid(), resume)
             self.daemon_pid = hello["daemon_pid"]
+            self._lease_key = (int(self.daemon_pid) << 32) | int(hello["client_id"])
             self.max_batch = int(hello["max_batch"])
             pipe = CommandPipe(link, fds)
             try:

@@ -52,11 +52,11 @@ class ControlLink:
         self._poll = select.poll()
         self._poll.register(sock.fileno(), select.POLLIN)
 
-    def hello(self, pid: int) -> tuple[dict, list[int]]:
+    def hello(self, pid: int, resume: int = 0) -> tuple[dict, list[int]]:
         """The handshake's first half: the daemon creates this client's
         channel and doorbells and passes their descriptors with its reply.
         Returns the reply and the descriptors, which the caller owns."""
-        reply = self.request("hello", protocol=PROTOCOL_VERSION, pid=pid)
+        reply = self.request("hello", protocol=PROTOCOL_VERSION, pid=pid, resume=resume)
         fds, self.fds = self.fds, []
         want = len(reply.get("fds", ()))
         if len(fds) != want or want != 3:

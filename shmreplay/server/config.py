@@ -23,7 +23,7 @@ from ..schema import TableSpec, spec_from_dict
 from ..wire import names
 _INSTANCE = re.compile(r"^[A-Za-z0-9_-]{1,32}$")
 DAEMON_KEYS = {"socket", "instance", "segment_mode", "spin_us", "idle_timeout_s", "log_level", "seed",
-               "retain_tables", "recovery_quarantine_s", "checkpoint_dir", "checkpoint_interval_s",
+               "retain_tables", "checkpoint_dir", "checkpoint_interval_s",
                "checkpoint_keep", "checkpoint_buffer_mb", "group", "allowed_users", "allowed_groups", "admin_group",
                "max_clients", "max_tables", "hold_timeout_s"}
 
@@ -39,7 +39,6 @@ class DaemonConfig:
     seed: int | None = None  # seeds every table's sampler (seed + table id): reproducible runs
     # recovery and checkpoints (docs/reliability.md)
     retain_tables: bool = False       # leave table segments at shutdown for the next daemon
-    recovery_quarantine_s: float = 5.0
     hold_timeout_s: float = 5.0       # longest a learner may keep slots of its last samples
     checkpoint_dir: str = ""          # periodic checkpoints go here; restored at start
     checkpoint_interval_s: float = 0.0  # 0: no periodic checkpoints
@@ -100,7 +99,6 @@ def parse_config(doc: dict, where: str = "config") -> DaemonConfig:
             raise SchemaError(f"{where}: seed must be an int >= 0, got {d['seed']!r}")
         cfg.seed = d["seed"]
     cfg.retain_tables = _bool(d, "retain_tables", False, where)
-    cfg.recovery_quarantine_s = _number(d, "recovery_quarantine_s", 5.0, where)
     # 0 would free held slots before any learner could copy their rows
     cfg.hold_timeout_s = _number(d, "hold_timeout_s", 5.0, where, lo=0.001)
     cfg.checkpoint_dir = str(d.get("checkpoint_dir", ""))

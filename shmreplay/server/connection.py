@@ -52,6 +52,7 @@ class ControlConnection(asyncio.Protocol):
         self.channel: Channel | None = None
         self.bells: tuple = ()      # (to_daemon, to_client) eventfds
         self.passing: list = []     # descriptors the hello reply carries
+        self.resume = 0             # the lease the client held at a dead daemon (hello)
         self.peer: access.Peer | None = None
         self.attached = False
         self.closed = False
@@ -151,7 +152,7 @@ class ControlConnection(asyncio.Protocol):
             raise PermissionDenied(f"{op} is an admin operation: only the daemon's user, root or "
                                    f"the admin_group may run it (you are uid {self.peer.uid})")
         if op == "hello":
-            return self._hello(msg["pid"])
+            return self._hello(msg["pid"], msg.get("resume", 0))
         if op == "ready":
             return await self._ready()
         if op == "create_table":
@@ -178,13 +179,16 @@ class ControlConnection(asyncio.Protocol):
             return None
         raise ProtocolError(f"op {op!r} has no handler")
 
-    def _hello(self, pid: int) -> dict:
+    def _hello(self, pid: int, resume) -> dict:
         """Make this client's channel and doorbells; they travel with the
         reply (``_send_with_fds``), never under a name another process could
         open."""
         cfg, srv = self.srv.cfg, self.srv
         if not 0 < pid < 2**32:
             raise ProtocolError(f"hello: pid {pid} is not a process id")
+        if not isinstance(resume, int) or isinstance(resume, bool) or not 0 <= resume < 2**64:
+            raise ProtocolError(f"hello: resume {resume!r:.40} is not a lease")
+        self.resume = resume
         if self.channel is not None:
             raise ProtocolError("hello sent twice")
         self.channel = Channel.create(CHANNEL, self.peer.pid, srv.pid,
@@ -192,13 +196,14 @@ class ControlConnection(asyncio.Protocol):
         self.bells = (new_doorbell(), new_doorbell())
         self.passing = [self.channel.fd, *self.bells]
         return {"protocol": PROTOCOL_VERSION, "daemon_pid": srv.pid, "instance": cfg.instance,
-                "max_batch": records.MAX_BATCH, "fds": ["channel", "to_daemon", "to_client"]}
+                "client_id": self.cid, "max_batch": records.MAX_BATCH,
+                "fds": ["channel", "to_daemon", "to_client"]}
 
     async def _ready(self) -> None:
         if self.channel is None or self.passing:
             raise ProtocolError("ready before the channel was handed over")
         # the pid is the kernel's (SO_PEERCRED), not what the client says
-        cl = ClientState(self.cid, self.peer.pid, self.channel, *self.bells)
+        cl = ClientState(self.cid, self.peer.pid, self.channel, *self.bells, self.resume)
         # attached before the await: if the connection drops meanwhile this
         # task is cancelled, and _end_lease must still detach (engine calls
         # run in order, so the detach follows the add if the add ran)

@@ -116,8 +116,7 @@ class ControlServer:
         seed = None if self.cfg.seed is None else self.cfg.seed + self.next_table_id
         try:
             if recover:
-                table = recovery.rebuild(self.next_table_id, spec, tmap, seed,
-                                         self.cfg.recovery_quarantine_s, self.cfg.hold_timeout_s)
+                table = recovery.rebuild(self.next_table_id, spec, tmap, seed, self.cfg.hold_timeout_s)
             else:
                 table = Table(self.next_table_id, spec, tmap, seed, hold_timeout_s=self.cfg.hold_timeout_s)
         except BaseException:

@@ -267,6 +267,11 @@ class Engine:
     def add_client(self, cl: ClientState) -> None:
         self.clients[cl.id] = cl
         self.idler.watch(cl.to_daemon)
+        if cl.resume:  # it voided the leases it held at a dead daemon: free them
+            for t in self.tables.values():
+                if n := t.ledger.resumed(cl.pid, cl.start, cl.resume):
+                    log.info("table %s: %d slots leased under a dead daemon freed: their writer "
+                             "(pid %d) reconnected", t.spec.name, n, cl.pid)
 
     @entry_point
     def detach_client(self, cid: int) -> ClientState | None:

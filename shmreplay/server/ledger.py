@@ -29,12 +29,14 @@ from __future__ import annotations
 
 import collections
 import logging
+import os
 import time
 
 import numpy as np
 
 from ..errors import ProtocolError, SlotsBusy
 from ..wire.layout import COMMITTED, FREE, HELD, RESERVED, TableMap
+from .orphans import OrphanLeases, owner_key
 from .slotqueue import SlotQueue
 
 log = logging.getLogger("shmreplayd.table")
@@ -59,13 +61,19 @@ class SlotLedger:
         self.next_hid = 1
         self.pending = 0  # slots reserved and not committed
         self.held = 0     # slots held for learners
-        self.quarantine: tuple[np.ndarray, float] | None = None
+        self.orphans: OrphanLeases | None = None  # leased under a dead daemon (orphans.py)
+        self.daemon_pid = os.getpid()
 
     # ---- writers ----
-    def reserve(self, owner: int, slots: np.ndarray) -> int:
+    def reserve(self, owner: int, slots: np.ndarray, pid: int = 0, start: int = 0) -> int:
         """Mark ``slots`` (taken off the free list, or evicted) reserved for
-        ``owner``; returns the reservation id."""
+        client ``owner`` (process ``pid`` started at ``start``, recorded so a
+        later daemon knows who may still write them); returns the
+        reservation id."""
         m = self.map
+        m.lease_pid[slots] = pid
+        m.lease_start[slots] = start
+        m.lease_owner[slots] = owner_key(self.daemon_pid, owner)
         m.state[slots] = RESERVED
         m.prios[slots] = 0.0
         m.gens[slots] += np.uint32(1)  # wraps at 2**32 by design
@@ -113,11 +121,24 @@ class SlotLedger:
         return rest.shape[0]
 
     def free_slots(self) -> int:
-        """Slots on the free list, quarantined ones included once their time is up."""
-        if self.quarantine is not None and time.monotonic() >= self.quarantine[1]:
-            self.free.push(self.quarantine[0])
-            self.quarantine = None
+        """Slots on the free list, with those of dead daemons' writers that
+        have exited since (orphans.py)."""
+        if self.orphans is not None and self.orphans.count:
+            self._unorphan(self.orphans.gone(time.monotonic()))
         return len(self.free)
+
+    def resumed(self, pid: int, start: int, owner: int) -> int:
+        """A writer of a dead daemon reconnected naming its old lease: free
+        what it held.  Returns how many slots."""
+        if self.orphans is None or not self.orphans.count:
+            return 0
+        return self._unorphan(self.orphans.resumed(pid, start, owner))
+
+    def _unorphan(self, slots: np.ndarray) -> int:
+        if slots.shape[0]:
+            self.map.state[slots] = FREE
+            self.free.push(slots)
+        return slots.shape[0]
 
     def busy(self) -> SlotsBusy:
         """What an insert that found no free or evictable slot is told."""

@@ -16,6 +16,7 @@ import collections
 
 from ..errors import ProtocolError
 from ..wire.channel import Channel
+from ..wire.layout import process_start
 from ..wire.channel import ring as ring_bell
 from ..wire.records import Reply, put_reply
 
@@ -23,9 +24,12 @@ MAX_OUTBOX = 1024  # replies a client may leave unread before it is cut off
 
 
 class ClientState:
-    def __init__(self, cid: int, pid: int, channel: Channel, to_daemon: int, to_client: int):
+    def __init__(self, cid: int, pid: int, channel: Channel, to_daemon: int, to_client: int,
+                 resume: int = 0):
         self.id = cid
         self.pid = pid
+        self.start = process_start(pid)  # with the pid, names this process in lease records
+        self.resume = resume  # the lease it held at a dead daemon (orphans.owner_key), or 0
         self.channel = channel
         self.req = channel.requests
         self.resp = channel.responses

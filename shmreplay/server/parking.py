@@ -149,7 +149,7 @@ def earliest(*deadlines: float | None) -> float | None:
 def run(table, w: Waiter) -> None:
     """Run a RESERVE or SAMPLE and queue its reply; raises Blocked."""
     if w.op == RESERVE:
-        rid, slots, contiguous = table.reserve(w.cl.id, w.n)
+        rid, slots, contiguous = table.reserve(w.cl.id, w.n, w.cl.pid, w.cl.start)
         w.cl.respond(R.reserve_reply(w.seq, rid, slots, contiguous))
     else:
         keys, probs, weights, hid = table.sample(w.cl.id, w.n, w.beta)

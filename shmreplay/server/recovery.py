@@ -20,7 +20,8 @@ daemon: SIGKILL, OOM kill, or a shutdown with ``retain_tables``):
 
 then the ``Table`` is rebuilt from it (``rebuild``): every committed item
 stays, with its priority, times sampled and commit order; slots that were
-reserved or held are reclaimed after a quarantine.  Tables the config
+held are freed, and slots that were reserved come back only once their
+writer provably cannot write them (orphans.py).  Tables the config
 declares that were not adopted are restored from the newest complete
 checkpoint in the restore directory, and the rest are created empty.
 Checkpointed tables that the config does not declare are restored too.
@@ -39,6 +40,7 @@ from ..wire import names
 from ..wire.layout import COMMITTED, FREE, HELD, RESERVED, TableMap, process_start
 from . import checkpoint, ownership
 from .ledger import HOLD_TIMEOUT_S
+from .orphans import OrphanLeases
 from .table import Table
 
 log = logging.getLogger("shmreplayd.recovery")
@@ -63,16 +65,15 @@ def adopt(name: str, mode: int, gid: int, expected=None) -> TableMap:
     return tmap
 
 
-def rebuild(table_id: int, spec, tmap: TableMap, seed=None, quarantine_s: float = 0.0,
+def rebuild(table_id: int, spec, tmap: TableMap, seed=None,
             hold_timeout_s: float = HOLD_TIMEOUT_S) -> Table:
     """A table rebuilt from a segment a dead daemon served (or a restored
     checkpoint): the committed items (state, priority, times sampled,
     commit number) are the truth; everything else is derived.  Slots a
-    writer had reserved, or a learner held, under the dead daemon are void:
-    their stamps are bumped (any key a client kept for them is stale) and
-    they stay out of use for ``quarantine_s``, in case a writer of the old
-    daemon is still copying into one (writers check the epoch before they
-    copy).  Engine thread, or before the table is served."""
+    learner held under the dead daemon are freed; slots a writer had
+    reserved stay out of use until that writer provably cannot write them
+    (orphans.py).  Both get their stamps bumped, so no key a client kept
+    for them matches.  Engine thread, or before the table is served."""
     t = Table(table_id, spec, tmap, seed, fresh=False, hold_timeout_s=hold_timeout_s)
     m = tmap
     st = m.state
@@ -81,16 +82,16 @@ def rebuild(table_id: int, spec, tmap: TableMap, seed=None, quarantine_s: float 
         st[(st == COMMITTED) & (m.times >= mts)] = HELD
     committed = np.flatnonzero(st == COMMITTED)
     committed = committed[np.argsort(m.seqno[committed], kind="stable")]
-    orphans = np.flatnonzero((st == RESERVED) | (st == HELD))
-    if orphans.shape[0]:
-        st[orphans] = FREE
-        m.prios[orphans] = 0.0
-        m.gens[orphans] += np.uint32(1)
-    free = np.flatnonzero(st == FREE)
-    if orphans.shape[0] and quarantine_s > 0:
-        free = np.setdiff1d(free, orphans, assume_unique=True)
-        t.ledger.quarantine = (orphans, time.monotonic() + quarantine_s)
-    t.ledger.free.push(free)
+    held = np.flatnonzero(st == HELD)
+    leased = np.flatnonzero(st == RESERVED)
+    for void in (held, leased):
+        m.prios[void] = 0.0
+        m.gens[void] += np.uint32(1)
+    st[held] = FREE
+    if leased.shape[0]:
+        t.ledger.orphans = OrphanLeases(leased, m.lease_pid[leased], m.lease_start[leased],
+                                        m.lease_owner[leased])
+    t.ledger.free.push(np.flatnonzero(st == FREE))
     prios = m.prios[committed]
     if committed.shape[0]:
         t.sampler.add(committed, prios)
@@ -107,7 +108,7 @@ def rebuild(table_id: int, spec, tmap: TableMap, seed=None, quarantine_s: float 
     m.header["owner_pid"] = os.getpid()
     m.header["owner_start"] = process_start(os.getpid())
     t.stats["recovered_items"] = size
-    t.stats["recovered_orphans"] = orphans.shape[0]
+    t.stats["recovered_orphans"] = held.shape[0] + leased.shape[0]
     t.publish()
     return t
 

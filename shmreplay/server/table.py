@@ -83,7 +83,7 @@ class Table:
         return make_keys(self.map.gens[slots], slots)
 
     # ---- writers ----
-    def reserve(self, owner: int, n: int) -> tuple[int, np.ndarray, bool]:
+    def reserve(self, owner: int, n: int, pid: int = 0, start: int = 0) -> tuple[int, np.ndarray, bool]:
         """Reserve up to n slots: as many as the rate limiter and the free or
         evictable slots allow, at least one; else raise Blocked."""
         if n < 1:
@@ -104,7 +104,7 @@ class Table:
         slots = led.take_free(k)
         if slots.shape[0] < k:
             slots = np.concatenate((slots, self._evict(k - slots.shape[0])))
-        rid = led.reserve(owner, slots)
+        rid = led.reserve(owner, slots, pid, start)
         self.stats["reservations"] += 1
         self.publish()
         contiguous = bool(k == 1 or (slots[-1] - slots[0] == k - 1 and np.all(np.diff(slots) == 1)))
@@ -287,6 +287,8 @@ class Table:
         led = self.ledger
         return {**self.stats, "size": self.counters.size, "capacity": self.spec.capacity,
                 "reserved": led.pending, "held": led.held, "holders": led.holders(pids or {}),
+                "orphaned": led.orphans.count if led.orphans else 0,
+                "orphan_holders": led.orphans.holders() if led.orphans else [],
                 "limiter": self.counters.snapshot(led.pending),
                 "max_priority": self.max_priority, "sampler": self.spec.sampler,
                 "remover": self.spec.remover}

@@ -34,8 +34,8 @@ Meta segment::
            times       uint32[capacity]  times the item in the slot was sampled
            seqno       uint64[capacity]  commit number of the item (1, 2, ...)
            lease_pid   uint32[capacity]  pid of the client a RESERVED slot is leased to
-           lease_cid   uint32[capacity]  that client's id at its daemon
-           lease_start uint64[capacity]  that process's start time (clock ticks)
+           lease_owner uint64[capacity]  the granting daemon's pid << 32 | the client's id there
+           lease_start uint64[capacity]  the client process's start time (clock ticks)
 
 Rows segment::
 
@@ -176,13 +176,13 @@ class TableLayout:
             offsets = _meta_offsets(spec, self.header_size)
         self.offsets = offsets
         (self.gens_off, self.prios_off, self.state_off, self.times_off, self.seqno_off,
-         self.lease_pid_off, self.lease_cid_off, self.lease_start_off) = offsets[:8]
+         self.lease_pid_off, self.lease_owner_off, self.lease_start_off) = offsets[:8]
         self.size = offsets[-1]
         self.field_offs = dict(zip((f.name for f in spec.fields), self.rows_offsets[:-1]))
         self.rows_size = self.rows_offsets[-1]
 
 
-_PER_SLOT = (4, 8, 1, 4, 8, 4, 4, 8)  # bytes a slot in gens ... lease_start
+_PER_SLOT = (4, 8, 1, 4, 8, 4, 8, 8)  # bytes a slot in gens ... lease_start
 
 
 def _meta_offsets(spec: TableSpec, header_size: int) -> list[int]:
@@ -228,7 +228,7 @@ class TableMap:
         self.times = np.ndarray((c,), np.uint32, buffer=buf, offset=lo.times_off)
         self.seqno = np.ndarray((c,), np.uint64, buffer=buf, offset=lo.seqno_off)
         self.lease_pid = np.ndarray((c,), np.uint32, buffer=buf, offset=lo.lease_pid_off)
-        self.lease_cid = np.ndarray((c,), np.uint32, buffer=buf, offset=lo.lease_cid_off)
+        self.lease_owner = np.ndarray((c,), np.uint64, buffer=buf, offset=lo.lease_owner_off)
         self.lease_start = np.ndarray((c,), np.uint64, buffer=buf, offset=lo.lease_start_off)
         self.words = LiveWords(self.live)
         self.fields = {
@@ -325,7 +325,7 @@ class TableMap:
         """Drop the views and unmap (views handed to users keep it mapped)."""
         self.header = self.live = self.gens = self.prios = self.state = None
         self.times = self.seqno = self.words = None
-        self.lease_pid = self.lease_cid = self.lease_start = None
+        self.lease_pid = self.lease_owner = self.lease_start = None
         self.fields = {}
         self.meta.close()
         self.rows.close()

@@ -177,12 +177,21 @@ def segment_rows(segment: str) -> tuple[dict, int]:
 
 def void_slots(segment: str) -> tuple[np.ndarray, np.ndarray]:
     """The slots a writer had reserved (or a learner held) and their stamps:
-    read after a SIGKILL, these are what the next daemon voids and, after its
-    recovery quarantine, gives out again."""
+    read after a SIGKILL, these are what the next daemon voids and gives
+    out again once nobody can still write them (server/orphans.py)."""
     tm = TableMap.attach(segment)
     try:
         slots = np.flatnonzero((tm.state == RESERVED) | (tm.state == HELD))
         return slots, tm.gens[slots].copy()
+    finally:
+        tm.release()
+
+
+def lease_pids(segment: str, slots: np.ndarray) -> np.ndarray:
+    """The pid each of ``slots`` is (or was last) leased to, from the meta segment."""
+    tm = TableMap.attach(segment)
+    try:
+        return tm.lease_pid[slots].copy()
     finally:
         tm.release()
 

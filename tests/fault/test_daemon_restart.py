@@ -48,7 +48,7 @@ def wait_until_all_carry_on(admin, segment: str, workers: int, since: dict) -> N
 
 
 def test_sigkill_under_load_loses_nothing_committed(start_daemon, capsys):
-    d = start_daemon(tables=TABLES, recovery_quarantine_s=0.5)
+    d = start_daemon(tables=TABLES)
     ctx = mp.get_context("fork")
     stop, out = ctx.Event(), ctx.Queue()
     procs = [ctx.Process(target=actor, args=(d.socket, "per", k << 40, stop, out, 64, 0.002, ACTOR_BUDGET),

@@ -8,7 +8,9 @@ Semantics checked, with ``connect(..., reconnect=True)``:
   out the restart by themselves: they never raise because of it;
 * a writer's items that were open (started, not committed) when the daemon
   died are dropped, never completed into the voided slots, which the new
-  daemon gives to other writers once its recovery quarantine is over;
+  daemon gives to other writers once their writer reconnected or exited,
+  never while it may still write them (the stalled actor's stay out of use
+  until it resumes and reconnects);
 * the first ``flush()`` after the restart raises ``DaemonUnavailable``
   ("may be lost") if anything sent before it was unflushed (plain inserts,
   writer commits, open items), and every flush that returns vouches for
@@ -34,11 +36,10 @@ import numpy as np
 
 import shmreplay
 
-from faults import reissued, segment_rows, void_slots
+from faults import HANG_S, lease_pids, reissued, segment_rows, void_slots, wait_for
 
 N, GAMMA, D = 5, 0.9, 4            # n-step transitions of D-wide int observations
 SEQ_LEN, PERIOD = 8, 4             # sequences overlap by half
-QUARANTINE_S = 0.3
 EP_LEN = {1: 23, 2: 17, 3: 29, 4: 21, 5: 19}   # episode length of each actor
 KIND = {1: "nstep", 2: "nstep", 3: "plain", 4: "seq", 5: "seq"}
 STALLED = 2                        # holds open transitions across the restart, resumes late
@@ -371,7 +372,7 @@ def presence_problems(what: str, confirmed: dict, data: dict, torn: np.ndarray, 
 
 
 def test_writers_ride_out_a_daemon_restart(start_daemon, capsys):
-    d = start_daemon(tables=TABLES, recovery_quarantine_s=QUARANTINE_S)
+    d = start_daemon(tables=TABLES)
     seg = {t: f"/shmreplay.{d.instance}.t.{t}" for t in CAPACITY}
     crew = None
     failures: list[str] = []   # torn rows first, then lost items, then errors
@@ -408,13 +409,13 @@ def test_writers_ride_out_a_daemon_restart(start_daemon, capsys):
         open_at_crash = {a: list(v) for a, v in crew.open.items()}
         void, void_gens = void_slots(seg["nstep"])
         assert void.shape[0] >= len(open_at_crash[1]) + len(open_at_crash[STALLED]), void.shape
+        stalled_void = lease_pids(seg["nstep"], void) == crew.procs[STALLED].pid
+        assert stalled_void.any(), "the stalled actor leased no slot: the case under test"
         d.start()
-        # the daemon recovered before it served: after this its quarantine is
-        # over, so the void slots go out right after the slots free now
-        time.sleep(QUARANTINE_S)
 
         # ---- phase 2: all but the stalled actor go on until every void slot
-        # holds another actor's committed item ----
+        # of theirs holds another actor's committed item; the stalled
+        # actor's stay out of use, since it may still write them ----
         rounds = 0
         while rounds < MAX_P2_ROUNDS:
             rounds += 1
@@ -422,13 +423,24 @@ def test_writers_ride_out_a_daemon_restart(start_daemon, capsys):
             if rounds <= 2:
                 orders[4] = orders[5] = (64, True)
             crew.run(orders)
-            if reissued(seg["nstep"], void, void_gens).all() and rounds >= 2:
+            if reissued(seg["nstep"], void[~stalled_void], void_gens[~stalled_void]).all() and rounds >= 2:
                 break
         reused = reissued(seg["nstep"], void, void_gens)
-        fig["void slots"] = f"{int(reused.sum())}/{void.shape[0]} re-issued after {rounds} rounds"
-        if not reused.all():
-            failures.append(f"setup: only {int(reused.sum())} of the {void.shape[0]} slots reserved at "
-                            f"the crash were given out and committed again in {rounds} rounds")
+        fig["void slots"] = (f"{int(reused[~stalled_void].sum())}/{int((~stalled_void).sum())} re-issued "
+                             f"after {rounds} rounds; the stalled writer's "
+                             f"{int(stalled_void.sum())} kept out of use")
+        if not reused[~stalled_void].all():
+            failures.append(f"setup: only {int(reused[~stalled_void].sum())} of the "
+                            f"{int((~stalled_void).sum())} slots reserved at the crash by writers that "
+                            f"reconnected were given out and committed again in {rounds} rounds")
+        if reused[stalled_void].any():
+            failures.append(f"{int(reused[stalled_void].sum())} slots leased to the stalled writer were "
+                            "given to another writer while it could still write them")
+        with shmreplay.connect(d.socket, timeout=HANG_S) as admin:
+            st = admin.stats()["tables"]["nstep"]
+            if st["orphaned"] != int(stalled_void.sum()):
+                failures.append(f"stats show {st['orphaned']} orphaned slots, "
+                                f"expected the stalled writer's {int(stalled_void.sum())}")
         for t in CAPACITY:
             data, torn, deletes = scan(seg[t], t)
             fig[f"{t} torn in segment before release"] = int(torn.sum())
@@ -442,6 +454,9 @@ def test_writers_ride_out_a_daemon_restart(start_daemon, capsys):
         for _ in range(2):
             crew.run({1: (64, True), STALLED: (64, True), 3: (64, True), 4: (64, True),
                       5: (64, True)})
+        with shmreplay.connect(d.socket, timeout=HANG_S) as admin:  # it reconnected: its slots are free
+            wait_for(lambda: admin.stats()["tables"]["nstep"]["orphaned"] == 0,
+                     "the stalled writer's leases to be freed once it reconnected")
         base = list(crew.progress)
         deadline = time.monotonic() + 60  # a hang guard
         while min(p - b for p, b in zip(crew.progress, base)) < 10:  # the learner still samples

@@ -25,7 +25,8 @@ _INSTANCE = re.compile(r"^[A-Za-z0-9_-]{1,32}$")
 DAEMON_KEYS = {"socket", "instance", "segment_mode", "spin_us", "idle_timeout_s", "log_level", "seed",
                "retain_tables", "checkpoint_dir", "checkpoint_interval_s",
                "checkpoint_keep", "checkpoint_buffer_mb", "group", "allowed_users", "allowed_groups", "admin_group",
-               "max_clients", "max_tables", "hold_timeout_s"}
+               "max_clients", "max_tables", "hold_timeout_s", "max_clients_per_user",
+               "handshake_timeout_s"}
 
 
 @dataclass
@@ -51,6 +52,8 @@ class DaemonConfig:
     allowed_gids: set = field(default_factory=set)
     admin_gid: int | None = None
     max_clients: int = 256
+    max_clients_per_user: int = 128   # one user cannot take every connection
+    handshake_timeout_s: float = 10.0  # a connection that sends no hello by then is closed
     max_tables: int = 64
     tables: list[TableSpec] = field(default_factory=list)
 
@@ -110,6 +113,8 @@ def parse_config(doc: dict, where: str = "config") -> DaemonConfig:
     cfg.checkpoint_keep = int(_number(d, "checkpoint_keep", 2, where, lo=1))
     cfg.checkpoint_buffer_mb = _number(d, "checkpoint_buffer_mb", 1024.0, where)
     cfg.max_clients = int(_number(d, "max_clients", 256, where, lo=1))
+    cfg.max_clients_per_user = int(_number(d, "max_clients_per_user", 128, where, lo=1))
+    cfg.handshake_timeout_s = _number(d, "handshake_timeout_s", 10.0, where, lo=0.01)
     cfg.max_tables = int(_number(d, "max_tables", 64, where, lo=1))
     if d.get("group", ""):
         cfg.gid = group_id(d["group"], where)

@@ -76,6 +76,10 @@ class ControlConnection(asyncio.Protocol):
         elif len(srv.connections) >= srv.cfg.max_clients:
             refusal = CapacityError(f"the daemon serves {len(srv.connections)} clients, its limit "
                                     f"(max_clients {srv.cfg.max_clients})")
+        elif (mine := sum(c.peer.uid == self.peer.uid for c in srv.connections.values())) \
+                >= srv.cfg.max_clients_per_user:
+            refusal = CapacityError(f"user {self.peer.uid} has {mine} connections, the limit per user "
+                                    f"(max_clients_per_user {srv.cfg.max_clients_per_user})")
         if refusal is not None:
             log.warning("connection %d (pid %d, uid %d) refused: %s", self.cid, self.peer.pid,
                         self.peer.uid, refusal)
@@ -87,7 +91,17 @@ class ControlConnection(asyncio.Protocol):
             asyncio.get_running_loop().call_later(REFUSED_LINGER_S, transport.close)
             return
         srv.connections[self.cid] = self
-        self.worker = asyncio.get_running_loop().create_task(self._work())
+        loop = asyncio.get_running_loop()
+        self.worker = loop.create_task(self._work())
+        loop.call_later(srv.cfg.handshake_timeout_s, self._handshake_overdue)
+
+    def _handshake_overdue(self) -> None:
+        """A connection holds a place under max_clients: one that never
+        completes its handshake may not hold it for ever."""
+        if not self.attached and not self.closed:
+            log.warning("connection %d (pid %d, uid %d): no handshake within %.3g s; closing it",
+                        self.cid, self.peer.pid, self.peer.uid, self.srv.cfg.handshake_timeout_s)
+            self.kick(ProtocolError(f"no hello and ready within {self.srv.cfg.handshake_timeout_s:g} s"))
 
     def data_received(self, data: bytes) -> None:
         if self.closed:

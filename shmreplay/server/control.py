@@ -11,6 +11,7 @@ the loop keeps serving.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import os
 import socket
@@ -21,12 +22,12 @@ from ..errors import CapacityError, DaemonUnavailable, ForeignObject, ReplayErro
 from ..schema import check_table_name, spec_from_wire
 from ..wire import names
 from ..wire.control import PROTOCOL_VERSION
-from ..wire.layout import TableMap
+from ..wire.layout import TableLayout, TableMap
 from . import checkpoint, recovery
 from .config import DaemonConfig
 from .engine import Engine
 from .connection import ControlConnection
-from .table import Table
+from .table import Table, private_bytes
 
 log = logging.getLogger("shmreplayd.control")
 
@@ -110,21 +111,26 @@ class ControlServer:
         ``recover``: rebuild the table from what it holds)."""
         name = names.table_segment(self.cfg.instance, spec.name)
         t0 = time.monotonic()
+        tid = self.next_table_id  # taken now: two creates may overlap at the awaits below
+        self.next_table_id += 1
         fresh = tmap is None
         if fresh:
+            check_memory(spec)
             tmap = await self.loop.run_in_executor(None, TableMap.create, name, spec, self.cfg.gid)
-        seed = None if self.cfg.seed is None else self.cfg.seed + self.next_table_id
+        seed = None if self.cfg.seed is None else self.cfg.seed + tid
+        # built off the event loop: a table of millions of slots takes a while,
+        # and the loop must go on answering everyone else meanwhile
+        if recover:
+            build = functools.partial(recovery.rebuild, tid, spec, tmap, seed, self.cfg.hold_timeout_s)
+        else:
+            build = functools.partial(Table, tid, spec, tmap, seed, hold_timeout_s=self.cfg.hold_timeout_s)
         try:
-            if recover:
-                table = recovery.rebuild(self.next_table_id, spec, tmap, seed, self.cfg.hold_timeout_s)
-            else:
-                table = Table(self.next_table_id, spec, tmap, seed, hold_timeout_s=self.cfg.hold_timeout_s)
+            table = await self.loop.run_in_executor(None, build)
         except BaseException:
             if fresh:  # an adopted or restored segment is the caller's to keep or drop
                 tmap.unlink()
             tmap.release()
             raise
-        self.next_table_id += 1
         tmap.open_to_clients(self.cfg.segment_mode, self.cfg.gid)
         await self.call(self.engine.add_table, table)
         log.info("table %s: %d x %d bytes in %s (%.1f MiB, ready in %.2f s)", spec.name,
@@ -204,3 +210,28 @@ def _claim_socket_path(path: str) -> None:
     finally:
         probe.close()
     raise ReplayError(f"another daemon is serving {path}")
+
+
+def check_memory(spec) -> None:
+    """Refuse a table the machine cannot hold: its two segments plus what
+    the daemon allocates beside them (``table.private_bytes``), against the
+    memory the kernel says is available now."""
+    layout = TableLayout(spec)
+    segments, private = layout.size + layout.rows_size, private_bytes(spec)
+    avail = mem_available()
+    if avail is not None and segments + private > avail:
+        raise CapacityError(
+            f"table {spec.name!r} needs {(segments + private) / 2**20:.1f} MiB ({segments / 2**20:.1f} "
+            f"in shared memory, {private / 2**20:.1f} in the daemon) but only {avail / 2**20:.1f} MiB "
+            "of memory is available")
+
+
+def mem_available() -> int | None:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None

@@ -294,6 +294,24 @@ class Table:
                 "remover": self.spec.remover}
 
 
+def private_bytes(spec: TableSpec) -> int:
+    """What the daemon allocates for a table beside its segments: the
+    ledger's and order's slot arrays, the sampler's (a prioritized one's
+    sum and min trees over the next power of two) and a uniform remover's.
+    Per slot as measured by summing the arrays of a built table (24 B, plus
+    32 B x pow2/capacity prioritized or 16 B uniform sampling, plus 16 B for
+    a uniform remover)."""
+    c = spec.capacity
+    per = 24.0
+    if spec.sampler == "prioritized":
+        per += 32.0 * (1 << max(0, (c - 1).bit_length())) / c
+    elif spec.sampler == "uniform":
+        per += 16.0
+    if spec.remover == "uniform":
+        per += 16.0
+    return int(c * per)
+
+
 def expire_holds(tables, now: float) -> float | None:
     """Expire the old holds of every table; returns when the next one
     expires (None: no hold is open), for the engine's sleep."""

@@ -3,13 +3,14 @@ and nobody else's problem: /dev/shm, the client and table limits, and a
 client that stops reading its replies."""
 
 import os
+import socket
 import threading
 
 import numpy as np
 import pytest
 
 import shmreplay
-from shmreplay.server.control import CHANNEL
+from shmreplay.server.connection import CHANNEL
 from shmreplay.server.outbox import MAX_OUTBOX
 from shmreplay.wire import records as C
 
@@ -37,6 +38,48 @@ def test_client_and_table_limits_from_the_config(start_daemon):
         assert len(late.table("a")) == 1
     for c in clients:
         c.close()
+
+
+def test_one_user_and_a_silent_connection_cannot_take_every_place(start_daemon):
+    """Issue 12 item 10: a per-user connection limit, and a handshake
+    timeout for connections that never say hello."""
+    d = start_daemon(max_clients=8, max_clients_per_user=2, handshake_timeout_s=5.0)
+    a, b = d.connect(), d.connect()
+    with pytest.raises(shmreplay.CapacityError, match="max_clients_per_user 2"):
+        d.connect()
+    a.close()
+    wait_for(lambda: b.stats()["connections"] == 1, "the daemon to end the closed client's lease")
+    silent = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    silent.settimeout(HANG_S)  # a hang guard; the daemon closes it after handshake_timeout_s
+    silent.connect(d.socket)
+    said = b""
+    while chunk := silent.recv(65536):
+        said += chunk
+    silent.close()
+    assert b"no hello and ready within 5 s" in said  # its bye notice says why
+    wait_for(lambda: b.stats()["connections"] == 1, "the silent connection's place to be freed")
+    with d.connect() as c:  # the places are usable again
+        assert c.stats()["connections"] == 2
+    b.close()
+
+
+def test_a_table_the_machine_cannot_hold_is_refused_before_anything_is_made(start_daemon):
+    """Issue 12 item 10: the daemon's own arrays count too (a prioritized
+    table's trees are larger than its metadata)."""
+    from shmreplay.server.control import mem_available
+    from shmreplay.wire.segment import shm_free_bytes
+    avail, shm = mem_available(), shm_free_bytes()
+    # shared memory 46 B a slot, the daemon's arrays 56 B: pick a size whose
+    # segments fit /dev/shm but whose total does not fit the memory
+    cap = 1 << max(1, int(avail / 102 * 1.2)).bit_length()
+    if not (46 * cap < shm and 102 * cap > avail):
+        pytest.skip("no table size separates /dev/shm space from memory on this machine")
+    d = start_daemon()
+    with d.connect() as c:
+        with pytest.raises(shmreplay.CapacityError, match=r"in the daemon\) but only"):
+            c.create_table("huge", capacity=cap, fields={"x": ("uint8", ())})
+        assert c.list_tables() == []
+        assert not [n for n in os.listdir("/dev/shm") if f"{d.instance}." in n and "huge" in n]
 
 
 def test_a_client_that_never_reads_its_replies_stalls_nobody(start_daemon):

@@ -23,6 +23,7 @@ from ..schema import check_table_name, spec_from_wire
 from ..wire import names
 from ..wire.control import PROTOCOL_VERSION
 from ..wire.layout import TableLayout, TableMap
+from ..wire.segment import shm_free_bytes
 from . import checkpoint, recovery
 from .config import DaemonConfig
 from .engine import Engine
@@ -218,6 +219,9 @@ def check_memory(spec) -> None:
     memory the kernel says is available now."""
     layout = TableLayout(spec)
     segments, private = layout.size + layout.rows_size, private_bytes(spec)
+    shm = shm_free_bytes()
+    if shm is not None and segments > shm:
+        return  # /dev/shm itself is too small: Segment.create says so (ShmFull), with the sizes
     avail = mem_available()
     if avail is not None and segments + private > avail:
         raise CapacityError(

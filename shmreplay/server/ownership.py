@@ -154,10 +154,13 @@ def remove_dead_channels(instance: str, shm_dir: str = SHM_DIR) -> int:
 
 def _object_owner(name: str) -> tuple[int, int]:
     """(pid, start) named by an object without an instance lock: the pid in
-    a channel's or doorbell's name, the owner in a table's header."""
+    a channel's or doorbell's name, the owner in a table's header (a rows
+    segment's owner is its meta segment's)."""
     if is_table(name):
+        head, sep, table = name.rpartition(".r.")
+        meta = f"{head}.t.{table}" if sep else name
         try:
-            with open(os.path.join(SHM_DIR, name), "rb") as f:
+            with open(os.path.join(SHM_DIR, meta), "rb") as f:
                 head = f.read(HEADER.itemsize)
         except OSError:
             return 0, 0

@@ -85,7 +85,7 @@ def spin_until_changed(words, i, old, iterations):
     """Spin up to ``iterations`` loads waiting for ``words[i] != old``.
 
     Returns the new value, or ``old`` if it never changed.  Used for the short
-    spin before sleeping on a semaphore (see docs/protocol.md, "Waking").
+    spin before sleeping on a doorbell (see docs/protocol.md, "Waking").
     """
     for _ in range(iterations):
         v = _load(words, i)

@@ -243,29 +243,3 @@ def shm_free_bytes() -> int | None:
     except OSError:
         return None
     return st.f_bavail * st.f_frsize
-
-
-def create_semaphore(name: str, mode: int, owner: tuple[int, int] = (-1, -1)) -> posix_ipc.Semaphore:
-    """A new semaphore (O_CREX) with exactly ``mode`` and ``owner`` (uid, gid).
-    Linux keeps it as /dev/shm/sem.<name>; chmod there, since sem_open
-    masks the mode with the umask."""
-    sem = posix_ipc.Semaphore(name, posix_ipc.O_CREX, mode, 0)
-    path = os.path.join(SHM_DIR, "sem." + name.lstrip("/"))
-    try:
-        os.chmod(path, mode)
-        if owner != (-1, -1):
-            os.chown(path, *owner)
-    except FileNotFoundError:
-        pass  # not Linux's layout: the mode is what sem_open gave
-    except BaseException:
-        unlink_semaphore_quiet(name)
-        sem.close()
-        raise
-    return sem
-
-
-def unlink_semaphore_quiet(name: str) -> None:
-    try:
-        posix_ipc.unlink_semaphore(name)
-    except posix_ipc.ExistentialError:
-        pass

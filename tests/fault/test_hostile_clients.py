@@ -167,3 +167,30 @@ def test_random_scribble_by_a_member_changes_no_metadata_and_loses_no_item(daemo
         owner.table("still").insert_batch(rows(np.arange(3000, 3100)))
         owner.flush()
         assert len(owner.table("still")) == 3100
+
+
+def truncate(path):
+    fd = os.open(path, os.O_RDWR)
+    try:
+        os.ftruncate(fd, 0)
+    finally:
+        os.close(fd)
+
+
+def test_a_member_truncating_rows_cannot_bring_the_daemon_down(daemon, users, tmp_path):
+    """Rows are the members' to write, so a member can also truncate them:
+    that table's rows are lost, but the daemon never maps rows once a table
+    is served (checkpoints read them with pread), so it does not fault."""
+    with daemon.connect() as owner:
+        owner.table("victim").insert_batch(rows(np.arange(100)))
+        owner.table("still").insert_batch(rows(np.arange(100)))
+        owner.flush()
+        as_user(users[MEMBER], truncate, f"/dev/shm/shmreplay.{daemon.instance}.r.victim")
+        with pytest.raises(shmreplay.ReplayError, match="shorter than its table"):
+            owner.checkpoint(str(tmp_path / "ck"), "victim")
+        assert daemon.proc.poll() is None
+        rep = owner.checkpoint(str(tmp_path / "ck"), "still")  # the other table is whole
+        assert rep[0]["items"] == 100
+        owner.table("still").insert_batch(rows(np.arange(100, 110)))
+        owner.flush()
+        assert len(owner.table("still")) == 110

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import multiprocessing
 import os
 import re
 import signal
@@ -132,9 +133,16 @@ class DaemonProcess:
         return self.proc.pid
 
     def stop(self, timeout: float = 30.0) -> int:
+        """SIGTERM and wait; a daemon that does not stop in ``timeout`` is
+        SIGKILLed (and its objects removed) so no test leaves one running,
+        and the hang is reported as the exit code -SIGKILL."""
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
-        code = self.proc.wait(timeout)
+        try:
+            code = self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            code = -signal.SIGKILL
         self._log.close()
         return code
 
@@ -162,15 +170,56 @@ def start_daemon(tmp_path):
         return d
 
     yield start
+    # stop every daemon even when one of them failed, then report the first
+    # failure: an assert on the first must not leave the rest running
+    problems = []
     for d in started:
         killed = d.proc.poll() is not None and d.proc.returncode < 0
         code = d.stop()
         left = shm_entries(f"shmreplay.{d.instance}.")
-        if killed:
+        if killed or code < 0:
             remove_entries(d.instance)
+            if not killed:
+                problems.append(f"daemon {d.instance} did not stop on SIGTERM:\n{d.log()}")
             continue
-        assert code == 0, f"daemon exited with {code}:\n{d.log()}"
-        assert not left, f"daemon left {sorted(left)} in /dev/shm"
+        if code != 0:
+            problems.append(f"daemon exited with {code}:\n{d.log()}")
+        if left:
+            problems.append(f"daemon left {sorted(left)} in /dev/shm")
+            remove_entries(d.instance)
+    assert not problems, "\n".join(problems)
+
+
+def _children() -> set[int]:
+    """Live child processes of this one (multiprocessing's or not)."""
+    me, out = str(os.getpid()), set()
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if fields[1] == me and fields[0] != "Z":
+            out.add(int(pid))
+    return out
+
+
+@pytest.fixture(autouse=True)
+def no_leftover_children():
+    """A test whose assert fired before it stopped its workers must not
+    leave them running into the next test (or the end of the run, where
+    multiprocessing would join them for ever): kill what it left."""
+    before = _children()
+    yield
+    left = _children() - before
+    for pid in left:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    multiprocessing.active_children()  # let multiprocessing reap its own
 
 
 @pytest.fixture

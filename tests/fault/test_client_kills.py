@@ -29,6 +29,9 @@ TABLES = [
 ACTOR_BUDGET = T_CAPACITY - 1024
 
 
+DELIBERATE = "SHMREPLAY_TEST_DELIBERATE_FAILURE"
+
+
 def test_clients_killed_at_every_step_cost_nobody_anything(start_daemon, capsys):
     d = start_daemon(tables=TABLES, hold_timeout_s=3600.0)  # a victim's holds outlast any slow run
     ctx = mp.get_context("fork")
@@ -68,6 +71,9 @@ def test_clients_killed_at_every_step_cost_nobody_anything(start_daemon, capsys)
                 victims.append(p)
                 p.start()
                 assert ready.wait(60), f"victim never reached {step}"
+                # test_suite_hygiene.py runs this test with the variable set, to
+                # prove a failure here ends the run at once and leaves nothing
+                assert os.environ.get(DELIBERATE) != "client_kills", "deliberate failure"
                 if step == "rate_limited_wait":
                     wait_for(lambda: stats()["tables"]["q"]["limiter"]["waiting_inserts"] == 1,
                              "the victim to park")

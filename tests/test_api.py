@@ -105,8 +105,15 @@ def test_update_priorities_changes_the_distribution(client):
     t.flush()
     again = t.sample(256)
     frac = np.mean(again.keys == hot)
-    total = 1000.0 + (100 - len(set(b.keys.tolist())))  # untouched items keep priority 1
+    touched = set(b.keys.tolist())
+    total = 1000.0 + (100 - len(touched))  # untouched items keep priority 1
     assert frac == pytest.approx(1000.0 / total, abs=0.08)
+    # exactly the formula (alpha 1): hot 1000, the other sampled ones 0 (never
+    # drawn), untouched ones 1; an update not applied would leave 1/100 everywhere
+    prio = {k: (1000.0 if k == hot else 0.0) for k in touched}
+    want = np.array([prio.get(k, 1.0) / total for k in again.keys.tolist()])
+    assert not [k for k in again.keys.tolist() if prio.get(k, 1.0) == 0.0]
+    np.testing.assert_allclose(again.probabilities, want, rtol=1e-9)
 
 
 def test_update_with_keys_of_overwritten_slots_is_ignored_and_counted(client):

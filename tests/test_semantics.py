@@ -538,3 +538,22 @@ def test_every_limit_is_settable_in_the_daemon_config(start_daemon):
         assert ids(q.sample(3)) == [0, 1, 2] and len(q) == 0
         with pytest.raises(shmreplay.RateLimited, match="min_size_to_sample 10"):
             a.sample(1, timeout=0)
+
+
+def test_rows_overwritten_between_draw_and_gather_are_drawn_again(daemon, client):
+    """Issue 13 item 3: the redraw path, forced.  Every slot a SAMPLE drew is
+    overwritten by another client before the learner gathers: the gather's
+    stamp re-check must notice each one and draw again, so the batch holds
+    only rows of the new items, each matching its key."""
+    t = client.create_table("rd", 16, F, sampler="uniform")
+    insert_ids(t, 0, 16)
+    ticket = t.begin_sample(16, 0.4, 0.0)  # drawn now, gathered below
+    with daemon.connect() as other:
+        insert_ids(other.table("rd"), 100, 116)  # every slot, each stamp bumped
+    b = t.finish_sample(ticket, 16, 0.4, None, 0.0)
+    assert b.redraws >= 16, b.redraws
+    assert set(ids(b)) <= set(range(100, 116))
+    # each returned key names the slot its row came from, under the slot's stamp now
+    slots = (b.keys & 0xFFFFFFFF).astype(np.int64)
+    assert np.array_equal(t._map.fields["v"][slots], b.data["v"])
+    assert np.array_equal(t._map.gens[slots], (b.keys >> 32).astype(np.uint32))

@@ -557,3 +557,30 @@ def test_rows_overwritten_between_draw_and_gather_are_drawn_again(daemon, client
     slots = (b.keys & 0xFFFFFFFF).astype(np.int64)
     assert np.array_equal(t._map.fields["v"][slots], b.data["v"])
     assert np.array_equal(t._map.gens[slots], (b.keys >> 32).astype(np.uint32))
+
+
+def test_parked_samples_are_served_oldest_first(daemon, client):
+    """Issue 13 item 4: requests a table's limits hold back are served in
+    the order they parked.  Each item can be sampled once; two learners park
+    on the empty table one after the other; one item arrives: the first
+    learner gets it, the second keeps waiting for the next one."""
+    t = client.create_table("o", 8, F, sampler="fifo", max_times_sampled=1)
+    got: dict = {}
+
+    def learner(name):
+        with daemon.connect() as c:
+            got[name] = ids(c.table("o").sample(1, timeout=HANG_S))
+
+    threads = {}
+    for k, name in enumerate(("first", "second")):
+        threads[name] = threading.Thread(target=learner, args=(name,), daemon=True)
+        threads[name].start()
+        wait_for(lambda: client.stats()["tables"]["o"]["limiter"]["waiting_samples"] == k + 1,
+                 f"the {name} learner to park")
+    insert_ids(t, 0, 1)
+    threads["first"].join(HANG_S)
+    assert got == {"first": [0]}  # the older request took the one item
+    assert client.stats()["tables"]["o"]["limiter"]["waiting_samples"] == 1
+    insert_ids(t, 1, 2)
+    threads["second"].join(HANG_S)
+    assert got == {"first": [0], "second": [1]}

@@ -279,3 +279,29 @@ def test_a_handle_whose_table_did_not_come_back_never_writes_into_another(start_
         c.flush()  # nothing was unflushed at the crash
         assert len(tb) == 0 and admin.stats()["tables"]["b"]["inserts"] == 0
     c.close()
+
+
+def test_adoption_restores_limiter_counters_and_ignores_a_reused_pid(start_daemon):
+    """Issue 13 item 4: the limiter counters survive adoption exactly; an
+    owner recorded as a live pid with another start time is a reused pid,
+    so its table is adopted."""
+    d = start_daemon(tables=TABLES[1:])
+    with d.connect() as c:
+        f = c.table("fifo")
+        f.insert_batch(rows(np.arange(1100)))  # 76 evicted
+        c.flush()
+        f.sample(5)
+        before = c.stats()["tables"]["fifo"]
+    d.crash()
+    tm = writable_map(f"/shmreplay.{d.instance}.t.fifo")
+    try:  # a live process (this one) under the pid, but not the one that started then
+        tm.header["owner_pid"] = os.getpid()
+        tm.header["owner_start"] = 12345
+    finally:
+        tm.release()
+    d.start()
+    with d.connect() as c:
+        after = c.stats()["tables"]["fifo"]
+        assert after["recovered_items"] == 1024
+        for k in ("inserts", "samples", "deletes"):
+            assert after["limiter"][k] == before["limiter"][k], (k, before["limiter"], after["limiter"])

@@ -201,9 +201,20 @@ def _children() -> set[int]:
                 fields = f.read().rsplit(")", 1)[1].split()
         except OSError:
             continue
-        if fields[1] == me and fields[0] != "Z":
+        if fields[1] == me and fields[0] != "Z" and not _helper(pid):
             out.add(int(pid))
     return out
+
+
+def _helper(pid: str) -> bool:
+    """multiprocessing's own long-lived helpers (resource tracker,
+    forkserver), started by the first test that needs them: not leftovers."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            cmd = f.read()
+    except OSError:
+        return False
+    return b"multiprocessing.resource_tracker" in cmd or b"multiprocessing.forkserver" in cmd
 
 
 @pytest.fixture(autouse=True)

@@ -23,6 +23,7 @@ import pytest
 
 import shmreplay
 from shmreplay.wire.names import lock_path, runtime_dir
+from waiting import processes
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _counter = itertools.count()
@@ -192,21 +193,11 @@ def start_daemon(tmp_path):
 
 def _children() -> set[int]:
     """Live child processes of this one (multiprocessing's or not)."""
-    me, out = str(os.getpid()), set()
-    for pid in os.listdir("/proc"):
-        if not pid.isdigit():
-            continue
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if fields[1] == me and fields[0] != "Z" and not _helper(pid):
-            out.add(int(pid))
-    return out
+    me = str(os.getpid())
+    return {pid for pid, f in processes() if f[1] == me and f[0] != "Z" and not _helper(pid)}
 
 
-def _helper(pid: str) -> bool:
+def _helper(pid: int) -> bool:
     """multiprocessing's own long-lived helpers (resource tracker,
     forkserver), started by the first test that needs them: not leftovers."""
     try:

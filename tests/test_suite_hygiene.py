@@ -15,24 +15,14 @@ import sys
 import time
 
 from shmreplay.wire.names import runtime_dir
+from waiting import processes
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HANG_S = 120.0
 
 
 def session_members(sid: int) -> list[int]:
-    out = []
-    for pid in os.listdir("/proc"):
-        if not pid.isdigit():
-            continue
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[3]) == sid and fields[0] != "Z":
-            out.append(int(pid))
-    return out
+    return [pid for pid, f in processes() if int(f[3]) == sid and f[0] != "Z"]
 
 
 def test_a_failure_mid_fault_test_ends_the_run_and_leaves_nothing(tmp_path):

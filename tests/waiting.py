@@ -7,6 +7,7 @@ anything runs.  A test arranges the state it checks, or waits for the daemon
 
 from __future__ import annotations
 
+import os
 import time
 
 HANG_S = 60.0  # how long a wait may take before it counts as a hang
@@ -33,3 +34,20 @@ def reap(procs, grace: float = 5.0) -> None:
         if p.pid is not None and p.is_alive():
             p.kill()
             p.join(10)
+
+
+def proc_stat(path: str) -> list[str] | None:
+    """The fields after the command name in a /proc/<pid>[/task/<tid>]/stat
+    file: state, ppid, pgrp, session, ... (None: the process is gone)."""
+    try:
+        with open(path) as f:
+            return f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+
+
+def processes():
+    """(pid, stat fields) of every process now."""
+    for pid in os.listdir("/proc"):
+        if pid.isdigit() and (fields := proc_stat(f"/proc/{pid}/stat")) is not None:
+            yield int(pid), fields

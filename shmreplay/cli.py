@@ -37,7 +37,10 @@ def _cleanup(args) -> int:
     reports = ownership.cleanup(dry_run=args.dry_run, keep_tables=args.keep_tables,
                                 only=args.instance)
     for r in reports:
-        if r.owner is not None:
+        if r.unknown:
+            print(f"instance {r.instance}: owner unknown (not a file of this user, or a header of "
+                  f"another layout), kept {len(r.objects)} object(s): " + " ".join(r.objects))
+        elif r.owner is not None:
             print(f"instance {r.instance}: live daemon pid {r.owner}, kept {len(r.objects)} object(s)")
         else:
             verb = "would remove" if args.dry_run else "removed"

@@ -5,6 +5,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import numpy as np
@@ -100,6 +101,40 @@ def test_every_wait_has_a_timeout(start_daemon):
             c.stats()
     finally:
         os.kill(d.pid, signal.SIGCONT)
+    c.close()
+
+
+def test_a_parked_wait_notices_a_stopped_daemon_at_its_next_re_ask(start_daemon):
+    """A sample parked with no timeout of its own asks the daemon for at
+    most 1 s at a time and re-asks; a daemon that stops answering (SIGSTOP:
+    its socket stays open, so only the missing answer can tell) is reported
+    after that slice plus the client's timeout, instead of a hang."""
+    d = start_daemon(tables=[TABLE])  # empty: the sample parks
+    c = d.connect(timeout=1.0)
+    t = c.table("cfg")
+    out = {}
+
+    def learner():
+        try:
+            t.sample(1, timeout=None)
+        except BaseException as exc:  # handed to the test's thread
+            out["error"] = exc
+
+    th = threading.Thread(target=learner)
+    th.start()
+    try:
+        with d.connect() as admin:
+            wait_for(lambda: admin.stats()["tables"]["cfg"]["limiter"]["waiting_samples"] == 1,
+                     "the sample to park")
+        os.kill(d.pid, signal.SIGSTOP)
+        wait_for(lambda: all_threads_stopped(d.pid), "the daemon to stop")
+        th.join(HANG_S)
+        assert not th.is_alive(), "the parked wait hung on a stopped daemon"
+    finally:
+        os.kill(d.pid, signal.SIGCONT)
+        th.join(HANG_S)
+    assert isinstance(out.get("error"), shmreplay.ReplayTimeout), out
+    assert "did not answer within 1.0 s" in str(out["error"])
     c.close()
 
 

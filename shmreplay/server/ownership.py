@@ -11,8 +11,11 @@ instance is refused, and ``cleanup`` removes only objects of instances whose
 lock is free, holding the lock while it does, so it never races a daemon.
 
 Objects of an instance with no lock file at all (left by a build without
-it, or by hand) count as stale unless the pid in their name, or the owner in
-a table's header, is a live process.
+it, or by hand, or the runtime directory was emptied under a live daemon)
+count as stale only if the pid in their name, or the owner in a table's
+header, is a dead process.  An owner that cannot be read (not a regular file
+of this user, a header of another layout) is unknown, and unknown means
+kept: cleanup never guesses data away.
 """
 
 from __future__ import annotations
@@ -122,6 +125,7 @@ class StaleReport:
     instance: str
     owner: int | None      # pid of the live daemon, None if the owner is dead
     objects: list[str]     # file names in /dev/shm
+    unknown: bool = False  # owner unknown: kept, for a human to look at
 
 
 def scan(shm_dir: str = SHM_DIR) -> dict[str, list[str]]:
@@ -152,25 +156,43 @@ def remove_dead_channels(instance: str, shm_dir: str = SHM_DIR) -> int:
     return n
 
 
-def _object_owner(name: str) -> tuple[int, int]:
+def _object_owner(name: str, shm_dir: str = SHM_DIR) -> tuple[int, int] | None:
     """(pid, start) named by an object without an instance lock: the pid in
     a channel's or doorbell's name, the owner in a table's header (a rows
-    segment's owner is its meta segment's)."""
-    if is_table(name):
-        head, sep, table = name.rpartition(".r.")
-        meta = f"{head}.t.{table}" if sep else name
+    segment's owner is its meta segment's).  None: unknown (not a regular
+    file of this user, or no header this build can read)."""
+    if not _mine(os.path.join(shm_dir, name)):
+        return None
+    if not is_table(name):
+        return pid_in_name(name), 0
+    head, sep, table = name.rpartition(".r.")
+    meta = os.path.join(shm_dir, f"{head}.t.{table}" if sep else name)
+    if not _mine(meta):
+        return None
+    try:
+        fd = os.open(meta, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
         try:
-            with open(os.path.join(SHM_DIR, meta), "rb") as f:
-                head = f.read(HEADER.itemsize)
-        except OSError:
-            return 0, 0
-        if len(head) < HEADER.itemsize:
-            return 0, 0
-        h = np.frombuffer(head, HEADER)[0]
-        if bytes(h["magic"]) != MAGIC:
-            return 0, 0
-        return int(h["owner_pid"]), int(h["owner_start"])
-    return pid_in_name(name), 0
+            raw = os.pread(fd, HEADER.itemsize, 0)
+        finally:
+            os.close(fd)
+    except OSError:
+        return None
+    if len(raw) < HEADER.itemsize:
+        return None
+    # a 0-d view, not frombuffer()[0]: that scalar's S8 field drops the
+    # magic's trailing NUL and never equals MAGIC
+    h = np.ndarray((), HEADER, buffer=raw)
+    if bytes(h["magic"]) != MAGIC:
+        return None
+    return int(h["owner_pid"]), int(h["owner_start"])
+
+
+def _mine(path: str) -> bool:
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return False
+    return stat.S_ISREG(st.st_mode) and st.st_uid == os.geteuid()
 
 
 def cleanup(dry_run: bool = False, keep_tables: bool = False, only: str | None = None,
@@ -196,13 +218,18 @@ def cleanup(dry_run: bool = False, keep_tables: bool = False, only: str | None =
                 os.close(fd)
                 continue
         try:
-            stale = [n for n in names
-                     if (fd is not None or not _alive(*_object_owner(n)))
-                     and not (keep_tables and is_table(n))]
-            if fd is None and len(stale) < len(names):
-                live = [n for n in names if n not in stale and not (keep_tables and is_table(n))]
+            names = [n for n in names if not (keep_tables and is_table(n))]
+            if fd is not None:
+                stale = names
+            else:  # no lock to go by: each object's owner decides
+                owners = {n: _object_owner(n, shm_dir) for n in names}
+                stale = [n for n in names if owners[n] is not None and not _alive(*owners[n])]
+                live = [n for n in names if owners[n] is not None and n not in stale]
+                unknown = [n for n in names if owners[n] is None]
                 if live:
-                    reports.append(StaleReport(inst, _object_owner(live[0])[0], live))
+                    reports.append(StaleReport(inst, owners[live[0]][0], live))
+                if unknown:
+                    reports.append(StaleReport(inst, None, unknown, unknown=True))
             if stale:
                 reports.append(StaleReport(inst, None, stale))
             if not dry_run:

@@ -63,3 +63,35 @@ def test_cleanup_removes_only_what_dead_daemons_left(start_daemon):
     dead.start()  # empty again: its table was removed
     with dead.connect() as c:
         assert len(c.table("t")) == 0
+
+
+def test_cleanup_keeps_what_a_live_owner_holds_even_without_a_lock(start_daemon):
+    """With no lock file to go by (someone emptied the runtime directory
+    under a running daemon), cleanup decides by the owner each object names:
+    a live daemon's tables and an object named by a live pid are kept, and
+    so is a table-named segment whose header names no owner (unknown is
+    never taken for dead)."""
+    d = start_daemon(tables=TABLE)
+    with d.connect() as c:
+        c.table("t").insert_batch(rows(np.arange(4)))
+        c.flush()
+    tables = shm_entries(f"shmreplay.{d.instance}.")
+    os.unlink(lock_path(d.instance))
+    orphan = f"/shmreplay.{d.instance}y.{os.getpid()}.c1"  # this test's pid: alive
+    posix_ipc.SharedMemory(orphan, posix_ipc.O_CREX, size=4096).close_fd()
+    junk = f"/shmreplay.{d.instance}y.t.junk"  # zeros: no magic, no owner
+    posix_ipc.SharedMemory(junk, posix_ipc.O_CREX, size=4096).close_fd()
+    try:
+        out = cleanup("--instance", d.instance)
+        assert f"instance {d.instance}: live daemon pid {d.pid}, kept 2 object(s)" in out, out
+        out = cleanup("--instance", d.instance + "y")
+        assert f"live daemon pid {os.getpid()}, kept 1 object(s)" in out, out
+        assert f"owner unknown (not a file of this user, or a header of another layout), " \
+               f"kept 1 object(s): {junk[1:]}" in out, out
+        assert shm_entries(f"shmreplay.{d.instance}.") == tables
+        assert os.path.exists(f"/dev/shm{orphan}") and os.path.exists(f"/dev/shm{junk}")
+    finally:
+        posix_ipc.unlink_shared_memory(orphan)
+        posix_ipc.unlink_shared_memory(junk)
+    with d.connect() as c:
+        assert len(c.table("t")) == 4

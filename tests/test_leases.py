@@ -45,6 +45,34 @@ def test_single_inserts_share_a_few_reservations(client):
     np.testing.assert_array_equal(vals["w"][:, 0], vals["v"].astype(np.float32))
 
 
+NSTEP = {"obs": ("float32", (2,)), "action": ("int32", ()), "reward": ("float32", ()),
+         "discount": ("float32", ()), "next_obs": ("float32", (2,))}
+
+
+def test_a_writer_holds_at_most_two_leases(client):
+    """table.py: a writer withholds at most two leases (the one it fills and
+    the one asked for at half time) from sampling, for plain inserts and for
+    a writer whose items stay open across calls alike."""
+    t = client.create_table("big", capacity=256 * 16, fields=FIELDS)
+    n = client.create_table("n", capacity=256 * 16, fields=NSTEP)
+    assert t.lease_size == n.lease_size == 16
+    peaks = {}
+    for i in range(160):
+        t.insert(v=i, w=np.full(3, i, np.float32))
+        peaks["big"] = max(peaks.get("big", 0), stats(client)["reserved"])
+    with shmreplay.NStepWriter(n, n=3, gamma=0.9) as w:
+        for i in range(160):
+            w.append(obs=[i, i], action=i, reward=1.0, next_obs=[i + 1, i + 1], terminated=i % 40 == 39)
+            peaks["n"] = max(peaks.get("n", 0), stats(client, "n")["reserved"])
+    client.flush()
+    for name in ("big", "n"):
+        st = stats(client, name)
+        assert st["reservations"] >= 160 // 16, "leases were taken in turn"
+        assert 0 < peaks[name] <= 2 * 16, (name, peaks[name])  # how close to 32 depends on timing
+        assert st["reserved"] == 0
+    assert len(t) == 160 and len(n) == 160
+
+
 def test_batches_span_lease_boundaries_in_order(client):
     t = client.create_table("big", capacity=10_000, fields=FIELDS, sampler="uniform")
     n = 0

@@ -13,21 +13,33 @@ import pytest
 import shmreplay
 
 from faults import FIELDS, rows
+from waiting import wait_for
 from people import ADMIN, ADMINS, GROUP, MEMBER, STRANGER, as_user, needs_root, users  # noqa: F401 (a fixture)
 
 pytestmark = needs_root
 
 
 @pytest.fixture
-def daemon(start_daemon, users, tmp_path):
+def shared_daemon(start_daemon, users):
+    """start(**access options): a daemon whose socket other users can reach."""
     from pathlib import Path
     sockdir = Path(tempfile.mkdtemp(prefix="shmrsock"))
     os.chmod(sockdir, 0o755)  # pytest's tmp dirs are 0700: other users could not reach a socket there
-    d = start_daemon(tables=[{"name": "t", "capacity": 64, "fields": FIELDS}], socket_dir=sockdir,
-                     group=GROUP, allowed_groups=[GROUP], admin_group=ADMINS)
-    yield d
-    d.stop()
+    started = []
+
+    def start(**access):
+        started.append(start_daemon(tables=[{"name": "t", "capacity": 64, "fields": FIELDS}],
+                                    socket_dir=sockdir, group=GROUP, admin_group=ADMINS, **access))
+        return started[-1]
+    yield start
+    for d in started:
+        d.stop()
     shutil.rmtree(sockdir)
+
+
+@pytest.fixture
+def daemon(shared_daemon):
+    return shared_daemon(allowed_groups=[GROUP])
 
 
 def test_socket_and_every_segment_are_group_owned_and_metadata_read_only(daemon):
@@ -105,3 +117,18 @@ def test_a_stranger_is_refused_and_cannot_map_segments(daemon, users):
     assert "refused" in daemon.log()
     with daemon.connect() as c:
         assert c.list_tables() == ["t"]
+
+
+def test_allowed_users_lets_in_exactly_the_users_it_names(shared_daemon, users):
+    """allowed_users alone (no allowed_groups): the named second user gets a
+    channel of its own and uses tables; a user of the segments' group whom
+    it does not name is refused at the handshake, and says why."""
+    d = shared_daemon(allowed_users=[MEMBER])
+    got, denied = as_user(users[MEMBER], use_table, d.socket)
+    assert set(got) <= set(range(5)) and len(got) == 16
+    assert len(denied) == 3
+    with pytest.raises(shmreplay.PermissionDenied, match=f"user {users[ADMIN][0]} may not use"):
+        as_user(users[ADMIN], connect_only, d.socket)
+    with d.connect() as c:
+        assert len(c.table("t")) == 5
+        wait_for(lambda: c.stats()["clients"] == 1, "the other users' connections to end")

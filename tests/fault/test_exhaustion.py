@@ -132,8 +132,9 @@ def test_a_client_that_never_reads_its_replies_stalls_nobody(start_daemon):
     good.close()
 
 
-def test_full_dev_shm_fails_create_and_attach_clearly_and_harms_no_one():
-    """A real full /dev/shm: a 48 MiB tmpfs in a private mount namespace."""
+def test_full_dev_shm_fails_create_and_attach_clearly_and_harms_no_one(tmp_path):
+    """A real full /dev/shm: a 48 MiB tmpfs in a private mount namespace,
+    inside a user namespace (unshare -rm), so it needs no root."""
     import json
     import shutil
     import subprocess
@@ -142,15 +143,17 @@ def test_full_dev_shm_fails_create_and_attach_clearly_and_harms_no_one():
         pytest.skip("needs unshare(1) to mount a small /dev/shm privately")
     here = os.path.dirname(os.path.abspath(__file__))
     root = os.path.dirname(os.path.dirname(here))
+    unshare = ["unshare", "--user", "--map-root-user", "--mount", "--propagation", "private"]
     script = (f"mount -t tmpfs -o size=48m tmpfs /dev/shm && "
               f"exec {sys.executable} {os.path.join(here, 'shm_full_scenario.py')}")
-    probe = subprocess.run(["unshare", "--mount", "--propagation", "private", "sh", "-c",
-                            "mount -t tmpfs -o size=1m tmpfs /dev/shm"], capture_output=True)
+    probe = subprocess.run([*unshare, "sh", "-c", "mount -t tmpfs -o size=1m tmpfs /dev/shm"],
+                           capture_output=True)
     if probe.returncode != 0:
         pytest.skip(f"cannot mount a private /dev/shm here: {probe.stderr.decode().strip()}")
-    run = subprocess.run(["unshare", "--mount", "--propagation", "private", "sh", "-c", script],
-                         capture_output=True, text=True, timeout=300,
-                         env=dict(os.environ, PYTHONPATH=root))
+    # root inside the namespace is this user outside: the daemon's lock goes
+    # in a runtime directory this user owns, not /run/shmreplay
+    run = subprocess.run([*unshare, "sh", "-c", script], capture_output=True, text=True, timeout=300,
+                         env=dict(os.environ, PYTHONPATH=root, RUNTIME_DIRECTORY=str(tmp_path)))
     assert run.returncode == 0, run.stderr
     out = json.loads(run.stdout.strip().splitlines()[-1])
     assert "/dev/shm has" in out["create"] and "MiB free but segment" in out["create"]

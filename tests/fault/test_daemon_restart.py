@@ -305,3 +305,35 @@ def test_adoption_restores_limiter_counters_and_ignores_a_reused_pid(start_daemo
         assert after["recovered_items"] == 1024
         for k in ("inserts", "samples", "deletes"):
             assert after["limiter"][k] == before["limiter"][k], (k, before["limiter"], after["limiter"])
+
+
+def test_a_lease_from_before_a_restart_is_never_written(start_daemon):
+    """The epoch check (client/lease.py): a client that holds leased slots
+    when its daemon dies, and does not reconnect, is refused its next insert
+    by the adopted table's new epoch before it copies a byte, and its slots
+    are kept for it as orphans (its pid is alive), not handed out."""
+    d = start_daemon(tables=[{"name": "s", "capacity": 4096, "fields": FIELDS}])
+    seg = f"/shmreplay.{d.instance}.t.s"
+    c = d.connect(timeout=30)
+    t = c.table("s")
+    t.insert(**{k: v[0] for k, v in rows([1]).items()})
+    _, slots, pos, _ = t._lease.cur
+    unused = np.asarray(slots[pos:])
+    assert unused.shape[0] == t.lease_size - 1
+    tm = TableMap.attach(seg)
+    try:
+        before = {k: v[unused].copy() for k, v in tm.fields.items()}
+        d.crash()
+        d.start()
+        assert tm.words.epoch == 1
+        with pytest.raises(shmreplay.DaemonUnavailable, match="taken over by a restarted daemon"):
+            t.insert(**{k: v[0] for k, v in rows([2]).items()})
+        for k, v in tm.fields.items():
+            np.testing.assert_array_equal(v[unused], before[k], err_msg=f"{k} written")
+        with d.connect() as admin:
+            st = admin.stats()["tables"]["s"]
+            assert st["orphaned"] >= unused.shape[0], st
+            assert [h["pid"] for h in st["orphan_holders"]] == [os.getpid()], st
+    finally:
+        tm.release()
+        c.close()

@@ -1,5 +1,6 @@
 """The engine thread's failure path and its thread rules, in-process."""
 
+import os
 import threading
 
 import pytest
@@ -39,12 +40,14 @@ def test_a_crashed_engine_reports_it_and_later_calls_fail_fast_touching_nothing(
     with pytest.raises(shmreplay.DaemonUnavailable, match="engine failed"):
         eng.submit(touched.append, 1).result(1)
     assert touched == []
+    eng.stop()  # the daemon's shutdown still stops it: that closes its descriptors
 
 
 def test_entry_points_run_only_on_the_engine_thread():
     """The control plane reaches engine state only through submit(); calling
     an entry point from another thread while the engine runs is a bug that
     debug mode (plain python, asserts on) catches at once."""
+    fds = set(os.listdir("/proc/self/fd"))
     eng = Engine(spin_us=0, idle_timeout=0.05)
     try:
         eng.start()
@@ -54,3 +57,4 @@ def test_entry_points_run_only_on_the_engine_thread():
     finally:
         eng.stop()
     assert eng.table_names() == []  # stopped: the caller is the only one left
+    assert set(os.listdir("/proc/self/fd")) == fds, "stop() closes the engine's epoll and doorbell"

@@ -25,6 +25,7 @@ from __future__ import annotations
 import concurrent.futures
 import functools
 import logging
+import os
 import threading
 import time
 
@@ -95,10 +96,19 @@ class Engine:
         return fut
 
     def stop(self, timeout: float = 10.0) -> None:
+        """Stop the thread and, once it has ended, close the engine's epoll
+        and doorbell (a thread that does not end keeps them: it may still
+        use them).  Calls submitted afterwards run in the caller's thread."""
         self.stopping = True
         ring(self.bell)
         if self.thread is not None:
             self.thread.join(timeout)
+            if self.thread.is_alive():
+                return
+        if self.bell >= 0:
+            self.idler.close()
+            os.close(self.bell)
+            self.bell = -1
 
     # ---- engine thread ----
     def _run(self) -> None:

@@ -61,7 +61,11 @@ class Idler:
         self.epoll.register(fd, select.EPOLLIN)
 
     def unwatch(self, fd: int) -> None:
-        self.epoll.unregister(fd)
+        if not self.epoll.closed:  # a client dropped after the engine stopped
+            self.epoll.unregister(fd)
+
+    def close(self) -> None:
+        self.epoll.close()
 
     def sleep(self, rings: list, calls, deadline: float | None) -> None:
         """Sleep until a client or a call rings a doorbell, the idle

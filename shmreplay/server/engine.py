@@ -96,19 +96,17 @@ class Engine:
         return fut
 
     def stop(self, timeout: float = 10.0) -> None:
-        """Stop the thread and, once it has ended, close the engine's epoll
-        and doorbell (a thread that does not end keeps them: it may still
-        use them).  Calls submitted afterwards run in the caller's thread."""
+        """Stop the thread; once it has ended (not before: it may still use
+        them), close its epoll and doorbell.  Later calls run in the caller's."""
+        if self.idler.epoll.closed:
+            return
         self.stopping = True
         ring(self.bell)
         if self.thread is not None:
             self.thread.join(timeout)
-            if self.thread.is_alive():
-                return
-        if self.bell >= 0:
+        if self.thread is None or not self.thread.is_alive():
             self.idler.close()
             os.close(self.bell)
-            self.bell = -1
 
     # ---- engine thread ----
     def _run(self) -> None:

@@ -3,6 +3,7 @@ taken while inserts and samples go on, periodic if configured, restored at
 start, and leave the rate limiter able to move (Reverb issue #103)."""
 
 import os
+import shutil
 import subprocess
 import sys
 import threading
@@ -115,8 +116,11 @@ def test_damaged_and_incomplete_checkpoints_are_never_restored(start_daemon, tmp
         t.insert_batch(mixed_rows(np.arange(100, 150)))
         c.flush()
         newest = c.checkpoint(ck, "per")[0]["path"]
-    # a newer checkpoint that never got its DONE marker, and a flipped byte
-    os.makedirs(os.path.join(ck, "per@29991231T000000.000000000Z"))
+    # a newer checkpoint whose every file was written but its DONE marker
+    # (150 items: restored, it would show), and a flipped byte in the newest
+    unsealed = os.path.join(ck, "per@29991231T000000.000000000Z")
+    shutil.copytree(newest, unsealed)
+    os.unlink(os.path.join(unsealed, "DONE"))
     flip_byte(os.path.join(newest, "f.obs.bin"))
     assert d.stop() == 0
     d.start(["--restore", ck])

@@ -10,7 +10,7 @@ import pytest
 
 from shmreplay import ratelimiter
 from shmreplay.errors import CapacityError, EmptyTable, ProtocolError, RateLimited, SchemaError
-from shmreplay.wire.layout import FREE, HELD, TableMap
+from shmreplay.wire.layout import COMMITTED, FREE, HELD, TableMap
 from shmreplay.server.order import CommitOrder
 from shmreplay.schema import make_spec
 from shmreplay.server.counters import Blocked
@@ -178,19 +178,47 @@ def test_random_draws_never_exceed_an_items_uses_left(make_table):
     assert isinstance(info.value.error, EmptyTable)
 
 
+def untouched(t) -> tuple:
+    """What a blocked sample must leave as it was: the counters, every
+    slot's state and times sampled, and the sampler's trees bit for bit."""
+    return (t.size, t.counters.uses_left, t.counters.samples, t.ledger.held,
+            t.stats["samples"], t.stats["removed_after_max_samples"], t.map.state.copy(),
+            t.map.times.copy(), t.sampler.sums.copy(), t.sampler.mins.copy(), t.sampler.mass)
+
+
+def assert_untouched(t, before: tuple) -> None:
+    for k, (now, was) in enumerate(zip(untouched(t), before)):
+        np.testing.assert_array_equal(now, was, err_msg=f"item {k} of untouched()")
+
+
 def test_a_blocked_sample_takes_nothing(make_table):
-    t = make_table(capacity=8, sampler="prioritized", max_times_sampled=1)
-    fill(t, 3)
+    """Two ways a reuse-limited SAMPLE of a prioritized table blocks: no
+    item can be drawn at all (refused before the draw), and the items with
+    uses left run dry part-way through the draw, which has then taken the
+    drawable item out of the sum tree and must put it back."""
+    t = make_table(capacity=8, sampler="prioritized", alpha=1.0, max_times_sampled=1)
+    fill(t, 4)
     keys, *_ = t.sample(1, 1, 0.4)
-    t.update_priorities(np.array([], np.uint64), np.array([]))
-    # the two left have zero priority: uses remain, but nothing can be drawn
-    live = np.flatnonzero(t.map.state == 2)
-    t.update_priorities(t.keys_of(live), np.zeros(live.shape[0]))
-    before = (t.size, t.counters.uses_left, t.counters.samples, t.map.times.copy())
-    with pytest.raises(Blocked):
+    (gone,) = (keys & np.uint64(0xFFFFFFFF)).astype(np.int64)
+    live = np.flatnonzero(t.map.state == COMMITTED)
+    assert live.shape[0] == 3 and gone not in live
+    # the three left have zero priority: uses remain, but nothing can be drawn
+    t.update_priorities(t.keys_of(live), np.zeros(3))
+    before = untouched(t)
+    with pytest.raises(Blocked, match="no item has a positive priority"):
         t.sample(1, 2, 0.4)
-    assert (t.size, t.counters.uses_left, t.counters.samples) == before[:3]
-    assert np.array_equal(t.map.times, before[3])
+    assert_untouched(t, before)
+    # one of them drawable: the limits admit 2 (3 uses left, positive mass);
+    # the draw takes that item (its one use) out of the tree, then runs dry
+    t.update_priorities(t.keys_of(live[:1]), np.array([2.0]))
+    before = untouched(t)
+    with pytest.raises(Blocked, match="the items with uses left have zero priority") as info:
+        t.sample(1, 2, 0.4)
+    assert isinstance(info.value.error, RateLimited)
+    assert_untouched(t, before)
+    # put back as it was: the item is drawn next, with all of the mass
+    keys, probs, _, hid = t.sample(1, 1, 0.4)
+    assert (keys & np.uint64(0xFFFFFFFF)).tolist() == [live[0]] and probs.tolist() == [1.0] and hid
 
 
 def test_rate_limited_reserve_grants_only_what_the_ratio_allows(make_table):

@@ -15,7 +15,8 @@ from shmreplay.server.table import Table
 
 @pytest.fixture
 def table():
-    spec = make_spec("unit", 8, {"x": ("int64", ())}, alpha=1.0)
+    # alpha 0.5, not 1: a sum tree rebuilt without the exponent differs
+    spec = make_spec("unit", 8, {"x": ("int64", ())}, alpha=0.5)
     tm = TableMap.create(f"/shmreplay.test{os.getpid()}.unit", spec)
     yield Table(1, spec, tm, seed=0)
     tm.unlink()
@@ -30,14 +31,23 @@ def fill(t, n, owner=1, prios=None):
 
 
 def test_reserve_takes_free_slots_then_evicts_oldest(table):
-    first = fill(table, 5)
-    assert list(first) == [0, 1, 2, 3, 4] and table.size == 5
+    # two reservations committed in the reverse order: the oldest items are
+    # the ones committed first, which are not the lowest slots
+    rid_a, first, _ = table.reserve(1, 3)
+    rid_b, second, _ = table.reserve(1, 2)
+    assert list(first) == [0, 1, 2] and list(second) == [3, 4]
+    table.commit(1, rid_b, None)
+    table.commit(1, rid_a, None)
+    assert table.size == 5
     _, slots, contiguous = table.reserve(1, 3)
     assert list(slots) == [5, 6, 7] and contiguous
     assert np.all(table.map.state[slots] == RESERVED)
-    rid, slots, _ = table.reserve(2, 2)  # no free slots: the two oldest items go
-    assert list(slots) == [0, 1] and table.size == 3
-    assert table.stats["evictions"] == 2
+    _, slots, _ = table.reserve(2, 2)  # no free slots: the two oldest items go
+    assert list(slots) == [3, 4] and table.size == 3
+    _, slots, _ = table.reserve(2, 1)
+    assert list(slots) == [0] and table.size == 2
+    assert table.stats["evictions"] == 3
+    assert list(np.flatnonzero(table.map.state == COMMITTED)) == [1, 2]
 
 
 def test_reservation_bumps_the_generation_before_the_writer_sees_it(table):
@@ -61,18 +71,23 @@ def test_release_owner_frees_only_that_owners_reservations(table):
     rid2, s2, _ = table.reserve(2, 2)
     assert table.release_owner(1) == 3
     assert np.sum(table.map.state == FREE) == 6
+    # freed means reservable again: the 3 slots go back on the free list
+    _, s3, _ = table.reserve(3, 8)
+    assert sorted(s3.tolist()) == [0, 1, 2, 5, 6, 7] and table.stats["evictions"] == 0
+    with pytest.raises(ProtocolError, match="not yours"):  # while still open
+        table.commit(1, rid2, None)
     table.commit(2, rid2, None)
     assert np.all(table.map.state[s2] == COMMITTED)
-    with pytest.raises(ProtocolError, match="not yours"):
-        table.commit(1, rid2, None)
 
 
 def test_drift_beyond_the_bound_is_detected_and_rebuilt_from_the_segment(table):
     fill(table, 8, prios=np.arange(1.0, 9.0))
-    sums = table.sampler.sums
-    good = sums.copy()
+    sums, mins = table.sampler.sums, table.sampler.mins
+    good, good_mins = sums.copy(), mins.copy()
     sums[3] += 0.5   # a corrupted inner node over slots 4..7...
     sums[1] += 0.5   # ...and a root consistent with it
+    leaves = sums.shape[0] // 2
+    sums[leaves + 5] += 0.25  # and slot 5's leaf: only the segment still has its priority
     assert not table.sampler.check()
     # updates of slot 0 recompute only its own path (8 -> 4 -> 2 -> 1), so
     # the damage survives them; the periodic check runs after `capacity`
@@ -81,4 +96,6 @@ def test_drift_beyond_the_bound_is_detected_and_rebuilt_from_the_segment(table):
     table.update_priorities(key0, np.ones(8))
     assert table.stats["tree_rebuilds"] == 1
     np.testing.assert_array_equal(sums, good)  # slot 0 had priority 1 before and after
+    np.testing.assert_array_equal(mins, good_mins)
+    assert table.map.words.mass == good[1]
     assert table.verify_tree()

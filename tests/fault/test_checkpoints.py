@@ -2,14 +2,11 @@
 taken while inserts and samples go on, periodic if configured, restored at
 start, and leave the rate limiter able to move (Reverb issue #103)."""
 
-import multiprocessing as mp
 import os
-import queue
 import shutil
 import subprocess
 import sys
-import time
-import traceback
+import threading
 import zlib
 
 import msgpack
@@ -20,9 +17,8 @@ import shmreplay
 from shmreplay import ratelimiter
 from shmreplay.server import checkpoint
 from shmreplay.schema import make_spec
-from shmreplay.wire.layout import COMMITTED, TableMap
 
-from faults import FIELDS, HANG_S, reap, rows, table_state, wait_for
+from faults import FIELDS, HANG_S, committed_ids, rows, table_state, torn, wait_for
 
 MIXED = {"obs": ("uint8", (4, 5)), "vec": ("float32", (3,)), "id": ("int64", ()), "done": ("bool", ())}
 TABLES = [{"name": "per", "capacity": 512, "sampler": "prioritized", "alpha": 0.6, "fields": MIXED},
@@ -120,8 +116,11 @@ def test_damaged_and_incomplete_checkpoints_are_never_restored(start_daemon, tmp
         t.insert_batch(mixed_rows(np.arange(100, 150)))
         c.flush()
         newest = c.checkpoint(ck, "per")[0]["path"]
-    # a newer checkpoint that never got its DONE marker, and a flipped byte
-    os.makedirs(os.path.join(ck, "per@29991231T000000.000000000Z"))
+    # a newer checkpoint whose every file was written but its DONE marker
+    # (150 items: restored, it would show), and a flipped byte in the newest
+    unsealed = os.path.join(ck, "per@29991231T000000.000000000Z")
+    shutil.copytree(newest, unsealed)
+    os.unlink(os.path.join(unsealed, "DONE"))
     flip_byte(os.path.join(newest, "f.obs.bin"))
     assert d.stop() == 0
     d.start(["--restore", ck])
@@ -178,152 +177,59 @@ def test_any_damage_to_the_newest_checkpoint_falls_back_to_the_older(start_daemo
     assert f"restored 100 items from {older}" in log
 
 
-def worker(sock, kind, stop, out):
-    """Insert one item and flush (actor) or sample 8 (learner), over and
-    over until stopped; report the (start, end) times of each operation,
-    every 50 ms, and how many sampled rows were not whole."""
-    try:
-        c = shmreplay.connect(sock, timeout=30)
-        t = c.table("big")
-        ops, i, torn, reported = [], 0, 0, time.monotonic()
-        while not stop.is_set():
-            start = time.monotonic()
-            if kind == "actor":
-                t.insert(obs=np.full((64, 1024), (3000 + i) % 251, np.uint8), id=3000 + i)
-                c.flush()
-            else:
-                b = t.sample(8).data
-                torn += int(np.sum(np.any(b["obs"] != (b["id"] % 251).astype(np.uint8)[:, None, None],
-                                          axis=(1, 2))))
-            end = time.monotonic()
-            ops.append((start, end))
-            i += 1
-            if end - reported > 0.05:
-                out.put((kind, ops, torn))
-                ops, reported = [], end
-            if kind == "actor":
-                time.sleep(0.002)
-        out.put((kind, ops, torn))
-        out.put((kind, None, torn))  # the last report
-        c.close()
-    except BaseException:
-        out.put((kind, "failed", traceback.format_exc()))
+HERE = os.path.dirname(os.path.abspath(__file__))
+CHURN = {"name": "big", "capacity": 256, "sampler": "uniform", "fields": FIELDS}
 
 
-MAX_ATTEMPTS = 10  # checkpoints of 128 MiB each, taken until one encloses both kinds
+def test_inserts_and_samples_flow_during_a_checkpoint(start_daemon, tmp_path):
+    """The engine serves while a checkpoint copies the rows: the write is
+    held after the engine's snapshot, before the first row is copied
+    (``pausing_daemon.py``), and meanwhile an insert with its flush and a
+    sample complete; a daemon that stopped for the write would answer
+    neither.  The inserts evict the snapshot's oldest items, whose slots
+    now hold other rows: the checkpoint must leave out exactly those, and
+    restores to the snapshot's items still in the table, every row whole."""
+    cap, pause = CHURN["capacity"], tmp_path / "pause"
+    pause.mkdir()
+    d = start_daemon(tables=[CHURN], command=[sys.executable, os.path.join(HERE, "pausing_daemon.py")],
+                     env={"SHMREPLAY_TEST_PAUSE_DIR": str(pause)})
+    reports = []
 
-
-def enclosed(ops: list, lo: float, hi: float) -> int:
-    """How many (start, end) of one worker (in order) lie within [lo, hi]."""
-    n = 0
-    for start, end in reversed(ops):
-        if start < lo:
-            break
-        n += end <= hi
-    return n
-
-
-def test_inserts_and_samples_flow_during_a_checkpoint(start_daemon, tmp_path, capsys):
-    """An insert (with its flush) and a sample each start and end inside a
-    checkpoint's write, the phase that copies the rows: the engine serves
-    while it runs.  A window is only counted where it is sure: the write
-    lasted ``write_s`` and ran between the request (t0) and the reply (t1),
-    so it covered [t1 - write_s, t0 + write_s] whatever the delays around
-    it.  Checkpoints are taken until one enclosed both kinds of operation
-    (on a loaded 2-core box the first encloses hundreds); if the engine
-    stopped for the rows, none ever would."""
-    fields = {"obs": ("uint8", (64, 1024)), "id": ("int64", ())}
-    d = start_daemon(tables=[{"name": "big", "capacity": 2048, "sampler": "uniform", "fields": fields}])
-    ops = {"actor": [], "learner": []}
-    torn = {"actor": 0, "learner": 0}
-    finished = set()
-    ctx = mp.get_context("fork")
-    stop, out = ctx.Event(), ctx.Queue()
-    procs = [ctx.Process(target=worker, args=(d.socket, k, stop, out), daemon=True) for k in ops]
-
-    def take(deadline: float) -> None:
+    def take_checkpoint(admin):
         try:
-            kind, got, extra = out.get(timeout=max(0.1, deadline - time.monotonic()))
-        except queue.Empty:
-            raise AssertionError(f"no report from the workers within {HANG_S} s") from None
-        if got == "failed":
-            raise AssertionError(f"the {kind} failed:\n{extra}")
-        torn[kind] = extra
-        if got is None:
-            finished.add(kind)
-        else:
-            ops[kind].extend(got)
+            reports.append(admin.checkpoint(str(tmp_path / "ck"), "big"))
+        except BaseException as exc:
+            reports.append(exc)
 
-    def reported_after(t: float) -> None:
-        """Wait until both workers reported an operation begun after t."""
-        deadline = time.monotonic() + HANG_S
-        while not all(v and v[-1][0] > t for v in ops.values()):
-            take(deadline)
-
-    try:
-        with d.connect(timeout=HANG_S) as c:
-            t = c.table("big")
-            for lo in range(0, 2048, 256):
-                ids = np.arange(lo, lo + 256)
-                t.insert_batch({"obs": np.broadcast_to((ids % 251).astype(np.uint8)[:, None, None],
-                                                       (256, 64, 1024)), "id": ids})
+    with d.connect(timeout=HANG_S) as c, d.connect(timeout=HANG_S) as admin:
+        t = c.table("big")
+        t.insert_batch(rows(np.arange(cap)))
+        c.flush()
+        th = threading.Thread(target=take_checkpoint, args=(admin,), daemon=True)
+        th.start()
+        try:
+            wait_for(lambda: (pause / "copying").exists(), "the checkpoint to start copying rows")
+            t.insert_batch(rows(np.arange(1000, 1040)), timeout=HANG_S)
             c.flush()
-            for p in procs:
-                p.start()
-            reported_after(time.monotonic())  # both at work
-            attempts = []
-            give_up = time.monotonic() + 2 * HANG_S
-            rep = None
-            while True:
-                if rep is not None:
-                    shutil.rmtree(rep["path"])  # 128 MiB each: keep the disk clear (the last stays)
-                t0 = time.monotonic()
-                (rep,) = c.checkpoint(str(tmp_path / "ck"), "big")
-                t1 = time.monotonic()
-                # the table stays full (each insert evicts one item) but for the
-                # slots the actor's lease holds reserved (two reservations of 8 at
-                # most): every other item of the snapshot is either written or left
-                # out as evicted during the copy
-                assert rep["items"] > 0 and 2048 - 16 <= rep["items"] + rep["dropped"] <= 2048, rep
-                lo, hi = t1 - rep["write_s"], t0 + rep["write_s"]
-                reported_after(t1)
-                during = {k: enclosed(v, lo, hi) for k, v in ops.items()}
-                attempts.append((round(rep["write_s"], 3), round(t1 - t0, 3), during))
-                if all(during.values()):
-                    break
-                assert len(attempts) < MAX_ATTEMPTS and time.monotonic() < give_up, (
-                    f"no checkpoint write enclosed both an insert+flush and a sample: (write_s, "
-                    f"request s, operations inside) of each: {attempts}")
-        stop.set()
-        deadline = time.monotonic() + HANG_S
-        while len(finished) < len(procs):
-            take(deadline)
-        for p in procs:
-            p.join(30)
-    finally:
-        stop.set()
-        reap(procs)
-    assert torn == {"actor": 0, "learner": 0}, torn
-    # what the checkpoint wrote under churn restores, every row whole
-    d.stop()
-    r = start_daemon(tables=[{"name": "big", "capacity": 2048, "sampler": "uniform", "fields": fields}],
-                     args=("--restore", str(tmp_path / "ck")))
+            b = t.sample(64, timeout=HANG_S)
+            assert torn(b.data) == 0 and len(b) == 64
+            assert not reports, "the checkpoint ended before the insert and the sample: not during it"
+        finally:
+            (pause / "go").touch()
+            th.join(HANG_S)
+        assert len(reports) == 1 and isinstance(reports[0], list), reports
+        (rep,) = reports[0]
+        evicted = c.stats()["tables"]["big"]["evictions"]
+    # the fifo remover took the oldest: the snapshot's items left are a tail
+    now = committed_ids(f"/shmreplay.{d.instance}.t.big")
+    kept = now[now < cap]
+    assert evicted >= 40 and kept.tolist() == list(range(evicted, cap))
+    assert (rep["items"], rep["dropped"]) == (cap - evicted, evicted), rep
+    assert d.stop() == 0
+    r = start_daemon(tables=[CHURN], args=("--restore", str(tmp_path / "ck")))
+    assert np.array_equal(committed_ids(f"/shmreplay.{r.instance}.t.big"), kept)  # and none torn
     with r.connect(timeout=HANG_S) as c:
-        assert len(c.table("big")) == rep["items"]
-    tm = TableMap.attach(f"/shmreplay.{r.instance}.t.big")
-    try:
-        slots = np.flatnonzero(tm.state == COMMITTED)
-        assert slots.shape[0] == rep["items"]
-        for part in np.array_split(slots, 8):
-            obs, got = tm.fields["obs"][part], tm.fields["id"][part]
-            assert np.all(obs == (got % 251).astype(np.uint8)[:, None, None])
-    finally:
-        tm.release()
-    with capsys.disabled():
-        print(f"\n[checkpoint figures] {rep['bytes'] / 2**20:.0f} MiB written in {rep['write_s']:.2f} s, "
-              f"engine paused {1e3 * rep['pause_s']:.2f} ms; inside the write {during['actor']} inserts "
-              f"(each flushed) and {during['learner']} samples of 8 began and ended; "
-              f"{rep['dropped']} items evicted during the copy left out; attempts {len(attempts)}")
+        assert len(c.table("big")) == cap - evicted
 
 
 def test_periodic_checkpoints_are_kept_pruned_and_restored(start_daemon, tmp_path):

@@ -48,7 +48,15 @@ def test_a_request_that_breaks_the_engine_cuts_off_only_its_client(start_daemon)
             t.insert(**{k: v[0] for k, v in rows([2]).items()})
             c.flush()  # the parked sample now runs into the damaged counts
             th.join(HANG_S)
-            assert len(got) == 1 and isinstance(got[0], shmreplay.ReplayError), got
+            # cut off, and told why: not an error reply as if the sample were refused
+            assert len(got) == 1 and isinstance(got[0], shmreplay.ProtocolError), got
+            assert "daemon could not apply a command" in str(got[0]), got
+            log = d.log()
+            assert "parked request failed" in log and log.count("disconnecting it") == 1, log[-2000:]
+            # only that client: the other one on the same table still inserts
+            t.insert(**{k: v[0] for k, v in rows([3]).items()})
+            c.flush()
+            assert owner.stats()["clients"] == 2
         # the daemon still serves, and the other table lost nothing
         assert d.proc.poll() is None
         v = owner.table("victim")

@@ -10,7 +10,7 @@ import pytest
 
 import shmreplay
 
-from faults import FIELDS, HANG_S, rows, wait_for
+from faults import FIELDS, HANG_S, committed_ids, rows, wait_for
 
 TABLE = [{"name": "t", "capacity": 1024, "sampler": "uniform", "fields": FIELDS}]
 
@@ -44,7 +44,15 @@ def test_flush_after_an_earlier_call_reconnected_still_reports_the_loss(start_da
         with pytest.raises(shmreplay.DaemonUnavailable, match="may be lost"):
             c.flush()
         c.flush()  # said once: what came after is vouched for
+        t.insert_batch(rows([200]))
+        c.flush()
         assert c.reconnects == 1
+        # read back: what a flush vouched for is there (0 before the crash;
+        # 100 if the call that noticed was that insert, and 200); of the
+        # unflushed 1..8, the dead daemon may have committed some or none
+        ids = set(committed_ids(f"/shmreplay.{d.instance}.t.t").tolist())
+        vouched = {0, 200} | ({100} if notice == "insert" else set())
+        assert vouched <= ids <= vouched | set(range(1, 9)), sorted(ids)
     finally:
         c.close()
 

@@ -4,6 +4,7 @@ trusted: the daemon adopts only objects its own user made with its modes,
 keeps its lock and socket where only its user can write, and a client
 talks only to a daemon run by itself, root, or $SHMREPLAY_DAEMON_USER."""
 
+import hashlib
 import os
 import socket
 import stat
@@ -36,6 +37,14 @@ def planted(instance):
     return sorted(n for n in os.listdir("/dev/shm") if f"shmreplay.{instance}." in n)
 
 
+def contents(name):
+    """Owner, mode and a digest of the bytes of a /dev/shm object: all a stranger made."""
+    path = os.path.join("/dev/shm", name)
+    st = os.stat(path)
+    with open(path, "rb") as f:
+        return st.st_uid, oct(stat.S_IMODE(st.st_mode)), hashlib.sha256(f.read()).hexdigest()
+
+
 def test_a_planted_table_is_never_adopted(start_daemon, users, tmp_path):
     d = start_daemon(tables=[DEMO])
     d.kill()  # the instance is free; its names are known to everyone
@@ -50,10 +59,16 @@ def test_a_planted_table_is_never_adopted(start_daemon, users, tmp_path):
         assert planted(d.instance) == mine  # refused, and nothing of theirs removed
         for part in "tr":
             os.unlink(f"/dev/shm/shmreplay.{d.instance}.{part}.demo")
+        theirs = {n: contents(n) for n in planted(d.instance) if ".other" in n}
+        assert len(theirs) == 2
+        mark = len(d.log())
         d.start()  # a planted table the config does not name is left alone, not served
         with d.connect() as c:
             assert c.list_tables() == ["demo"] and len(c.table("demo")) == 0
-        assert "not an object this daemon made" in d.log()
+        assert (f"table other: /dev/shm/shmreplay.{d.instance}.t.other is not an object this "
+                f"daemon made (owned by uid {users[STRANGER][0]}") in d.log()[mark:]
+        assert d.stop() == 0  # nor removed when the daemon removes its own tables
+        assert {n: contents(n) for n in planted(d.instance)} == theirs
     finally:
         for n in planted(d.instance):
             if ".other" in n:

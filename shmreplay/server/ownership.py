@@ -15,7 +15,9 @@ it, or by hand, or the runtime directory was emptied under a live daemon)
 count as stale only if the pid in their name, or the owner in a table's
 header, is a dead process.  An owner that cannot be read (not a regular file
 of this user, a header of another layout) is unknown, and unknown means
-kept: cleanup never guesses data away.
+kept: cleanup never guesses data away.  With the lock too, only regular
+files of this user are removed: what another user planted under the
+instance's name is listed and left alone.
 """
 
 from __future__ import annotations
@@ -219,8 +221,10 @@ def cleanup(dry_run: bool = False, keep_tables: bool = False, only: str | None =
                 continue
         try:
             names = [n for n in names if not (keep_tables and is_table(n))]
-            if fd is not None:
-                stale = names
+            if fd is not None:  # a dead daemon's, if it made them: planted ones are not ours
+                stale = [n for n in names if _mine(os.path.join(shm_dir, n))]
+                if unknown := [n for n in names if n not in stale]:
+                    reports.append(StaleReport(inst, None, unknown, unknown=True))
             else:  # no lock to go by: each object's owner decides
                 owners = {n: _object_owner(n, shm_dir) for n in names}
                 stale = [n for n in names if owners[n] is not None and not _alive(*owners[n])]

@@ -7,6 +7,7 @@ import sys
 
 import numpy as np
 import posix_ipc
+import pytest
 
 from shmreplay.wire.names import lock_path
 
@@ -95,3 +96,25 @@ def test_cleanup_keeps_what_a_live_owner_holds_even_without_a_lock(start_daemon)
         posix_ipc.unlink_shared_memory(junk)
     with d.connect() as c:
         assert len(c.table("t")) == 4
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to give a file to another user")
+def test_cleanup_with_the_lock_leaves_what_another_user_planted(start_daemon):
+    """A dead daemon's lock is free, so cleanup removes its objects; an
+    object another user planted under the same instance name is not the
+    dead daemon's, and is listed and left alone."""
+    d = start_daemon(tables=TABLE)
+    d.crash()
+    name = f"shmreplay.{d.instance}.t.planted"
+    planted = os.path.join("/dev/shm", name)
+    with open(planted, "wb") as f:
+        f.write(b"\0" * 4096)
+    os.chown(planted, 65534, 65534)
+    try:
+        out = cleanup("--instance", d.instance)
+        assert "owner dead, removed 2 object(s)" in out, out
+        assert f"owner unknown (not a file of this user, or a header of another layout), " \
+               f"kept 1 object(s): {name}" in out, out
+        assert shm_entries(f"shmreplay.{d.instance}.") == {name}
+    finally:
+        os.unlink(planted)

@@ -5,6 +5,7 @@ import pytest
 
 import shmreplay
 from conftest import SMALL_FIELDS
+from readback import committed
 
 
 def rows(start, n):
@@ -32,11 +33,13 @@ def test_create_insert_flush_sample_round_trip(client):
     assert b.data["obs"].shape == (256, 4, 8, 8) and b.data["obs"].dtype == np.uint8
     assert b.data["action"].shape == (256,)
     assert b.keys.dtype == np.uint64 and b.weights.shape == (256,) and b.probabilities.shape == (256,)
-    b.data["obs"][b.data["action"] == 300] = 300 % 256  # the single insert used value 44
-    ok = b.data["action"] != 300
-    assert_rows_consistent({k: v[ok] for k, v in b.data.items()})
+    assert_rows_consistent(b.data)  # the single insert fits the pattern too: 300 % 256 == 44
     assert set(b.data["action"].tolist()) <= set(range(301))
     np.testing.assert_array_equal(b.indices, b.keys & 0xFFFFFFFF)
+    # every item, batch and single insert alike, stored whole, in order
+    got, _ = committed(t)
+    np.testing.assert_array_equal(got["action"], np.arange(301))
+    assert_rows_consistent(got)
 
 
 def test_table_attaches_by_name_from_another_client(daemon, client):
@@ -156,16 +159,25 @@ def test_insert_batch_larger_than_one_command_is_split(client):
     t.insert_batch({"v": np.arange(n, dtype=np.int32)})
     t.flush()
     assert len(t) == n
-    got = t.sample(4096).data["v"]
-    assert got.min() >= 0 and got.max() < n
+    # every item once, in order: each command carries its own part of the batch
+    got, _ = committed(t)
+    np.testing.assert_array_equal(got["v"], np.arange(n, dtype=np.int32))
+    assert client.stats()["tables"]["big"]["inserts"] == n
 
 
 def test_values_are_cast_when_numpy_same_kind_allows(client):
     t = client.create_table("cast", capacity=10, fields={"f": ("float32", (2,)), "i": ("int16", ())})
     t.insert(f=[1.5, 2.5], i=3)                       # Python floats/ints
     t.insert(f=np.array([1.0, 2.0]), i=np.int64(4))   # float64 -> float32, int64 -> int16
+    t.insert_batch({"f": np.array([[-0.25, 3e38], [7.0, -8.5]]), "i": np.array([-300, 32767])})
     t.flush()
-    assert len(t) == 2
+    assert len(t) == 4
+    # the values, converted: not their bytes reinterpreted, not truncated
+    got, _ = committed(t)
+    assert got["f"].dtype == np.float32 and got["i"].dtype == np.int16
+    np.testing.assert_array_equal(got["f"], np.array([[1.5, 2.5], [1.0, 2.0], [-0.25, 3e38], [7.0, -8.5]],
+                                                     np.float32))
+    np.testing.assert_array_equal(got["i"], [3, 4, -300, 32767])
 
 
 def test_stats_and_cli_status(daemon, client):

@@ -47,7 +47,7 @@ def test_iterate_keeps_rows_intact_while_writers_overwrite(client):
 
 def test_iterate_raises_what_the_background_draw_hit(client):
     t = client.create_table("empty", capacity=10, fields=FIELDS)
-    with pytest.raises(shmreplay.EmptyTable):
+    with pytest.raises(shmreplay.EmptyTable, match="no sampleable items"):
         with t.iterate(4, timeout=0) as batches:
             next(batches)
 

@@ -1,5 +1,12 @@
-"""4 actor processes and 1 learner for 20 s over a small, constantly
-overwritten table: every sampled row must verify on its own."""
+"""4 actor processes and 1 learner over a small, constantly overwritten
+table: every sampled row must verify on its own.
+
+The run is measured in work, not seconds: it goes on until the learner has
+checked BATCHES batches, the table has been overwritten TURNOVER times over,
+and REDRAWS rows were overwritten between draw and gather (the race under
+test: it must have happened, not merely been possible), or until a bad row
+or MAX_BATCHES batches end it as a failure.  The deadline only catches a
+hang."""
 
 import json
 import multiprocessing as mp
@@ -9,10 +16,14 @@ import numpy as np
 import pytest
 
 import shmreplay
+from waiting import HANG_S, reap, wait_for
 
 PAYLOAD = 2048
 FIELDS = {"actor": ("int32", ()), "seq": ("int64", ()), "payload": ("uint8", (PAYLOAD,)),
           "checksum": ("uint64", ())}
+CAPACITY = 2000
+BATCHES, TURNOVER, REDRAWS = 600, 25, 50
+MAX_BATCHES = 10 * BATCHES  # on a loaded 2-core box: 1.5-2.5 redraws and ~190 inserts a batch
 _RAMP = np.arange(PAYLOAD, dtype=np.int64)
 _WEIGHTS = np.arange(1, PAYLOAD + 1, dtype=np.uint64)
 
@@ -27,13 +38,12 @@ def checksum(actor, seqs, payload) -> np.ndarray:
     return (payload.astype(np.uint64) @ _WEIGHTS) ^ (np.uint64(actor) << np.uint64(40)) ^ seqs.astype(np.uint64)
 
 
-def actor_main(sock, actor, seconds, out):
+def actor_main(sock, actor, stop, out):
     rng = np.random.default_rng(actor)
     with shmreplay.connect(sock) as c:
         t = c.table("stress")
         seq = 0
-        t0 = time.monotonic()
-        while time.monotonic() - t0 < seconds:
+        while not stop.is_set():
             k = int(rng.integers(1, 17))
             rows = make_rows(actor, np.arange(seq, seq + k, dtype=np.int64))
             prios = None if rng.random() < 0.5 else rng.uniform(0.1, 2.0, size=k)
@@ -46,12 +56,12 @@ def actor_main(sock, actor, seconds, out):
     out.put(json.dumps({"actor": actor, "inserted": seq}))
 
 
-def learner_main(sock, seconds, out):
-    verified = bad = batches = redraws = 0
+def learner_main(sock, stop, out):
+    verified = bad = batches = redraws = evictions = 0
     with shmreplay.connect(sock) as c:
         t = c.table("stress")
-        t0 = time.monotonic()
-        while time.monotonic() - t0 < seconds:
+        while not (bad or batches >= MAX_BATCHES or (
+                batches >= BATCHES and redraws >= REDRAWS and evictions >= TURNOVER * CAPACITY)):
             try:
                 b = t.sample(64, beta=0.4, timeout=0.2)
             except shmreplay.RateLimited:
@@ -69,32 +79,49 @@ def learner_main(sock, seconds, out):
             batches += 1
             assert np.all(np.isfinite(b.weights)) and np.all(b.weights <= 1.0 + 1e-9)
             t.update_priorities(b.keys, np.abs(np.sin(d["seq"].astype(float))) + 0.01)
+            if batches % 50 == 0:
+                evictions = c.stats()["tables"]["stress"]["evictions"]
+    stop.set()
     out.put(json.dumps({"verified": verified, "bad": bad, "batches": batches, "redraws": redraws}))
 
 
 @pytest.mark.slow
-def test_four_actors_one_learner_20s_no_torn_or_mismatched_rows(daemon):
+def test_four_actors_one_learner_under_constant_overwrite_no_torn_or_mismatched_rows(daemon):
     with daemon.connect() as c:
-        c.create_table("stress", capacity=2000, fields=FIELDS, alpha=0.6)
+        c.create_table("stress", capacity=CAPACITY, fields=FIELDS, alpha=0.6)
         ctx = mp.get_context("spawn")
-        out = ctx.Queue()
-        procs = [ctx.Process(target=actor_main, args=(daemon.socket, a, 20.0, out)) for a in range(4)]
-        procs.append(ctx.Process(target=learner_main, args=(daemon.socket, 20.0, out)))
-        for p in procs:
-            p.start()
-        results = [json.loads(out.get(timeout=120)) for _ in procs]
-        for p in procs:
-            p.join(30)
-            assert p.exitcode == 0
+        stop, out = ctx.Event(), ctx.Queue()
+        procs = [ctx.Process(target=actor_main, args=(daemon.socket, a, stop, out)) for a in range(4)]
+        procs.append(ctx.Process(target=learner_main, args=(daemon.socket, stop, out)))
+        results = []
+        try:
+            for p in procs:
+                p.start()
+
+            def reported():  # every worker's report, failing at once if one died
+                while not out.empty() and len(results) < len(procs):
+                    results.append(json.loads(out.get()))
+                failed = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
+                assert not failed, f"worker(s) failed: {failed}"
+                return len(results) == len(procs)
+            wait_for(reported, "the learner's quota of batches, overwrites and redraws", timeout=10 * HANG_S)
+            for p in procs:
+                p.join(HANG_S)
+                assert p.exitcode == 0
+        finally:
+            stop.set()
+            reap(procs)
         stats = c.stats()["tables"]["stress"]
     learner = next(r for r in results if "verified" in r)
     inserted = sum(r["inserted"] for r in results if "actor" in r)
     print(f"\nstress: {inserted} items inserted, {learner['batches']} batches, "
           f"{learner['verified']} rows verified, {learner['redraws']} redrawn, {learner['bad']} bad")
     assert learner["bad"] == 0, "torn or mismatched rows reached the learner"
-    assert learner["batches"] > 100 and learner["verified"] == 64 * learner["batches"]
+    assert learner["verified"] == 64 * learner["batches"] and learner["batches"] >= BATCHES
+    assert learner["redraws"] >= REDRAWS and stats["evictions"] >= TURNOVER * CAPACITY
     assert stats["inserts"] == inserted, "every committed insert was applied"
+    assert stats["evictions"] == inserted - stats["size"]
     # writers hand back unused lease slots at flush; those were evicted when
     # leased, so the table may end short by at most two leases per writer
-    lease = 2000 // 256
-    assert 2000 - 4 * 2 * lease <= stats["size"] <= 2000 and stats["reserved"] == 0
+    lease = CAPACITY // 256
+    assert CAPACITY - 4 * 2 * lease <= stats["size"] <= CAPACITY and stats["reserved"] == 0

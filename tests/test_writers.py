@@ -5,15 +5,7 @@ import numpy as np
 import pytest
 
 import shmreplay
-from shmreplay.wire.layout import COMMITTED
-
-
-def committed(t):
-    """Every committed item, in commit order, as {field: array}."""
-    m = t._map
-    slots = np.flatnonzero(m.state == COMMITTED)
-    slots = slots[np.argsort(m.seqno[slots])]
-    return {name: view[slots].copy() for name, view in m.fields.items()}, m.prios[slots].copy()
+from readback import committed
 
 
 NSTEP = {"obs": ("float32", (2,)), "action": ("int32", ()), "reward": ("float32", ()),
@@ -140,7 +132,10 @@ def test_sequence_writer_matches_the_reference_and_reuses_old_slots_cleanly(clie
     w.close()
     t.flush()
     got, _ = committed(t)
-    tail = ref[-len(got["x"]):]  # a full table keeps the newest items
+    # every sequence was committed, and the full table keeps the newest 8
+    assert len(ref) > 8 and client.stats()["tables"]["s"]["inserts"] == len(ref)
+    assert len(got["x"]) == 8
+    tail = ref[-8:]
     for k, (x, n) in enumerate(tail):
         np.testing.assert_array_equal(got["x"][k], x)
         assert got["length"][k] == n

@@ -159,7 +159,7 @@ def queue_learner(sock, warm, first, ready, go, stop, out):
 
 def test_queue_delivers_each_item_exactly_once_in_order_per_actor(daemon, client):
     q = client.create_queue("q", 64, F)
-    n = 700  # per actor; 2,800 = 400 batches of 7
+    n = 350  # per actor; 1,400 = 200 batches of 7
     stop, go, out = CTX.Event(), CTX.Event(), CTX.Queue()
     warm, first, ready = ([CTX.Event() for _ in range(2)] for _ in range(3))
     actors = [CTX.Process(target=queue_actor, args=(daemon.socket, a, n), daemon=True)

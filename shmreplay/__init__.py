@@ -15,7 +15,7 @@ predicates, priority checks).  docs/layout.md, "Where things are", maps it.
 
 from .client import Client, NStepWriter, SampleBatch, SequenceWriter, Table, connect
 from .errors import (
-    CapacityError, DaemonUnavailable, EmptyTable, FieldError, LayoutError, PriorityError,
+    CapacityError, DaemonUnavailable, DiskFull, EmptyTable, FieldError, LayoutError, PriorityError,
     PermissionDenied, ProtocolError, RateLimited, ReplayError, ReplayTimeout, SchemaError, ShmFull,
     SlotsBusy, TableExists, UnknownTable,
 )
@@ -25,5 +25,5 @@ __all__ = [
     "connect", "Client", "Table", "SampleBatch", "SequenceWriter", "NStepWriter",
     "ReplayError", "ProtocolError", "DaemonUnavailable", "ReplayTimeout", "UnknownTable",
     "TableExists", "SchemaError", "FieldError", "PriorityError", "CapacityError", "ShmFull",
-    "LayoutError", "EmptyTable", "RateLimited", "SlotsBusy", "PermissionDenied",
+    "LayoutError", "EmptyTable", "RateLimited", "SlotsBusy", "PermissionDenied", "DiskFull",
 ]

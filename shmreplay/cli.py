@@ -28,6 +28,8 @@ def _status(client, args) -> None:
         print(f"table {name}: {t['size']}/{t['capacity']} items ({t['sampler']}), "
               f"{t['inserts']} inserted, {t['samples']} sampled, {t['evictions']} evicted, "
               f"{t['reserved']} reserved, {t['held']} held, {t['stale_priority_updates']} stale updates")
+        print(f"  rows: {t['rows_bytes'] / 2**30:.2f} GiB in {'file' if t['file_backed'] else 'shared memory'}"
+              f" {t['rows']}")
         for h in t["holders"]:  # a learner that hangs keeps these until the daemon's hold_timeout_s
             print(f"  client {h['client']}, pid {h['pid']}: {h['held']} slots held, "
                   f"oldest {h['oldest_s']:.1f} s")

@@ -79,6 +79,14 @@ class ShmFull(ReplayError, OSError):
     code = 11
 
 
+class DiskFull(ShmFull):
+    """The filesystem of a table's ``storage_dir`` has no room for its rows
+    file (a ShmFull too: code that handles "no room for this table" handles
+    both)."""
+
+    code = 18
+
+
 class LayoutError(ReplayError):
     """A segment's magic, layout version or schema is not what was expected."""
 
@@ -126,7 +134,7 @@ _BY_CODE = {
     for cls in (
         ReplayError, ProtocolError, DaemonUnavailable, ReplayTimeout, UnknownTable,
         TableExists, SchemaError, PermissionDenied, FieldError, PriorityError, CapacityError, ShmFull,
-        LayoutError, EmptyTable, RateLimited, SlotsBusy, ForeignObject,
+        LayoutError, EmptyTable, RateLimited, SlotsBusy, ForeignObject, DiskFull,
     )
 }
 _BY_NAME = {cls.__name__: cls for cls in _BY_CODE.values()}

@@ -20,7 +20,7 @@ SAMPLERS = ("uniform", "prioritized", "fifo", "lifo")
 REMOVERS = ("fifo", "lifo", "uniform")
 # keys of the wire/TOML form, in order; the first three are required
 SPEC_KEYS = ("name", "capacity", "fields", "sampler", "alpha", "remover", "max_times_sampled",
-             "min_size_to_sample", "samples_per_insert", "error_buffer")
+             "min_size_to_sample", "samples_per_insert", "error_buffer", "storage_dir")
 MAX_CAPACITY = 2**32 - 1  # keys carry the slot in their low 32 bits
 # a table's rows must fit one mapping: x86-64 gives a process 2**47 bytes
 # (128 TiB) of address space, so a larger table could never be attached
@@ -57,6 +57,13 @@ class TableSpec:
     min_size_to_sample: int = 1
     samples_per_insert: float | None = None   # None: no ratio limit (Reverb's MinSize)
     error_buffer: float | tuple[float, float] | None = None
+    # rows in a file in this directory instead of /dev/shm (None: the
+    # daemon's default; "" asks for /dev/shm even when there is a default)
+    storage_dir: str | None = None
+
+    @property
+    def file_backed(self) -> bool:
+        return bool(self.storage_dir)
 
     @property
     def rate_limited(self) -> bool:
@@ -98,6 +105,9 @@ class TableSpec:
             "samples_per_insert": self.samples_per_insert,
             "error_buffer": list(self.error_buffer) if isinstance(self.error_buffer, tuple)
             else self.error_buffer,
+            # only when set: a /dev/shm table's schema reads as it did before
+            # file-backed tables existed (layout 4 segments and checkpoints)
+            **({} if self.storage_dir is None else {"storage_dir": self.storage_dir}),
         }
 
 
@@ -183,7 +193,7 @@ def _number(name, key, value, integer=False) -> float:
 
 def make_spec(name, capacity, fields, sampler="prioritized", alpha=0.6, remover="fifo",
               max_times_sampled=0, min_size_to_sample=1, samples_per_insert=None,
-              error_buffer=None) -> TableSpec:
+              error_buffer=None, storage_dir=None) -> TableSpec:
     """Validate every part of a table definition; raise SchemaError naming the problem.
 
     Configurations the rate limiter could deadlock on are refused here, at
@@ -225,10 +235,20 @@ def make_spec(name, capacity, fields, sampler="prioritized", alpha=0.6, remover=
         else:
             eb = _number(name, "error_buffer", eb)
     spec = TableSpec(str(name), int(capacity), parse_fields(fields), str(sampler), alpha,
-                     str(remover), mts, mss, spi, eb)
+                     str(remover), mts, mss, spi, eb, _storage_dir(name, storage_dir))
     _check_size(spec)
     _check_limits(spec)
     return spec
+
+
+def _storage_dir(name, d) -> str | None:
+    if d is None or d == "":
+        return d
+    if not isinstance(d, str) or not d.startswith("/") or "\0" in d or len(d) > 1024:
+        raise SchemaError(f"table {name!r}: storage_dir must be an absolute path (at most 1024 "
+                          f"characters), \"\" for /dev/shm, or None for the daemon's default; "
+                          f"got {d!r}")
+    return d.rstrip("/") or "/"
 
 
 def _check_size(spec: TableSpec) -> None:

@@ -178,7 +178,9 @@ class Client:
                      exist_ok=False, **limits) -> Table:
         """Create a table.  ``limits``: remover, max_times_sampled,
         min_size_to_sample, samples_per_insert, error_buffer (schema.make_spec
-        says what each means and which combinations are refused).
+        says what each means and which combinations are refused), and
+        storage_dir (rows in a file there: a directory the daemon's config
+        allows; "" for /dev/shm; unset: the daemon's default).
         ``exist_ok`` returns an existing table with the same definition."""
         spec = make_spec(name, capacity, fields, sampler, alpha, **limits)
         desc = self._request("create_table", spec=spec.to_wire(), exist_ok=bool(exist_ok))["table"]

@@ -11,6 +11,7 @@ import grp
 import os
 import pwd
 import re
+import dataclasses
 from dataclasses import dataclass, field
 
 try:
@@ -18,7 +19,7 @@ try:
 except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib
 
-from ..errors import SchemaError
+from ..errors import PermissionDenied, SchemaError
 from ..schema import TableSpec, spec_from_dict
 from ..wire import names
 _INSTANCE = re.compile(r"^[A-Za-z0-9_-]{1,32}$")
@@ -26,7 +27,7 @@ DAEMON_KEYS = {"socket", "instance", "segment_mode", "spin_us", "idle_timeout_s"
                "retain_tables", "checkpoint_dir", "checkpoint_interval_s",
                "checkpoint_keep", "checkpoint_buffer_mb", "group", "allowed_users", "allowed_groups", "admin_group",
                "max_clients", "max_tables", "hold_timeout_s", "max_clients_per_user",
-               "handshake_timeout_s"}
+               "handshake_timeout_s", "storage_dir", "storage_dirs"}
 
 
 @dataclass
@@ -55,7 +56,23 @@ class DaemonConfig:
     max_clients_per_user: int = 128   # one user cannot take every connection
     handshake_timeout_s: float = 10.0  # a connection that sends no hello by then is closed
     max_tables: int = 64
+    # file-backed tables (wire/rowfile.py): the default directory of every
+    # table's rows ("": /dev/shm), and the only directories a table's rows
+    # may be put in (this one, storage_dirs, and those of [[tables]])
+    storage_dir: str = ""
+    storage_dirs: set = field(default_factory=set)
     tables: list[TableSpec] = field(default_factory=list)
+
+    def place(self, spec: TableSpec) -> TableSpec:
+        """``spec`` with its rows directory decided: None takes the default,
+        "" means /dev/shm.  A directory the config does not allow is refused:
+        a client may not make the daemon create files anywhere it can write."""
+        d = self.storage_dir if spec.storage_dir is None else spec.storage_dir
+        if d and d not in self.storage_dirs:
+            raise PermissionDenied(
+                f"table {spec.name!r}: storage_dir {d} is not one the daemon's config allows "
+                f"({', '.join(sorted(self.storage_dirs)) or 'none: set storage_dir or storage_dirs'})")
+        return dataclasses.replace(spec, storage_dir=d or None)
 
     def socket_path(self, override: str | None = None) -> str:
         return override or self.socket or os.environ.get(names.ENV_SOCKET) or names.default_socket_path()
@@ -122,16 +139,28 @@ def parse_config(doc: dict, where: str = "config") -> DaemonConfig:
     cfg.allowed_gids = {group_id(g, where) for g in _list(d, "allowed_groups", where)}
     if d.get("admin_group", ""):
         cfg.admin_gid = group_id(d["admin_group"], where)
+    cfg.storage_dir = _abs_dir(d.get("storage_dir", ""), "storage_dir", where)
+    cfg.storage_dirs = {_abs_dir(p, "storage_dirs", where) for p in _list(d, "storage_dirs", where)}
+    cfg.storage_dirs |= {cfg.storage_dir} - {""}
     names = set()
     for i, t in enumerate(doc.get("tables", [])):
         if not isinstance(t, dict):
             raise SchemaError(f"{where}: tables[{i}] is not a table")
         spec = spec_from_dict(t, f"{where}: tables[{i}]")
+        if spec.storage_dir:  # the config's author may put a table anywhere
+            cfg.storage_dirs.add(spec.storage_dir)
+        spec = cfg.place(spec)
         if spec.name in names:
             raise SchemaError(f"{where}: table {spec.name!r} is declared twice")
         names.add(spec.name)
         cfg.tables.append(spec)
     return cfg
+
+
+def _abs_dir(p, key: str, where: str) -> str:
+    if not isinstance(p, str) or (p and not os.path.isabs(p)):
+        raise SchemaError(f"{where}: {key} must hold absolute paths, got {p!r}")
+    return p.rstrip("/") or ("/" if p else "")
 
 
 def _bool(d: dict, key: str, default: bool, where: str) -> bool:

@@ -24,7 +24,7 @@ from ..wire import names
 from ..wire.control import PROTOCOL_VERSION
 from ..wire.layout import TableLayout, TableMap
 from ..wire.segment import shm_free_bytes
-from . import checkpoint, recovery
+from . import checkpoint, recovery, storage
 from .config import DaemonConfig
 from .engine import Engine
 from .connection import ControlConnection
@@ -88,7 +88,7 @@ class ControlServer:
 
     # ---- table management ----
     async def create_table(self, wire: dict, exist_ok: bool) -> dict:
-        spec = spec_from_wire(wire)
+        spec = self.cfg.place(spec_from_wire(wire))
         existing = await self.call(self.engine.describe, spec.name)
         if existing is not None:
             if exist_ok and spec_from_wire(existing["spec"]) == spec:
@@ -117,6 +117,8 @@ class ControlServer:
         fresh = tmap is None
         if fresh:
             check_memory(spec)
+            if spec.file_backed:
+                await self.loop.run_in_executor(None, storage.prepare_dir, spec.storage_dir, self.cfg.gid)
             tmap = await self.loop.run_in_executor(None, TableMap.create, name, spec, self.cfg.gid)
         seed = None if self.cfg.seed is None else self.cfg.seed + tid
         # built off the event loop: a table of millions of slots takes a while,
@@ -134,8 +136,9 @@ class ControlServer:
             raise
         tmap.open_to_clients(self.cfg.segment_mode, self.cfg.gid)
         await self.call(self.engine.add_table, table)
-        log.info("table %s: %d x %d bytes in %s (%.1f MiB, ready in %.2f s)", spec.name,
-                 spec.capacity, spec.item_bytes, name, tmap.layout.size / 2**20, time.monotonic() - t0)
+        log.info("table %s: %d x %d bytes, rows in %s (%.1f MiB), meta in %s; ready in %.2f s", spec.name,
+                 spec.capacity, spec.item_bytes, tmap.rows.name, tmap.layout.rows_size / 2**20, name,
+                 time.monotonic() - t0)
         return table.describe()
 
     async def drop_table(self, name: str, unlink: bool = True) -> None:
@@ -214,11 +217,13 @@ def _claim_socket_path(path: str) -> None:
 
 
 def check_memory(spec) -> None:
-    """Refuse a table the machine cannot hold: its two segments plus what
-    the daemon allocates beside them (``table.private_bytes``), against the
-    memory the kernel says is available now."""
+    """Refuse a table the machine cannot hold: its segments plus what the
+    daemon allocates beside them (``table.private_bytes``), against the
+    memory the kernel says is available now.  A file-backed table's rows
+    are on disk (``RowFile.create`` checks the room there), not counted."""
     layout = TableLayout(spec)
-    segments, private = layout.size + layout.rows_size, private_bytes(spec)
+    segments = layout.size + (0 if spec.file_backed else layout.rows_size)
+    private = private_bytes(spec)
     shm = shm_free_bytes()
     if shm is not None and segments > shm:
         return  # /dev/shm itself is too small: Segment.create says so (ShmFull), with the sizes

@@ -29,10 +29,13 @@ import stat
 import time
 from dataclasses import dataclass
 
+import msgpack
 import numpy as np
 
 from ..errors import ForeignObject, ReplayError
-from ..wire.layout import HEADER, MAGIC, process_start
+from ..schema import spec_from_wire
+from ..wire.layout import HEADER, MAGIC, SCHEMA_OFF, process_start, rows_location
+from ..wire.rowfile import RowFile
 from ..wire.names import SHM_DIR, instance_of, is_table, lock_path, pid_in_name, secure_dir
 from ..wire.segment import check_owned
 
@@ -189,6 +192,26 @@ def _object_owner(name: str, shm_dir: str = SHM_DIR) -> tuple[int, int] | None:
     return int(h["owner_pid"]), int(h["owner_start"])
 
 
+def _rows_file(meta_name: str, shm_dir: str) -> list[str]:
+    """The rows file of a file-backed table whose meta segment this is, if
+    it is a regular file of this user ([] for a /dev/shm table, or when
+    the header or schema cannot be read: never guess a path to remove)."""
+    try:
+        fd = os.open(os.path.join(shm_dir, meta_name), os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+        try:
+            h = np.ndarray((), HEADER, buffer=os.pread(fd, HEADER.itemsize, 0))
+            if bytes(h["magic"]) != MAGIC or not 0 < int(h["schema_len"]) < 1 << 20:
+                return []
+            doc = msgpack.unpackb(os.pread(fd, int(h["schema_len"]), SCHEMA_OFF), raw=False)
+        finally:
+            os.close(fd)
+        spec = spec_from_wire(doc["spec"])
+    except Exception:  # unreadable: not ours to interpret
+        return []
+    kind, path = rows_location("/" + meta_name, spec)
+    return [path] if kind is RowFile and _mine(path) else []
+
+
 def _mine(path: str) -> bool:
     try:
         st = os.lstat(path)
@@ -234,12 +257,14 @@ def cleanup(dry_run: bool = False, keep_tables: bool = False, only: str | None =
                     reports.append(StaleReport(inst, owners[live[0]][0], live))
                 if unknown:
                     reports.append(StaleReport(inst, None, unknown, unknown=True))
+            # a file-backed table's rows file goes with its meta segment
+            stale += [p for n in stale if ".t." in n for p in _rows_file(n, shm_dir)]
             if stale:
                 reports.append(StaleReport(inst, None, stale))
             if not dry_run:
                 for n in stale:
                     try:
-                        os.unlink(os.path.join(shm_dir, n))
+                        os.unlink(os.path.join(shm_dir, n))  # n itself when absolute
                     except OSError as exc:
                         if exc.errno != errno.ENOENT:
                             raise

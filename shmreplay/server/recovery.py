@@ -29,16 +29,17 @@ Checkpointed tables that the config does not declare are restored too.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import time
 
 import numpy as np
 
-from ..errors import ForeignObject, LayoutError, ReplayError
+from ..errors import ForeignObject, LayoutError, PermissionDenied, ReplayError
 from ..wire import names
 from ..wire.layout import COMMITTED, FREE, HELD, RESERVED, TableMap, process_start
-from . import checkpoint, ownership
+from . import checkpoint, ownership, storage
 from .ledger import HOLD_TIMEOUT_S
 from .orphans import OrphanLeases
 from .table import Table
@@ -166,18 +167,27 @@ async def restore_newest(srv, table: str, paths: list[str], expected) -> dict:
 async def restore_table(srv, path: str, expected=None) -> dict:
     t0 = time.monotonic()
     ck = await srv.loop.run_in_executor(None, checkpoint.load, path)
-    if expected is not None and ck.spec != expected:
+    # where the rows go is the config's to say, not the checkpoint's: a
+    # table moves between /dev/shm and disk by a checkpoint and a restore
+    if expected is not None and dataclasses.replace(ck.spec, storage_dir=expected.storage_dir) != expected:
         raise LayoutError(f"checkpoint {path} holds table {ck.spec.name!r} with another definition "
                           f"than the config's ({ck.spec} vs {expected})")
-    name = names.table_segment(srv.cfg.instance, ck.spec.name)
-    tmap = await srv.loop.run_in_executor(None, TableMap.create, name, ck.spec, srv.cfg.gid)
+    try:
+        spec = expected or srv.cfg.place(dataclasses.replace(ck.spec, storage_dir=None))
+    except PermissionDenied as exc:
+        raise LayoutError(f"checkpoint {path}: {exc}") from None
+    ck.spec = spec
+    name = names.table_segment(srv.cfg.instance, spec.name)
+    if spec.file_backed:
+        await srv.loop.run_in_executor(None, storage.prepare_dir, spec.storage_dir, srv.cfg.gid)
+    tmap = await srv.loop.run_in_executor(None, TableMap.create, name, spec, srv.cfg.gid)
     try:
         n = await srv.loop.run_in_executor(None, checkpoint.restore, ck, tmap)
     except BaseException:
         tmap.unlink()
         tmap.release()
         raise
-    table = await srv.add_table(ck.spec, tmap=tmap, recover=True)
+    table = await srv.add_table(spec, tmap=tmap, recover=True)
     log.info("table %s: restored %d items from %s (%.2f s)", ck.spec.name, n, path,
              time.monotonic() - t0)
     return table

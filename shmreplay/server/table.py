@@ -290,8 +290,8 @@ class Table:
                 "orphaned": led.orphans.count if led.orphans else 0,
                 "orphan_holders": led.orphans.holders() if led.orphans else [],
                 "limiter": self.counters.snapshot(led.pending),
-                "max_priority": self.max_priority, "sampler": self.spec.sampler,
-                "remover": self.spec.remover}
+                "max_priority": self.max_priority, "sampler": self.spec.sampler, "remover": self.spec.remover,
+                "rows": self.map.rows.name, "rows_bytes": self.map.layout.rows_size, "file_backed": self.spec.file_backed}
 
 
 def private_bytes(spec: TableSpec) -> int:

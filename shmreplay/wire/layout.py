@@ -59,6 +59,7 @@ import numpy as np
 
 from ..errors import LayoutError
 from ..schema import TableSpec, spec_from_wire
+from .rowfile import RowFile
 from .segment import Segment
 
 MAGIC = b"SHMRTBL\x00"
@@ -243,7 +244,8 @@ class TableMap:
         layout = TableLayout(spec)
         meta = Segment.create(name, layout.size, 0o600, (-1, gid))
         try:
-            rows = Segment.create(rows_name(name), layout.rows_size, 0o600, (-1, gid))
+            kind, where = rows_location(name, spec)
+            rows = kind.create(where, layout.rows_size, 0o600, (-1, gid))
         except BaseException:
             meta.unlink()
             meta.close()
@@ -283,7 +285,8 @@ class TableMap:
         refusing any that this user did not make (``Segment.open_owned``)."""
         meta = Segment.open_owned(name, meta_mode(mode), gid)
         try:
-            rows = Segment.open_owned(rows_name(name), mode, gid)
+            kind, where = rows_location(name, read_spec(meta))
+            rows = kind.open_owned(where, mode, gid)
         except BaseException:
             meta.close()
             raise
@@ -295,7 +298,8 @@ class TableMap:
         meta = Segment.attach(name, None if expected is None else TableLayout(expected).size,
                               read_only=True)
         try:
-            rows = Segment.attach(rows_name(name))
+            kind, where = rows_location(name, read_spec(meta))
+            rows = kind.attach(where)
         except BaseException:
             meta.close()
             raise
@@ -335,6 +339,14 @@ def rows_name(meta_name: str) -> str:
     """The rows segment that goes with a meta segment."""
     head, sep, table = meta_name.rpartition(".t.")
     return f"{head}.r.{table}" if sep else meta_name + ".r"
+
+
+def rows_location(meta_name: str, spec: TableSpec) -> tuple[type[Segment], str]:
+    """Where a table's rows live: a /dev/shm segment, or (``storage_dir``)
+    a file of the same name in that directory."""
+    if spec.file_backed:
+        return RowFile, os.path.join(spec.storage_dir, rows_name(meta_name).lstrip("/"))
+    return Segment, rows_name(meta_name)
 
 
 def meta_mode(mode: int) -> int:

@@ -53,7 +53,8 @@ def runtime_dir() -> str:
     return "/run/shmreplay" if os.geteuid() == 0 else f"/tmp/shmreplay-{os.getuid()}"
 
 
-def secure_dir(path: str, create: bool = True) -> str:
+def secure_dir(path: str, create: bool = True, purpose: str = "a lock or socket",
+               hint: str = "$XDG_RUNTIME_DIR, or RuntimeDirectory= in the unit") -> str:
     """Return ``path`` once it is a real directory (no symlink) owned by
     this user or root that no one else can write; create it 0700 if it is
     missing.  Raises ForeignObject naming what is wrong."""
@@ -77,9 +78,9 @@ def secure_dir(path: str, create: bool = True) -> str:
         problems.append(f"writable by others (mode {stat.S_IMODE(st.st_mode):04o})")
     if problems:
         raise ForeignObject(
-            f"{path} is not a safe place for a lock or socket: {', '.join(problems)}; "
+            f"{path} is not a safe place for {purpose}: {', '.join(problems)}; "
             "anyone who can write there could take the name first.  Use a directory only "
-            "this user can write ($XDG_RUNTIME_DIR, or RuntimeDirectory= in the unit)")
+            f"this user can write ({hint})")
     return path
 
 

@@ -133,24 +133,34 @@ class Segment:
         unless it is a regular file (no symlink followed, no FIFO waited on)
         owned by this user with exactly ``mode`` (and group ``gid``), since
         anyone may create a name in /dev/shm first."""
-        path = SHM_DIR + name
+        fd = cls.open_owned_fd(SHM_DIR + name, mode, gid, "shared-memory segment")
+        try:
+            mm = mmap.mmap(fd, os.fstat(fd).st_size)
+        except BaseException:
+            os.close(fd)
+            raise
+        return cls(name, mm, len(mm), fd)
+
+    @staticmethod
+    def open_owned_fd(path: str, mode: int, gid: int, what: str) -> int:
+        """An open descriptor of ``path`` once it is checked to be this
+        daemon's own nonempty regular file (``check_owned``)."""
         try:
             fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
         except FileNotFoundError:
-            raise LayoutError(f"shared-memory segment {name} does not exist") from None
+            raise LayoutError(f"{what} {path} does not exist") from None
         except OSError as exc:
             raise ForeignObject(f"{path} cannot be opened as this daemon's own object "
                                 f"({os.strerror(exc.errno)}): not adopting it") from None
         try:
-            check_owned(path, os.fstat(fd), mode, gid)
-            size = os.fstat(fd).st_size
-            if size == 0:
-                raise LayoutError(f"segment {name} is 0 bytes, expected a nonzero size (truncated?)")
-            mm = mmap.mmap(fd, size)
+            st = os.fstat(fd)
+            check_owned(path, st, mode, gid)
+            if st.st_size == 0:
+                raise LayoutError(f"{what} {path} is 0 bytes, expected a nonzero size (truncated?)")
         except BaseException:
             os.close(fd)
             raise
-        return cls(name, mm, size, fd)
+        return fd
 
     def set_mode(self, mode: int, gid: int = -1) -> None:
         """Daemon: open the object to its clients, once it is complete."""

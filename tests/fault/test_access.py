@@ -31,6 +31,7 @@ def shared_daemon(start_daemon, users):
         started.append(start_daemon(tables=[{"name": "t", "capacity": 64, "fields": FIELDS}],
                                     socket_dir=sockdir, group=GROUP, admin_group=ADMINS, **access))
         return started[-1]
+    start.dir = sockdir
     yield start
     for d in started:
         d.stop()
@@ -132,3 +133,29 @@ def test_allowed_users_lets_in_exactly_the_users_it_names(shared_daemon, users):
     with d.connect() as c:
         assert len(c.table("t")) == 5
         wait_for(lambda: c.stats()["clients"] == 1, "the other users' connections to end")
+
+
+def use_file_table(sock):
+    c = shmreplay.connect(sock, timeout=60)
+    t = c.table("f")
+    t.insert_batch(rows(np.arange(7)))
+    c.flush()
+    got = sorted(set(t.sample(32).data["id"].tolist()))
+    c.close()
+    return got
+
+
+def test_a_file_backed_tables_rows_file_is_the_groups_and_no_one_elses(shared_daemon, users):
+    store = str(shared_daemon.dir / "tables")  # made by the daemon: 0750, the daemon's group
+    d = shared_daemon(allowed_groups=[GROUP], storage_dirs=[store])
+    with d.connect() as c:
+        c.create_table("f", capacity=64, fields=FIELDS, storage_dir=store)
+    path = os.path.join(store, f"shmreplay.{d.instance}.r.f")
+    import grp
+    gid = grp.getgrnam(GROUP).gr_gid
+    for p, mode in ((store, 0o750), (path, 0o660)):
+        st = os.stat(p)
+        assert (stat.S_IMODE(st.st_mode), st.st_gid) == (mode, gid), (p, oct(st.st_mode), st.st_gid)
+    assert as_user(users[MEMBER], use_file_table, d.socket) == list(range(7))
+    with pytest.raises(PermissionError):
+        as_user(users[STRANGER], lambda: open(path, "rb").read(16))

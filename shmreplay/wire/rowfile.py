@@ -1,0 +1,127 @@
+"""A file-backed table's rows: a file in the table's ``storage_dir``, mapped shared.
+
+The same roles as ``segment.Segment`` (the daemon creates and adopts, a
+client attaches), for a table larger than RAM.  What differs from /dev/shm:
+
+* The file is made ``O_CREAT|O_EXCL|O_NOFOLLOW`` in a directory only the
+  daemon's user (or root) can write (``names.secure_dir``), so no one can
+  plant it first or swap it for a link.
+* Its space is reserved with ``posix_fallocate`` after a ``statvfs`` check:
+  a full disk is a ``DiskFull`` at create, never a SIGBUS later in a client
+  whose store into a hole the filesystem could not fill.
+* It is never populated, and never advised onto huge pages: the point is
+  that the rows need not fit in memory; pages come and go through the page
+  cache, and only what is read or written is resident.
+
+Same ownership rule as segments: every mapping holds the file open, the
+descriptor is closed once mapped (the daemon keeps its own, for ``pread``
+in checkpoints and for ``set_mode``).
+"""
+
+from __future__ import annotations
+
+import errno
+import mmap
+import os
+import stat
+
+from ..errors import DiskFull, LayoutError, PermissionDenied, ReplayError
+from .segment import Segment, check_owned
+
+
+def disk_free_bytes(directory: str) -> int | None:
+    try:
+        st = os.statvfs(directory)
+    except OSError:
+        return None
+    return st.f_bavail * st.f_frsize
+
+
+class RowFile(Segment):
+    """A mapped rows file.  Not thread-safe; close() once."""
+
+    @classmethod
+    def create(cls, path: str, size: int, mode: int = 0o600,
+               owner: tuple[int, int] = (-1, -1)) -> "RowFile":
+        directory = os.path.dirname(path)
+        free = disk_free_bytes(directory)
+        if free is not None and size > free:
+            raise DiskFull(f"{directory} has {free / 2**30:.2f} GiB free but the rows file "
+                           f"{os.path.basename(path)} needs {size / 2**30:.2f} GiB")
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        except FileExistsError:
+            st = os.lstat(path)
+            if st.st_uid != os.geteuid() or not stat.S_ISREG(st.st_mode):
+                check_owned(path, st, stat.S_IMODE(st.st_mode))  # raises, naming the owner
+            raise ReplayError(f"rows file {path} exists already: another daemon uses it, or a "
+                              f"dead one left it behind (remove it with rm {path})") from None
+        except OSError as exc:
+            raise ReplayError(f"cannot create rows file {path}: {exc.strerror}") from None
+        try:
+            os.fchmod(fd, mode)
+            if owner != (-1, -1):
+                os.fchown(fd, *owner)
+            try:
+                os.posix_fallocate(fd, 0, size)
+            except OSError as exc:
+                if exc.errno in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT):
+                    raise DiskFull(f"{directory} could not reserve {size / 2**30:.2f} GiB for "
+                                   f"{os.path.basename(path)}: {os.strerror(exc.errno)}") from exc
+                raise
+            mm = mmap.mmap(fd, size)
+        except BaseException:
+            os.close(fd)
+            _unlink_quiet(path)
+            raise
+        return cls(path, mm, size, fd)
+
+    @classmethod
+    def attach(cls, path: str, expected_size: int | None = None,
+               read_only: bool = False) -> "RowFile":
+        """A client's mapping of the rows file."""
+        flags = (os.O_RDONLY if read_only else os.O_RDWR) | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+        try:
+            fd = os.open(path, flags)
+        except FileNotFoundError:
+            raise LayoutError(f"rows file {path} does not exist") from None
+        except PermissionError:
+            raise PermissionDenied(f"this user may not open the rows file {path}: the daemon's "
+                                   "group (segment_mode) must include it") from None
+        except OSError as exc:
+            raise LayoutError(f"rows file {path} cannot be opened: {exc.strerror}") from None
+        try:
+            st = os.fstat(fd)
+            size = st.st_size
+            if not stat.S_ISREG(st.st_mode):
+                raise LayoutError(f"rows file {path} is not a regular file")
+            if size == 0 or (expected_size is not None and size != expected_size):
+                raise LayoutError(f"rows file {path} is {size} bytes, expected "
+                                  f"{'a nonzero size' if expected_size is None else expected_size}")
+            mm = mmap.mmap(fd, size, prot=mmap.PROT_READ if read_only else
+                           mmap.PROT_READ | mmap.PROT_WRITE)
+        finally:
+            os.close(fd)
+        return cls(path, mm, size)
+
+    @classmethod
+    def open_owned(cls, path: str, mode: int, gid: int = -1) -> "RowFile":
+        """The daemon's re-opening of a rows file it made (adoption): only a
+        regular file of this user with exactly ``mode`` (and group ``gid``)."""
+        fd = Segment.open_owned_fd(path, mode, gid, "rows file")
+        try:
+            mm = mmap.mmap(fd, os.fstat(fd).st_size)
+        except BaseException:
+            os.close(fd)
+            raise
+        return cls(path, mm, len(mm), fd)
+
+    def unlink(self) -> None:
+        _unlink_quiet(self.name)
+
+
+def _unlink_quiet(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass

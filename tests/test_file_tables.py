@@ -1,0 +1,198 @@
+"""File-backed tables (issue 14, item 1): the rows of a table with a
+``storage_dir`` live in a file there, mapped by actors and learners as a
+/dev/shm segment is; the metadata stays in /dev/shm."""
+
+import os
+import stat
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import shmreplay
+from shmreplay.wire.layout import TableLayout
+
+from conftest import shm_entries, write_config
+
+FIELDS = {"obs": ("uint8", (64,)), "id": ("int64", ())}
+
+
+def rows(ids):
+    ids = np.asarray(ids, dtype=np.int64)
+    return {"obs": np.repeat((ids % 251).astype(np.uint8)[:, None], 64, axis=1), "id": ids}
+
+
+def torn(data) -> int:
+    return int(np.sum(np.any(data["obs"] != (data["id"] % 251).astype(np.uint8)[:, None], axis=1)))
+
+
+def table_def(name, capacity, storage_dir=None, **kw):
+    d = {"name": name, "capacity": capacity, "fields": FIELDS, **kw}
+    if storage_dir is not None:
+        d["storage_dir"] = str(storage_dir)
+    return d
+
+
+def rows_file(d, store, table):
+    return os.path.join(store, f"shmreplay.{d.instance}.r.{table}")
+
+
+def test_a_file_backed_table_keeps_its_rows_on_disk_and_serves_like_any_other(start_daemon, tmp_path):
+    store = str(tmp_path / "tables")
+    d = start_daemon(storage_dirs=[store], seed=7)
+    with d.connect() as c:
+        t = c.create_table("f", capacity=500, fields=FIELDS, storage_dir=store)
+        path = rows_file(d, store, "f")
+        st = os.stat(path)
+        spec = shmreplay.schema.make_spec("f", 500, FIELDS, storage_dir=store)
+        assert stat.S_IMODE(st.st_mode) == 0o660 and st.st_size == TableLayout(spec).rows_size
+        # the metadata is in /dev/shm, the rows are not
+        assert shm_entries(f"shmreplay.{d.instance}.") == {f"shmreplay.{d.instance}.t.f"}
+        t.insert_batch(rows(np.arange(700)), priorities=np.full(700, 2.0))  # wraps: 200 evicted
+        t.insert(**{k: v[0] for k, v in rows([700]).items()})
+        c.flush()
+        # a single insert's leased slot handed back at flush was evicted when leased
+        assert 500 - 2 * t.lease_size <= len(t) <= 500
+        b = t.sample(256)
+        assert torn(b.data) == 0 and set(b.data["id"].tolist()) <= set(range(201 - 2 * t.lease_size, 701))
+        t.update_priorities(b.keys[:1], [50.0])
+        c.flush()
+        assert c.stats()["tables"]["f"]["priority_updates"] == 1
+    # what a learner gathered is what the file holds
+    with open(path, "rb") as f:
+        raw = f.read()
+    assert raw[:8] == b"SHMRROW\0"
+    with d.connect() as c:
+        c.drop_table("f")
+    assert not os.path.exists(path)
+
+
+def test_the_daemon_default_puts_tables_on_disk_and_empty_asks_for_dev_shm(start_daemon, tmp_path):
+    store = str(tmp_path / "tables")
+    d = start_daemon(storage_dir=store)
+    with d.connect() as c:
+        c.create_table("disk", capacity=10, fields=FIELDS)
+        c.create_table("ram", capacity=10, fields=FIELDS, storage_dir="")
+        assert os.path.exists(rows_file(d, store, "disk"))
+        assert not os.path.exists(rows_file(d, store, "ram"))
+        assert shm_entries(f"shmreplay.{d.instance}.") == {
+            f"shmreplay.{d.instance}.t.disk", f"shmreplay.{d.instance}.t.ram", f"shmreplay.{d.instance}.r.ram"}
+        # the same definition is the same table, whichever way it was asked for
+        assert c.create_table("disk", capacity=10, fields=FIELDS, storage_dir=store, exist_ok=True).name == "disk"
+    assert d.stop() == 0
+    assert os.listdir(store) == []  # a clean stop without retain_tables removes the table
+
+
+def test_a_directory_the_config_does_not_name_is_refused(start_daemon, tmp_path):
+    store, other = tmp_path / "tables", tmp_path / "elsewhere"
+    other.mkdir()
+    d = start_daemon(storage_dirs=[str(store)])
+    with d.connect() as c:
+        with pytest.raises(shmreplay.PermissionDenied, match=f"storage_dir {other} is not one the "
+                                                             "daemon's config allows"):
+            c.create_table("f", capacity=10, fields=FIELDS, storage_dir=str(other))
+        with pytest.raises(shmreplay.SchemaError, match="storage_dir must be an absolute path"):
+            c.create_table("f", capacity=10, fields=FIELDS, storage_dir="relative/dir")
+        assert c.list_tables() == [] and os.listdir(other) == []
+    assert shm_entries(f"shmreplay.{d.instance}.") == set()
+
+
+def test_a_storage_dir_others_can_write_is_refused(start_daemon, tmp_path):
+    store = tmp_path / "open"
+    store.mkdir()
+    os.chmod(store, 0o777)
+    d = start_daemon(storage_dirs=[str(store)])
+    with d.connect() as c:
+        with pytest.raises(shmreplay.ReplayError, match="is not a safe place for tables' rows files: "
+                                                        "writable by others"):
+            c.create_table("f", capacity=10, fields=FIELDS, storage_dir=str(store))
+        assert os.listdir(store) == [] and c.list_tables() == []
+
+
+def test_a_table_larger_than_the_disk_is_disk_full_at_create(start_daemon, tmp_path):
+    store = str(tmp_path / "tables")
+    free = os.statvfs(tmp_path).f_bavail * os.statvfs(tmp_path).f_frsize
+    item = 1 << 20
+    capacity = int(2 * free // item) + 1
+    if capacity * item > 2**47:
+        pytest.skip("this disk is larger than the largest table")
+    d = start_daemon(storage_dirs=[store])
+    with d.connect() as c:
+        with pytest.raises(shmreplay.DiskFull, match="GiB free but the rows file"):
+            c.create_table("huge", capacity=capacity, fields={"x": ("uint8", (item,))}, storage_dir=store)
+        assert os.listdir(store) == [] and c.list_tables() == []
+        c.create_table("small", capacity=10, fields=FIELDS, storage_dir=store)  # still serving
+    assert shm_entries(f"shmreplay.{d.instance}.t.huge") == set()
+
+
+def test_a_rows_file_already_there_is_never_opened_or_removed(start_daemon, tmp_path):
+    store = tmp_path / "tables"
+    store.mkdir(mode=0o700)
+    d = start_daemon(storage_dirs=[str(store)])
+    planted = rows_file(d, str(store), "f")
+    with open(planted, "wb") as f:
+        f.write(b"not yours")
+    with d.connect() as c:
+        with pytest.raises(shmreplay.ReplayError, match=f"rows file {planted} exists already"):
+            c.create_table("f", capacity=10, fields=FIELDS, storage_dir=str(store))
+    with open(planted, "rb") as f:
+        assert f.read() == b"not yours"
+    assert shm_entries(f"shmreplay.{d.instance}.") == set()
+
+
+def test_a_file_backed_table_survives_a_daemon_sigkill(start_daemon, tmp_path):
+    store = str(tmp_path / "tables")
+    d = start_daemon(tables=[table_def("f", 256, store, sampler="fifo")])
+    with d.connect() as c:
+        t = c.table("f")
+        t.insert_batch(rows(np.arange(300)))
+        c.flush()
+    d.crash()
+    d.start()
+    with d.connect() as c:
+        t = c.table("f")
+        assert len(t) == 256
+        got = t.sample(256).data
+        assert torn(got) == 0 and got["id"][0] == 44  # fifo order survived: the oldest first
+    status = run_cli("--socket", d.socket, "status")
+    assert f"rows: 0.00 GiB in file {rows_file(d, store, 'f')}" in status, status
+    # a crash leaves both parts; cleanup removes the rows file with its meta segment
+    d.crash()
+    out = run_cli("cleanup", "--keep-tables", "--instance", d.instance)
+    assert os.path.exists(rows_file(d, store, "f")), out
+    out = run_cli("cleanup", "--instance", d.instance)
+    assert f"removed 2 object(s): shmreplay.{d.instance}.t.f {rows_file(d, store, 'f')}" in out, out
+    assert os.listdir(store) == [] and shm_entries(f"shmreplay.{d.instance}.") == set()
+
+
+def run_cli(*args) -> str:
+    run = subprocess.run([sys.executable, "-m", "shmreplay.cli", *args], capture_output=True,
+                         text=True, timeout=60)
+    assert run.returncode == 0, run.stderr
+    return run.stdout
+
+
+def test_a_checkpoint_moves_a_table_from_dev_shm_to_disk(start_daemon, tmp_path):
+    """Where rows live is the config's to say: a table checkpointed from
+    /dev/shm is restored into a file when the config now gives it a
+    storage_dir, every item and priority intact."""
+    store, ck = str(tmp_path / "tables"), str(tmp_path / "ck")
+    d = start_daemon(tables=[table_def("f", 128)])
+    with d.connect() as c:
+        t = c.table("f")
+        t.insert_batch(rows(np.arange(100)), priorities=np.arange(1, 101, dtype=float))
+        c.flush()
+        c.checkpoint(ck, "f")
+    assert d.stop() == 0
+    write_config(d.config, [table_def("f", 128, store)], instance=d.instance, socket=d.socket)
+    d.start(["--restore", ck])
+    assert os.path.exists(rows_file(d, store, "f"))
+    assert shm_entries(f"shmreplay.{d.instance}.") == {f"shmreplay.{d.instance}.t.f"}
+    with d.connect() as c:
+        t = c.table("f")
+        assert len(t) == 100
+        b = t.sample(512)
+        assert torn(b.data) == 0
+        p = (b.data["id"] + 1.0) ** 0.6
+        np.testing.assert_allclose(b.probabilities, p / ((np.arange(1, 101) ** 0.6).sum()), rtol=1e-9)

@@ -37,7 +37,7 @@ def _status(client, args) -> None:
 
 def _cleanup(args) -> int:
     reports = ownership.cleanup(dry_run=args.dry_run, keep_tables=args.keep_tables,
-                                only=args.instance)
+                                only=args.instance, storage_dirs=args.storage_dir or ())
     for r in reports:
         if r.unknown:
             print(f"instance {r.instance}: owner unknown (not a file of this user, or a header of "
@@ -68,6 +68,9 @@ def main(argv=None) -> int:
     cl.add_argument("--keep-tables", action="store_true",
                     help="keep table segments (a restarted daemon adopts them)")
     cl.add_argument("--instance", help="only this instance")
+    cl.add_argument("--storage-dir", action="append", metavar="DIR",
+                    help="also rows files of file-backed tables in DIR whose metadata is gone "
+                         "(after a reboot); repeatable")
     sub.add_parser("shutdown", help="stop the daemon cleanly")
     sub.add_parser("bench", help="quick benchmark against the peers installed (< 1 min)")
     args = ap.parse_args(argv)

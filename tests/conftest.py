@@ -225,8 +225,11 @@ def no_leftover_children():
 
 
 @pytest.fixture
-def daemon(start_daemon):
-    return start_daemon(seed=1234)
+def daemon(start_daemon, tmp_path):
+    # SHMREPLAY_TEST_ROWS=file: every table these tests create keeps its rows
+    # in a file (test_file_tables.py runs whole modules that way)
+    rows = {"storage_dir": str(tmp_path / "tables")} if os.environ.get("SHMREPLAY_TEST_ROWS") == "file" else {}
+    return start_daemon(seed=1234, **rows)
 
 
 SMALL_FIELDS = {"obs": ("uint8", (4, 8, 8)), "action": ("int64", ()), "reward": ("float32", ())}
@@ -236,3 +239,6 @@ SMALL_FIELDS = {"obs": ("uint8", (4, 8, 8)), "action": ("int64", ()), "reward": 
 def client(daemon):
     with daemon.connect() as c:
         yield c
+        if os.environ.get("SHMREPLAY_TEST_ROWS") == "file" and not c._closed:
+            tables = c.stats()["tables"]
+            assert all(t["file_backed"] for t in tables.values()), "a table in /dev/shm in file mode"

@@ -223,3 +223,14 @@ def test_large_rows_are_gathered_intact(client):
         b = t.sample(9)  # 9 x 512 KiB: both halves of the split are exercised, odd count
         assert b.data["img"].nbytes >= (1 << 20)
         np.testing.assert_array_equal(b.data["img"], img[b.data["id"]])
+
+
+def test_table_names_holding_the_segment_markers_do_not_collide(client):
+    """Segment names are /shmreplay.<instance>.t.<table> and .r.<table>: a
+    table called "a.t.b" must not take the name of table "a.r.b"'s segment."""
+    x = client.create_table("a.t.b", capacity=10, fields=SMALL_FIELDS)
+    y = client.create_table("a.r.b", capacity=10, fields=SMALL_FIELDS)
+    x.insert(obs=np.full((4, 8, 8), 1, np.uint8), action=1, reward=1.0)
+    y.insert(obs=np.full((4, 8, 8), 2, np.uint8), action=2, reward=2.0)
+    client.flush()
+    assert x.sample(1).data["action"][0] == 1 and y.sample(1).data["action"][0] == 2

@@ -14,6 +14,7 @@ import shmreplay
 from shmreplay.wire.layout import TableLayout
 
 from conftest import shm_entries, write_config
+from shmreplay.wire.names import lock_path
 
 FIELDS = {"obs": ("uint8", (64,)), "id": ("int64", ())}
 
@@ -196,3 +197,90 @@ def test_a_checkpoint_moves_a_table_from_dev_shm_to_disk(start_daemon, tmp_path)
         assert torn(b.data) == 0
         p = (b.data["id"] + 1.0) ** 0.6
         np.testing.assert_allclose(b.probabilities, p / ((np.arange(1, 101) ** 0.6).sum()), rtol=1e-9)
+
+
+def test_the_api_writer_and_semantics_tests_pass_on_file_backed_tables():
+    """Everything a /dev/shm table does, a file-backed one does: whole test
+    modules rerun with every table's rows in a file (conftest's daemon
+    fixture under SHMREPLAY_TEST_ROWS=file; the client fixture checks each
+    table really was file-backed)."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    # (the limiter's long ratio runs are left out: no row is involved)
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                          "-k", "not rate_limiter_keeps_the_ratio", *(os.path.join(here, m) for m in FILE_MODULES)],
+                         cwd=os.path.dirname(here), capture_output=True, text=True, timeout=1200,
+                         env=dict(os.environ, SHMREPLAY_TEST_ROWS="file"))
+    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
+    assert " passed" in run.stdout.splitlines()[-1] and "skipped" not in run.stdout.splitlines()[-1]
+
+
+FILE_MODULES = ("test_api.py", "test_writers.py", "test_iterate.py", "test_semantics.py")
+
+
+def test_rows_left_without_their_metadata_are_refused_clearly_and_cleaned_on_request(start_daemon, tmp_path):
+    """How a reboot looks today: /dev/shm and the runtime directory are
+    empty, the rows file is still on disk.  Nothing can adopt it; the daemon
+    says so and names the command, which removes it only when asked."""
+    store = str(tmp_path / "tables")
+    d = start_daemon(tables=[table_def("f", 64, store)])
+    with d.connect() as c:
+        c.table("f").insert_batch(rows(np.arange(10)))
+        c.flush()
+    d.crash()
+    path = rows_file(d, store, "f")
+    os.unlink(f"/dev/shm/shmreplay.{d.instance}.t.f")
+    os.unlink(lock_path(d.instance))
+    with pytest.raises(RuntimeError, match=f"rows file {path} exists already.*shmreplay cleanup "
+                                           f"--storage-dir {store}"):
+        d.start()
+    assert os.path.exists(path)
+    out = run_cli("cleanup", "--instance", d.instance)  # without --storage-dir: not looked at
+    assert os.path.exists(path), out
+    out = run_cli("cleanup", "--dry-run", "--storage-dir", store)
+    assert f"would remove 1 object(s): {path}" in out and os.path.exists(path), out
+    run_cli("cleanup", "--storage-dir", store)
+    assert not os.path.exists(path)
+    d.start()
+    with d.connect() as c:
+        assert len(c.table("f")) == 0
+
+
+def test_a_crashed_file_table_is_adopted_where_it_is_while_its_directory_is_allowed(start_daemon, tmp_path):
+    old, new = str(tmp_path / "old"), str(tmp_path / "new")
+    d = start_daemon(tables=[table_def("f", 64, old)])
+    with d.connect() as c:
+        c.table("f").insert_batch(rows(np.arange(10)))
+        c.flush()
+    d.crash()
+    # the config now puts the table elsewhere: adopted where it is, and said so
+    write_config(d.config, [table_def("f", 64, new)], instance=d.instance, socket=d.socket,
+                 storage_dirs=[old])
+    d.start()
+    assert f"table f: its rows are in {old}, the config says {new}; adopted where they are" in d.log()
+    with d.connect() as c:
+        t = c.table("f")
+        assert len(t) == 10 and torn(t.sample(10).data) == 0
+    d.crash()
+    # a directory the config no longer allows: refused, and nothing is lost
+    write_config(d.config, [table_def("f", 64, new)], instance=d.instance, socket=d.socket)
+    with pytest.raises(RuntimeError, match=f"keeps its rows in {old}, which the config no longer allows"):
+        d.start()
+    assert os.path.exists(rows_file(d, old, "f"))
+    assert os.path.exists(f"/dev/shm/shmreplay.{d.instance}.t.f")
+    write_config(d.config, [table_def("f", 64, old)], instance=d.instance, socket=d.socket)
+    d.start()
+    with d.connect() as c:
+        assert len(c.table("f")) == 10
+
+
+def test_a_storage_dir_through_a_symlink_is_refused(start_daemon, tmp_path):
+    real = tmp_path / "real"
+    real.mkdir()
+    link = tmp_path / "link"
+    link.symlink_to(real)
+    d = start_daemon(storage_dirs=[str(link)])
+    with d.connect() as c:
+        with pytest.raises(shmreplay.ReplayError, match=f"storage_dir {link} goes through a symlink; "
+                                                        f"configure its real path {real}"):
+            c.create_table("f", capacity=10, fields=FIELDS, storage_dir=str(link))
+    assert os.listdir(real) == []

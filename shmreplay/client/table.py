@@ -14,6 +14,7 @@ their hot paths pay nothing for it.
 
 from __future__ import annotations
 
+import dataclasses
 import weakref
 
 import numpy as np
@@ -62,8 +63,12 @@ class Table:
 
     def _rebind(self, desc: dict) -> None:
         """After a reconnect: the daemon's table of this name, every lease void."""
-        if spec_from_wire(desc["spec"]) != self.spec:
-            raise ReplayError(f"table {self.name!r} came back with another definition")
+        spec = spec_from_wire(desc["spec"])
+        if spec != self.spec:
+            # the same table whose rows a restore moved (disk <-> /dev/shm)
+            if dataclasses.replace(spec, storage_dir=self.spec.storage_dir) != self.spec:
+                raise ReplayError(f"table {self.name!r} came back with another definition")
+            self.spec = spec
         self._bind(desc)
 
     def _forget_connection(self) -> bool:

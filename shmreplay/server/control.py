@@ -22,13 +22,13 @@ from ..errors import CapacityError, DaemonUnavailable, ForeignObject, ReplayErro
 from ..schema import check_table_name, spec_from_wire
 from ..wire import names
 from ..wire.control import PROTOCOL_VERSION
-from ..wire.layout import TableLayout, TableMap
-from ..wire.segment import shm_free_bytes
+from ..wire.layout import TableMap
 from . import checkpoint, recovery, storage
 from .config import DaemonConfig
 from .engine import Engine
 from .connection import ControlConnection
-from .table import Table, private_bytes
+from .memory import check_memory
+from .table import Table
 
 log = logging.getLogger("shmreplayd.control")
 
@@ -214,33 +214,3 @@ def _claim_socket_path(path: str) -> None:
     finally:
         probe.close()
     raise ReplayError(f"another daemon is serving {path}")
-
-
-def check_memory(spec) -> None:
-    """Refuse a table the machine cannot hold: its segments plus what the
-    daemon allocates beside them (``table.private_bytes``), against the
-    memory the kernel says is available now.  A file-backed table's rows
-    are on disk (``RowFile.create`` checks the room there), not counted."""
-    layout = TableLayout(spec)
-    segments = layout.size + (0 if spec.file_backed else layout.rows_size)
-    private = private_bytes(spec)
-    shm = shm_free_bytes()
-    if shm is not None and segments > shm:
-        return  # /dev/shm itself is too small: Segment.create says so (ShmFull), with the sizes
-    avail = mem_available()
-    if avail is not None and segments + private > avail:
-        raise CapacityError(
-            f"table {spec.name!r} needs {(segments + private) / 2**20:.1f} MiB ({segments / 2**20:.1f} "
-            f"in shared memory, {private / 2**20:.1f} in the daemon) but only {avail / 2**20:.1f} MiB "
-            "of memory is available")
-
-
-def mem_available() -> int | None:
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return None

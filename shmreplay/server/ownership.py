@@ -34,8 +34,8 @@ import numpy as np
 
 from ..errors import ForeignObject, ReplayError
 from ..schema import spec_from_wire
-from ..wire.layout import HEADER, MAGIC, SCHEMA_OFF, process_start, rows_location
-from ..wire.rowfile import RowFile
+from ..wire.layout import HEADER, MAGIC, ROWS_HEADER, ROWS_MAGIC, SCHEMA_OFF, process_start
+from ..wire.rowfile import RowFile, rows_location
 from ..wire.names import SHM_DIR, instance_of, is_table, lock_path, pid_in_name, secure_dir
 from ..wire.segment import check_owned
 
@@ -170,8 +170,7 @@ def _object_owner(name: str, shm_dir: str = SHM_DIR) -> tuple[int, int] | None:
         return None
     if not is_table(name):
         return pid_in_name(name), 0
-    head, sep, table = name.rpartition(".r.")
-    meta = os.path.join(shm_dir, f"{head}.t.{table}" if sep else name)
+    meta = os.path.join(shm_dir, names_meta(name) or name)
     if not _mine(meta):
         return None
     try:
@@ -194,10 +193,11 @@ def _object_owner(name: str, shm_dir: str = SHM_DIR) -> tuple[int, int] | None:
 
 def _rows_file(meta_name: str, shm_dir: str) -> list[str]:
     """The rows file of a file-backed table whose meta segment this is, if
-    it is a regular file of this user ([] for a /dev/shm table, or when
-    the header or schema cannot be read: never guess a path to remove)."""
+    it is a regular file of this user whose header names this meta segment
+    (capacity and creation time): [] for a /dev/shm table, or when anything
+    cannot be read or does not match.  Never guess a path to remove."""
     try:
-        fd = os.open(os.path.join(shm_dir, meta_name), os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+        fd = os.open(os.path.join(shm_dir, meta_name), os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
         try:
             h = np.ndarray((), HEADER, buffer=os.pread(fd, HEADER.itemsize, 0))
             if bytes(h["magic"]) != MAGIC or not 0 < int(h["schema_len"]) < 1 << 20:
@@ -205,11 +205,42 @@ def _rows_file(meta_name: str, shm_dir: str) -> list[str]:
             doc = msgpack.unpackb(os.pread(fd, int(h["schema_len"]), SCHEMA_OFF), raw=False)
         finally:
             os.close(fd)
-        spec = spec_from_wire(doc["spec"])
+        kind, path = rows_location("/" + meta_name, spec_from_wire(doc["spec"]))
+        if kind is not RowFile or not _mine(path):
+            return []
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        try:
+            r = np.ndarray((), ROWS_HEADER, buffer=os.pread(fd, ROWS_HEADER.itemsize, 0))
+        finally:
+            os.close(fd)
     except Exception:  # unreadable: not ours to interpret
         return []
-    kind, path = rows_location("/" + meta_name, spec)
-    return [path] if kind is RowFile and _mine(path) else []
+    same = (bytes(r["magic"]) == ROWS_MAGIC and r["capacity"] == h["capacity"]
+            and r["created_ns"] == h["created_ns"])
+    return [path] if same else []
+
+
+def orphan_rows_files(storage_dirs, shm_dir: str = SHM_DIR) -> dict[str, list[str]]:
+    """Rows files in ``storage_dirs`` whose meta segment is gone (a reboot,
+    an emptied /dev/shm): instance -> absolute paths.  Only regular files of
+    this user; nothing could ever adopt them."""
+    out: dict[str, list[str]] = {}
+    for d in storage_dirs:
+        try:
+            entries = sorted(os.listdir(d))
+        except OSError:
+            continue
+        for n in entries:
+            inst, meta = instance_of(n), names_meta(n)
+            if inst and meta and not os.path.lexists(os.path.join(shm_dir, meta)) \
+                    and _mine(os.path.join(d, n)):
+                out.setdefault(inst, []).append(os.path.join(d, n))
+    return out
+
+
+def names_meta(rows_file: str) -> str | None:
+    parts = rows_file.split(".", 3)
+    return f"{parts[0]}.{parts[1]}.t.{parts[3]}" if len(parts) == 4 and parts[2] == "r" else None
 
 
 def _mine(path: str) -> bool:
@@ -221,12 +252,16 @@ def _mine(path: str) -> bool:
 
 
 def cleanup(dry_run: bool = False, keep_tables: bool = False, only: str | None = None,
-            shm_dir: str = SHM_DIR) -> list[StaleReport]:
+            shm_dir: str = SHM_DIR, storage_dirs=()) -> list[StaleReport]:
     """Remove the objects of every instance (or of ``only``) whose daemon is
     dead.  Live instances are listed, never touched.  ``keep_tables`` leaves
-    table segments for the next daemon to adopt."""
+    table segments for the next daemon to adopt.  ``storage_dirs``: also
+    rows files there whose meta segment is gone (``orphan_rows_files``)."""
     reports = []
-    for inst, names in scan(shm_dir).items():
+    found = scan(shm_dir)
+    for inst, paths in orphan_rows_files(storage_dirs, shm_dir).items():
+        found.setdefault(inst, []).extend(paths)
+    for inst, names in found.items():
         if only is not None and inst != only:
             continue
         lock = lock_path(inst)
@@ -249,7 +284,9 @@ def cleanup(dry_run: bool = False, keep_tables: bool = False, only: str | None =
                 if unknown := [n for n in names if n not in stale]:
                     reports.append(StaleReport(inst, None, unknown, unknown=True))
             else:  # no lock to go by: each object's owner decides
-                owners = {n: _object_owner(n, shm_dir) for n in names}
+                # (a rows file without its meta segment names no owner: with
+                # no lock, no daemon of its instance is alive to adopt it)
+                owners = {n: (0, 0) if n.startswith("/") else _object_owner(n, shm_dir) for n in names}
                 stale = [n for n in names if owners[n] is not None and not _alive(*owners[n])]
                 live = [n for n in names if owners[n] is not None and n not in stale]
                 unknown = [n for n in names if owners[n] is None]

@@ -41,21 +41,36 @@ from ..wire import names
 from ..wire.layout import COMMITTED, FREE, HELD, RESERVED, TableMap, process_start
 from . import checkpoint, ownership, storage
 from .ledger import HOLD_TIMEOUT_S
+from .memory import check_memory
 from .orphans import OrphanLeases
 from .table import Table
 
 log = logging.getLogger("shmreplayd.recovery")
 
 
-def adopt(name: str, mode: int, gid: int, expected=None) -> TableMap:
-    """Map a table's segments left by a dead daemon, after every check."""
-    tmap = TableMap.adopt(name, mode, gid)
-    try:
-        if expected is not None and tmap.spec != expected:
+def adopt(name: str, mode: int, gid: int, expected=None, storage_dirs=frozenset()) -> TableMap:
+    """Map a table's segments left by a dead daemon, after every check.  A
+    file-backed table is adopted where its rows are (moving it is a
+    checkpoint and a restore), if the config still allows that directory."""
+    def check(spec):
+        if expected is not None and dataclasses.replace(spec, storage_dir=expected.storage_dir) != expected:
             raise LayoutError(
-                f"segment {name} holds table {tmap.spec.name!r} with another definition than the "
-                f"config's ({tmap.spec} vs {expected}); restore the old definition, or remove the "
-                "segment (shmreplay cleanup) to start the table empty")
+                f"segment {name} holds table {spec.name!r} with another definition than the "
+                f"config's ({spec} vs {expected}); restore the old definition, or checkpoint it "
+                "with the old one and restore under the new")
+        if spec.file_backed:
+            if spec.storage_dir not in storage_dirs:
+                raise LayoutError(f"table {spec.name!r} keeps its rows in {spec.storage_dir}, which "
+                                  "the config no longer allows (storage_dir, storage_dirs); allow it "
+                                  "again to adopt the table")
+            storage.check_dir(spec.storage_dir)
+        if expected is not None and spec.storage_dir != expected.storage_dir:
+            log.warning("table %s: its rows are in %s, the config says %s; adopted where they are "
+                        "(a checkpoint and a restore moves it)", spec.name,
+                        spec.storage_dir or "/dev/shm", expected.storage_dir or "/dev/shm")
+
+    tmap = TableMap.adopt(name, mode, gid, check)
+    try:
         h = tmap.header
         pid, start = int(h["owner_pid"]), int(h["owner_start"])
         if pid != os.getpid() and ownership._alive(pid, start):
@@ -129,7 +144,7 @@ async def open_tables(srv, restore_dir: str | None) -> None:
         t0 = time.monotonic()
         try:
             tmap = await srv.loop.run_in_executor(None, adopt, seg, cfg.segment_mode, cfg.gid,
-                                                  declared.get(tname))
+                                                  declared.get(tname), cfg.storage_dirs)
         except ForeignObject as exc:  # planted: never opened beyond an fstat, never removed
             log.error("table %s: %s", tname, exc)
             continue
@@ -172,12 +187,15 @@ async def restore_table(srv, path: str, expected=None) -> dict:
     if expected is not None and dataclasses.replace(ck.spec, storage_dir=expected.storage_dir) != expected:
         raise LayoutError(f"checkpoint {path} holds table {ck.spec.name!r} with another definition "
                           f"than the config's ({ck.spec} vs {expected})")
-    try:
-        spec = expected or srv.cfg.place(dataclasses.replace(ck.spec, storage_dir=None))
-    except PermissionDenied as exc:
-        raise LayoutError(f"checkpoint {path}: {exc}") from None
+    spec = expected
+    if spec is None:  # a client's table: where it was, if still allowed, else the default
+        try:
+            spec = srv.cfg.place(ck.spec)
+        except PermissionDenied:
+            spec = srv.cfg.place(dataclasses.replace(ck.spec, storage_dir=None))
     ck.spec = spec
     name = names.table_segment(srv.cfg.instance, spec.name)
+    check_memory(spec)
     if spec.file_backed:
         await srv.loop.run_in_executor(None, storage.prepare_dir, spec.storage_dir, srv.cfg.gid)
     tmap = await srv.loop.run_in_executor(None, TableMap.create, name, spec, srv.cfg.gid)

@@ -1,29 +1,68 @@
 """Where a file-backed table's rows file may go (``storage_dir``).
 
 The daemon creates rows files only in directories its config names
-(``DaemonConfig.place``), and only once such a directory is one that no
-other user can write (``names.secure_dir``): in a directory others can
-write, someone could take a rows file's name first or swap the directory's
-contents under the daemon.  A missing directory is made 0750, group the
-daemon's ``group``, so the clients that may map tables can reach the files.
-Runs on the control plane's executor threads.
+(``DaemonConfig.place``), and only in a directory no other user could swap
+or write into: every component of its path must be a real directory (no
+symlink: configure the real path), owned by root or the daemon's user, and
+writable by no one else, except for a sticky ancestor such as /tmp (whose
+entries only their owner may rename).  Otherwise someone could take a rows
+file's name first, or replace the directory with a link between the check
+and the create, and make a root daemon write or chown files elsewhere.  A
+missing last component is made 0750, group the daemon's ``group`` (set
+through the descriptor, whatever the umask), so the clients that may map
+tables can reach the files.  Runs on the control plane's executor threads.
 """
 
 from __future__ import annotations
 
 import os
+import stat
 
-from ..errors import ReplayError
-from ..wire import names
+from ..errors import ForeignObject, ReplayError
 
 
 def prepare_dir(path: str, gid: int = -1) -> str:
+    """Check ``path`` (see the module docstring), making its last component
+    if it is missing; return it."""
+    check_dir(os.path.dirname(path) or "/", leaf=False)
     try:
-        os.mkdir(path, 0o750)
-        os.chown(path, -1, gid)
+        os.mkdir(path, 0o700)
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        try:
+            os.fchown(fd, -1, gid)
+            os.fchmod(fd, 0o750)
+        finally:
+            os.close(fd)
     except FileExistsError:
         pass
     except OSError as exc:
         raise ReplayError(f"cannot create storage_dir {path}: {exc.strerror}") from None
-    return names.secure_dir(path, create=False, purpose="tables' rows files",
-                            hint="e.g. StateDirectory= in the unit, mode 0750")
+    return check_dir(path)
+
+
+def check_dir(path: str, leaf: bool = True) -> str:
+    """Raise ForeignObject unless every component of ``path`` is safe."""
+    if os.path.realpath(path) != os.path.normpath(path):
+        raise ForeignObject(f"storage_dir {path} goes through a symlink; configure its real path "
+                            f"{os.path.realpath(path)}")
+    parts = os.path.normpath(path).split("/")
+    for i in range(1, len(parts)):
+        p = "/".join(parts[:i + 1]) or "/"
+        try:
+            st = os.lstat(p)
+        except OSError as exc:
+            raise ReplayError(f"storage_dir {path}: {p}: {exc.strerror}") from None
+        sticky = bool(st.st_mode & stat.S_ISVTX) and not (leaf and p == path)
+        problems = []
+        if not stat.S_ISDIR(st.st_mode):
+            problems.append("not a directory")
+        if st.st_uid not in (0, os.geteuid()):
+            problems.append(f"owned by uid {st.st_uid}")
+        if st.st_mode & 0o022 and not sticky:
+            problems.append(f"writable by others (mode {stat.S_IMODE(st.st_mode):04o})")
+        if problems:
+            raise ForeignObject(
+                f"{p} is not a safe place for tables' rows files: {', '.join(problems)}; anyone who "
+                "can write there could take a rows file's name first or swap the directory.  Use a "
+                "directory only the daemon's user can write (e.g. StateDirectory= in the unit)")
+    return path

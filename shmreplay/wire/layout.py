@@ -59,7 +59,7 @@ import numpy as np
 
 from ..errors import LayoutError
 from ..schema import TableSpec, spec_from_wire
-from .rowfile import RowFile
+from .rowfile import rows_location
 from .segment import Segment
 
 MAGIC = b"SHMRTBL\x00"
@@ -280,12 +280,17 @@ class TableMap:
         self.rows.set_mode(mode, gid)
 
     @classmethod
-    def adopt(cls, name: str, mode: int, gid: int = -1) -> "TableMap":
+    def adopt(cls, name: str, mode: int, gid: int = -1, check_spec=None) -> "TableMap":
         """Daemon: map the segments a dead daemon of this instance left,
-        refusing any that this user did not make (``Segment.open_owned``)."""
+        refusing any that this user did not make (``Segment.open_owned``).
+        ``check_spec(spec)`` may refuse the stored definition (raise) before
+        its rows are opened."""
         meta = Segment.open_owned(name, meta_mode(mode), gid)
         try:
-            kind, where = rows_location(name, read_spec(meta))
+            spec = read_spec(meta)
+            if check_spec is not None:
+                check_spec(spec)
+            kind, where = rows_location(name, spec)
             rows = kind.open_owned(where, mode, gid)
         except BaseException:
             meta.close()
@@ -333,20 +338,6 @@ class TableMap:
         self.fields = {}
         self.meta.close()
         self.rows.close()
-
-
-def rows_name(meta_name: str) -> str:
-    """The rows segment that goes with a meta segment."""
-    head, sep, table = meta_name.rpartition(".t.")
-    return f"{head}.r.{table}" if sep else meta_name + ".r"
-
-
-def rows_location(meta_name: str, spec: TableSpec) -> tuple[type[Segment], str]:
-    """Where a table's rows live: a /dev/shm segment, or (``storage_dir``)
-    a file of the same name in that directory."""
-    if spec.file_backed:
-        return RowFile, os.path.join(spec.storage_dir, rows_name(meta_name).lstrip("/"))
-    return Segment, rows_name(meta_name)
 
 
 def meta_mode(mode: int) -> int:

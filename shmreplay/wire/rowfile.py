@@ -26,6 +26,7 @@ import os
 import stat
 
 from ..errors import DiskFull, LayoutError, PermissionDenied, ReplayError
+from ..schema import TableSpec
 from .segment import Segment, check_owned
 
 
@@ -51,11 +52,17 @@ class RowFile(Segment):
         try:
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         except FileExistsError:
-            st = os.lstat(path)
-            if st.st_uid != os.geteuid() or not stat.S_ISREG(st.st_mode):
+            try:
+                st = os.lstat(path)
+            except OSError:
+                st = None
+            if st is not None and (st.st_uid != os.geteuid() or not stat.S_ISREG(st.st_mode)):
                 check_owned(path, st, stat.S_IMODE(st.st_mode))  # raises, naming the owner
-            raise ReplayError(f"rows file {path} exists already: another daemon uses it, or a "
-                              f"dead one left it behind (remove it with rm {path})") from None
+            raise ReplayError(
+                f"rows file {path} exists already: another daemon uses it, or a dead one left it "
+                f"behind without its metadata (a reboot, an emptied /dev/shm), so it cannot be "
+                f"adopted; `shmreplay cleanup --storage-dir {directory}` lists and removes such "
+                f"files, or move it away") from None
         except OSError as exc:
             raise ReplayError(f"cannot create rows file {path}: {exc.strerror}") from None
         try:
@@ -108,13 +115,7 @@ class RowFile(Segment):
     def open_owned(cls, path: str, mode: int, gid: int = -1) -> "RowFile":
         """The daemon's re-opening of a rows file it made (adoption): only a
         regular file of this user with exactly ``mode`` (and group ``gid``)."""
-        fd = Segment.open_owned_fd(path, mode, gid, "rows file")
-        try:
-            mm = mmap.mmap(fd, os.fstat(fd).st_size)
-        except BaseException:
-            os.close(fd)
-            raise
-        return cls(path, mm, len(mm), fd)
+        return cls.map_owned(path, Segment.open_owned_fd(path, mode, gid, "rows file"))
 
     def unlink(self) -> None:
         _unlink_quiet(self.name)
@@ -125,3 +126,21 @@ def _unlink_quiet(path: str) -> None:
         os.unlink(path)
     except FileNotFoundError:
         pass
+
+
+def rows_name(meta_name: str) -> str:
+    """The rows segment that goes with a meta segment
+    (``/shmreplay.<instance>.t.<table>``: the instance has no dot, a table
+    name may hold ".t." or ".r." itself)."""
+    parts = meta_name.split(".", 3)
+    if len(parts) == 4 and parts[2] == "t":
+        return f"{parts[0]}.{parts[1]}.r.{parts[3]}"
+    return meta_name + ".r"
+
+
+def rows_location(meta_name: str, spec: TableSpec) -> tuple[type[Segment], str]:
+    """Where a table's rows live: a /dev/shm segment, or (``storage_dir``)
+    a file of the same name in that directory."""
+    if spec.file_backed:
+        return RowFile, os.path.join(spec.storage_dir, rows_name(meta_name).lstrip("/"))
+    return Segment, rows_name(meta_name)

@@ -133,7 +133,11 @@ class Segment:
         unless it is a regular file (no symlink followed, no FIFO waited on)
         owned by this user with exactly ``mode`` (and group ``gid``), since
         anyone may create a name in /dev/shm first."""
-        fd = cls.open_owned_fd(SHM_DIR + name, mode, gid, "shared-memory segment")
+        return cls.map_owned(name, cls.open_owned_fd(SHM_DIR + name, mode, gid, "shared-memory segment"))
+
+    @classmethod
+    def map_owned(cls, name: str, fd: int):
+        """Map all of ``fd`` (taken: closed if mapping fails, else kept)."""
         try:
             mm = mmap.mmap(fd, os.fstat(fd).st_size)
         except BaseException:

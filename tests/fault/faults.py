@@ -38,7 +38,7 @@ def torn(data: dict) -> int:
 def writable_map(segment: str) -> TableMap:
     """A table's segments mapped read-write, as only the daemon's own user
     (or root) can: the meta segment is read-only to every client."""
-    from shmreplay.wire.layout import rows_name
+    from shmreplay.wire.rowfile import rows_name
     from shmreplay.wire.segment import Segment
     return TableMap._checked(Segment.attach(segment), Segment.attach(rows_name(segment)))
 

@@ -66,7 +66,7 @@ def test_one_user_and_a_silent_connection_cannot_take_every_place(start_daemon):
 def test_a_table_the_machine_cannot_hold_is_refused_before_anything_is_made(start_daemon):
     """Issue 12 item 10: the daemon's own arrays count too (a prioritized
     table's trees are larger than its metadata)."""
-    from shmreplay.server.control import mem_available
+    from shmreplay.server.memory import mem_available
     from shmreplay.wire.segment import shm_free_bytes
     avail, shm = mem_available(), shm_free_bytes()
     # shared memory 46 B a slot, the daemon's arrays 56 B: pick a size whose

@@ -15,7 +15,7 @@ predicates, priority checks).  docs/layout.md, "Where things are", maps it.
 
 from .client import Client, NStepWriter, SampleBatch, SequenceWriter, Table, connect
 from .errors import (
-    CapacityError, DaemonUnavailable, DiskFull, EmptyTable, FieldError, LayoutError, PriorityError,
+    CapacityError, DaemonUnavailable, DiskFull, EmptyTable, ForeignObject, FieldError, LayoutError, PriorityError,
     PermissionDenied, ProtocolError, RateLimited, ReplayError, ReplayTimeout, SchemaError, ShmFull,
     SlotsBusy, TableExists, UnknownTable,
 )
@@ -26,4 +26,5 @@ __all__ = [
     "ReplayError", "ProtocolError", "DaemonUnavailable", "ReplayTimeout", "UnknownTable",
     "TableExists", "SchemaError", "FieldError", "PriorityError", "CapacityError", "ShmFull",
     "LayoutError", "EmptyTable", "RateLimited", "SlotsBusy", "PermissionDenied", "DiskFull",
+    "ForeignObject",
 ]

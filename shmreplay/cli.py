@@ -37,7 +37,8 @@ def _status(client, args) -> None:
 
 def _cleanup(args) -> int:
     reports = ownership.cleanup(dry_run=args.dry_run, keep_tables=args.keep_tables,
-                                only=args.instance, storage_dirs=args.storage_dir or ())
+                                only=args.instance,
+                                storage_dirs=[os.path.abspath(d) for d in args.storage_dir or ()])
     for r in reports:
         if r.unknown:
             print(f"instance {r.instance}: owner unknown (not a file of this user, or a header of "

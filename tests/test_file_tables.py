@@ -114,7 +114,7 @@ def test_a_storage_dir_others_can_write_is_refused(start_daemon, tmp_path):
 def test_a_table_larger_than_the_disk_is_disk_full_at_create(start_daemon, tmp_path):
     store = str(tmp_path / "tables")
     free = os.statvfs(tmp_path).f_bavail * os.statvfs(tmp_path).f_frsize
-    item = 1 << 20
+    item = max(1 << 20, free // 64)  # few slots: the metadata stays small on any disk
     capacity = int(2 * free // item) + 1
     if capacity * item > 2**47:
         pytest.skip("this disk is larger than the largest table")
@@ -262,6 +262,10 @@ def test_a_crashed_file_table_is_adopted_where_it_is_while_its_directory_is_allo
     with d.connect() as c:
         t = c.table("f")
         assert len(t) == 10 and torn(t.sample(10).data) == 0
+        # asked without a place, the table is the same wherever it lives
+        assert len(c.create_table("f", capacity=64, fields=FIELDS, exist_ok=True)) == 10
+        with pytest.raises(shmreplay.TableExists, match="different schema"):
+            c.create_table("f", capacity=64, fields=FIELDS, storage_dir=new, exist_ok=True)
     d.crash()
     # a directory the config no longer allows: refused, and nothing is lost
     write_config(d.config, [table_def("f", 64, new)], instance=d.instance, socket=d.socket)

@@ -73,12 +73,15 @@ def test_closing_the_iterator_discards_what_it_prefetched(client):
     t.insert_batch(rows(0, 100))
     t.flush()
     drawn = lambda: client.stats()["tables"]["q"]["samples"]  # noqa: E731
+    before = client.stats()["clients"]
     it = t.iterate(10, prefetch=2)
     first = next(it).data["v"].copy()
     np.testing.assert_array_equal(first, np.arange(10))  # oldest first
     # the thread refills both free buffers and keeps one draw in flight
     wait_for(lambda: drawn() >= 30, "the iterator to draw ahead")
     it.close()
+    # once its connection has ended, nothing of the iterator's can move the counters
+    wait_for(lambda: client.stats()["clients"] == before, "the iterator's connection to end")
     n = drawn()
     assert n % 10 == 0 and n >= 30
     st = client.stats()["tables"]["q"]

@@ -11,6 +11,7 @@ the loop keeps serving.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import logging
 import os
@@ -88,10 +89,14 @@ class ControlServer:
 
     # ---- table management ----
     async def create_table(self, wire: dict, exist_ok: bool) -> dict:
-        spec = self.cfg.place(spec_from_wire(wire))
+        asked = spec_from_wire(wire)
+        spec = self.cfg.place(asked)
         existing = await self.call(self.engine.describe, spec.name)
         if existing is not None:
-            if exist_ok and spec_from_wire(existing["spec"]) == spec:
+            have = spec_from_wire(existing["spec"])
+            if asked.storage_dir is None:  # not asked for a place: wherever it lives now
+                have = dataclasses.replace(have, storage_dir=spec.storage_dir)
+            if exist_ok and have == spec:
                 return existing
             raise TableExists(f"table {spec.name!r} exists already"
                               + (" with a different schema" if exist_ok else ""))

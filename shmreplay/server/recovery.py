@@ -189,8 +189,8 @@ async def restore_table(srv, path: str, expected=None) -> dict:
                           f"than the config's ({ck.spec} vs {expected})")
     spec = expected
     if spec is None:  # a client's table: where it was, if still allowed, else the default
-        try:
-            spec = srv.cfg.place(ck.spec)
+        try:  # a stored None is /dev/shm ("" to place), not the default
+            spec = srv.cfg.place(dataclasses.replace(ck.spec, storage_dir=ck.spec.storage_dir or ""))
         except PermissionDenied:
             spec = srv.cfg.place(dataclasses.replace(ck.spec, storage_dir=None))
     ck.spec = spec

@@ -53,8 +53,7 @@ def runtime_dir() -> str:
     return "/run/shmreplay" if os.geteuid() == 0 else f"/tmp/shmreplay-{os.getuid()}"
 
 
-def secure_dir(path: str, create: bool = True, purpose: str = "a lock or socket",
-               hint: str = "$XDG_RUNTIME_DIR, or RuntimeDirectory= in the unit") -> str:
+def secure_dir(path: str, create: bool = True) -> str:
     """Return ``path`` once it is a real directory (no symlink) owned by
     this user or root that no one else can write; create it 0700 if it is
     missing.  Raises ForeignObject naming what is wrong."""
@@ -78,9 +77,9 @@ def secure_dir(path: str, create: bool = True, purpose: str = "a lock or socket"
         problems.append(f"writable by others (mode {stat.S_IMODE(st.st_mode):04o})")
     if problems:
         raise ForeignObject(
-            f"{path} is not a safe place for {purpose}: {', '.join(problems)}; "
+            f"{path} is not a safe place for a lock or socket: {', '.join(problems)}; "
             "anyone who can write there could take the name first.  Use a directory only "
-            f"this user can write ({hint})")
+            "this user can write ($XDG_RUNTIME_DIR, or RuntimeDirectory= in the unit)")
     return path
 
 

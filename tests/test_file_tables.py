@@ -200,14 +200,18 @@ def test_a_checkpoint_moves_a_table_from_dev_shm_to_disk(start_daemon, tmp_path)
 
 
 def test_the_api_writer_and_semantics_tests_pass_on_file_backed_tables():
-    """Everything a /dev/shm table does, a file-backed one does: whole test
-    modules rerun with every table's rows in a file (conftest's daemon
-    fixture under SHMREPLAY_TEST_ROWS=file; the client fixture checks each
-    table really was file-backed)."""
+    """Everything a /dev/shm table does, a file-backed one does: the tests
+    that move or choose rows rerun with every table's rows in a file
+    (conftest's daemon fixture under SHMREPLAY_TEST_ROWS=file; the client
+    fixture checks each table really was file-backed)."""
     here = os.path.dirname(os.path.abspath(__file__))
-    # of test_semantics, the tests whose rows or samplers are involved (its
-    # limiter and waiting tests never look at a row)
-    pick = "not test_semantics or sampler or remover or max_times_sampled or queue_delivers or overwritten"
+    # the tests that move rows or choose them: writers, iterators, the API's
+    # inserts and gathers, samplers and removers (limiter, waiting and
+    # admin tests never look at a row, and take most of the time)
+    pick = ("test_writers or test_iterate or (test_api and (round_trip or attaches_by_name or "
+            "ring_overwrites or update_priorities_changes or preallocated or larger_than_one_command "
+            "or are_cast or large_rows)) or (test_semantics and (sampler or remover or "
+            "max_times_sampled or queue_delivers or overwritten))")
     run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
                           "-k", pick, *(os.path.join(here, m) for m in FILE_MODULES)],
                          cwd=os.path.dirname(here), capture_output=True, text=True, timeout=1200,

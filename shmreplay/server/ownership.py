@@ -35,7 +35,7 @@ import numpy as np
 from ..errors import ForeignObject, ReplayError
 from ..schema import spec_from_wire
 from ..wire.layout import HEADER, MAGIC, ROWS_HEADER, ROWS_MAGIC, SCHEMA_OFF, process_start
-from ..wire.rowfile import RowFile, rows_location
+from ..wire.rowfile import RowFile, meta_name, rows_location
 from ..wire.names import SHM_DIR, instance_of, is_table, lock_path, pid_in_name, secure_dir
 from ..wire.segment import check_owned
 
@@ -170,49 +170,48 @@ def _object_owner(name: str, shm_dir: str = SHM_DIR) -> tuple[int, int] | None:
         return None
     if not is_table(name):
         return pid_in_name(name), 0
-    meta = os.path.join(shm_dir, names_meta(name) or name)
+    meta = os.path.join(shm_dir, meta_name(name) or name)
     if not _mine(meta):
         return None
     try:
-        fd = os.open(meta, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-        try:
-            raw = os.pread(fd, HEADER.itemsize, 0)
-        finally:
-            os.close(fd)
+        h = _read(meta, HEADER)
     except OSError:
         return None
-    if len(raw) < HEADER.itemsize:
-        return None
-    # a 0-d view, not frombuffer()[0]: that scalar's S8 field drops the
-    # magic's trailing NUL and never equals MAGIC
-    h = np.ndarray((), HEADER, buffer=raw)
     if bytes(h["magic"]) != MAGIC:
         return None
     return int(h["owner_pid"]), int(h["owner_start"])
 
 
-def _rows_file(meta_name: str, shm_dir: str) -> list[str]:
+def _read(path: str, dtype: np.dtype, offset: int = 0):
+    """The ``dtype`` record at ``offset`` of ``path`` (no link followed, no
+    FIFO waited on), as a 0-d view: not frombuffer()[0], whose S8 field
+    drops a magic's trailing NUL.  OSError if it cannot be read whole."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        raw = os.pread(fd, dtype.itemsize, offset)
+    finally:
+        os.close(fd)
+    if len(raw) < dtype.itemsize:
+        raise OSError(f"{path} is shorter than its header")
+    return np.ndarray((), dtype, buffer=raw)
+
+
+def _rows_file(meta_seg: str, shm_dir: str) -> list[str]:
     """The rows file of a file-backed table whose meta segment this is, if
     it is a regular file of this user whose header names this meta segment
     (capacity and creation time): [] for a /dev/shm table, or when anything
     cannot be read or does not match.  Never guess a path to remove."""
     try:
-        fd = os.open(os.path.join(shm_dir, meta_name), os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-        try:
-            h = np.ndarray((), HEADER, buffer=os.pread(fd, HEADER.itemsize, 0))
-            if bytes(h["magic"]) != MAGIC or not 0 < int(h["schema_len"]) < 1 << 20:
-                return []
-            doc = msgpack.unpackb(os.pread(fd, int(h["schema_len"]), SCHEMA_OFF), raw=False)
-        finally:
-            os.close(fd)
-        kind, path = rows_location("/" + meta_name, spec_from_wire(doc["spec"]))
+        meta = os.path.join(shm_dir, meta_seg)
+        h = _read(meta, HEADER)
+        n = int(h["schema_len"])
+        if bytes(h["magic"]) != MAGIC or not 0 < n < 1 << 20:
+            return []
+        doc = msgpack.unpackb(bytes(_read(meta, np.dtype((np.void, n)), SCHEMA_OFF)), raw=False)
+        kind, path = rows_location("/" + meta_seg, spec_from_wire(doc["spec"]))
         if kind is not RowFile or not _mine(path):
             return []
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-        try:
-            r = np.ndarray((), ROWS_HEADER, buffer=os.pread(fd, ROWS_HEADER.itemsize, 0))
-        finally:
-            os.close(fd)
+        r = _read(path, ROWS_HEADER)
     except Exception:  # unreadable: not ours to interpret
         return []
     same = (bytes(r["magic"]) == ROWS_MAGIC and r["capacity"] == h["capacity"]
@@ -231,16 +230,11 @@ def orphan_rows_files(storage_dirs, shm_dir: str = SHM_DIR) -> dict[str, list[st
         except OSError:
             continue
         for n in entries:
-            inst, meta = instance_of(n), names_meta(n)
+            inst, meta = instance_of(n), meta_name(n)
             if inst and meta and not os.path.lexists(os.path.join(shm_dir, meta)) \
                     and _mine(os.path.join(d, n)):
                 out.setdefault(inst, []).append(os.path.join(d, n))
     return out
-
-
-def names_meta(rows_file: str) -> str | None:
-    parts = rows_file.split(".", 3)
-    return f"{parts[0]}.{parts[1]}.t.{parts[3]}" if len(parts) == 4 and parts[2] == "r" else None
 
 
 def _mine(path: str) -> bool:

@@ -138,6 +138,13 @@ def rows_name(meta_name: str) -> str:
     return meta_name + ".r"
 
 
+def meta_name(rows: str) -> str | None:
+    """The meta segment of a rows segment or file name (``rows_name``'s
+    inverse); None for any other name."""
+    parts = rows.split(".", 3)
+    return f"{parts[0]}.{parts[1]}.t.{parts[3]}" if len(parts) == 4 and parts[2] == "r" else None
+
+
 def rows_location(meta_name: str, spec: TableSpec) -> tuple[type[Segment], str]:
     """Where a table's rows live: a /dev/shm segment, or (``storage_dir``)
     a file of the same name in that directory."""

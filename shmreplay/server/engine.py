@@ -32,7 +32,7 @@ import time
 from ..errors import ProtocolError, ReplayError, UnknownTable
 from ..wire import records as R
 from ..wire.channel import new_doorbell, ring
-from . import parking
+from . import parking, tablestats
 from .calls import Calls
 from .idle import Idler
 from .outbox import ClientState
@@ -256,9 +256,9 @@ class Engine:
         """The description of table ``name`` (None if there is none), or
         with no name, of every table."""
         if name is None:
-            return [t.describe() for t in self.tables.values()]
+            return [tablestats.describe(t) for t in self.tables.values()]
         t = self.by_name.get(name)
-        return t.describe() if t is not None else None
+        return tablestats.describe(t) if t is not None else None
 
     @entry_point
     def drop_table(self, name: str) -> Table:
@@ -299,7 +299,7 @@ class Engine:
     def snapshot(self) -> dict:
         tables, pids = {}, {cid: cl.pid for cid, cl in self.clients.items()}
         for t in self.tables.values():
-            st = t.snapshot_stats(pids)
+            st = tablestats.snapshot_stats(t, pids)
             st["limiter"]["waiting_inserts"], st["limiter"]["waiting_samples"] = self.parking.waiting(t.id)
             tables[t.spec.name] = st
         return {"engine": {**self.stats, **self.idler.stats, "parked": self.parking.total},

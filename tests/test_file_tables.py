@@ -305,3 +305,26 @@ def test_a_storage_dir_through_a_symlink_is_refused(start_daemon, tmp_path):
                                                         f"configure its real path {real}"):
             c.create_table("f", capacity=10, fields=FIELDS, storage_dir=str(link))
     assert os.listdir(real) == []
+
+
+MOUNTINFO = """\
+27 1 254:0 / / rw,relatime shared:1 - ext4 /dev/vda rw
+30 27 0:25 / /dev/shm rw,nosuid,nodev shared:4 - tmpfs tmpfs rw
+41 27 8:16 / /var/lib/replay rw,relatime shared:9 - btrfs /dev/sdb rw,space_cache=v2
+42 41 8:32 / /var/lib/replay/nvme rw,relatime shared:10 - xfs /dev/nvme0n1 rw
+43 27 8:48 / /mnt/my\\040disk rw,relatime shared:11 - zfs tank/replay rw
+"""
+
+
+def test_the_filesystem_under_a_storage_dir_is_its_longest_mount_point():
+    """Which filesystem a storage_dir is on decides whether it is refused as
+    copy-on-write (storage.prepare_dir): the innermost mount wins, a name
+    that only starts like a mount point is not under it, spaces are escaped."""
+    from shmreplay.server.storage import COPY_ON_WRITE, fs_type
+    assert fs_type("/var/lib/replay/tables", MOUNTINFO) == "btrfs"
+    assert fs_type("/var/lib/replay/nvme/tables", MOUNTINFO) == "xfs"
+    assert fs_type("/var/lib/replayer", MOUNTINFO) == "ext4"
+    assert fs_type("/mnt/my disk/t", MOUNTINFO) == "zfs"
+    assert fs_type("/dev/shm", MOUNTINFO) == "tmpfs"
+    assert {"btrfs", "zfs"} <= COPY_ON_WRITE and "xfs" not in COPY_ON_WRITE
+    assert fs_type(str(os.getcwd())) is not None  # this machine's own table reads

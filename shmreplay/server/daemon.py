@@ -48,6 +48,7 @@ import numpy as np
 import uvloop
 
 from ..errors import ReplayError
+from ..numbaconf import exit_without_teardown, without_blas_probe
 from ..priorities import first_invalid_priority
 from ..version import __version__
 from ..wire import atomics
@@ -60,6 +61,7 @@ from .engine import Engine
 log = logging.getLogger("shmreplayd")
 
 
+@without_blas_probe()  # ~0.2 s less per start: see numbaconf
 def compile_kernels() -> float:
     """Run every kernel once on tiny inputs so clients never wait on the JIT."""
     t0 = time.monotonic()
@@ -230,4 +232,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_without_teardown(main())  # ~0.25 s less per stop: see numbaconf

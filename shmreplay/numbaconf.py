@@ -54,7 +54,10 @@ def exit_without_teardown(code: int) -> None:
     import threading
     if threading.active_count() == 1:
         logging.shutdown()  # flush and close every log handler, as atexit would
-        sys.stdout.flush()
-        sys.stderr.flush()
+        try:
+            sys.stdout.flush()
+            sys.stderr.flush()
+        except (OSError, ValueError):  # a closed pipe: the usual exit reports it as usual
+            sys.exit(code)
         os._exit(code)
     sys.exit(code)

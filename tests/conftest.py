@@ -9,6 +9,7 @@ session fixture checks the same for the whole suite.
 
 from __future__ import annotations
 
+import compileall
 import itertools
 import json
 import multiprocessing
@@ -50,6 +51,18 @@ def own_entries() -> set[str]:
     mine = re.compile(rf"shmreplay\.test{os.getpid()}(?!\d)")
     rundir = os.listdir(runtime_dir()) if os.path.isdir(runtime_dir()) else []
     return {n for n in os.listdir("/dev/shm") + rundir if mine.search(n)}
+
+
+@pytest.fixture(scope="session", autouse=True)
+def package_bytecode():
+    """Every daemon and client process the suite starts (a few hundred)
+    imports the package afresh.  Where PYTHONDONTWRITEBYTECODE is set, none
+    of them may cache bytecode, and each compiles its ~10,000 lines again
+    (~75 ms).  Compiled once here instead (into __pycache__, beside numba's
+    cache); Python still checks each source's mtime against its .pyc."""
+    if sys.dont_write_bytecode:
+        compileall.compile_dir(os.path.join(ROOT, "shmreplay"), quiet=2)
+    yield
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -12,6 +12,7 @@ import sys
 
 from .client import connect
 from .errors import ReplayError
+from .numbaconf import exit_without_teardown
 from .server import ownership
 
 
@@ -116,4 +117,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_without_teardown(main())  # ~0.2 s less per run: see numbaconf

@@ -4,6 +4,10 @@
 ``$NUMBA_CACHE_DIR``) so later processes load them in ~0.15 s instead of
 compiling for ~1 s; ``nogil=True`` lets the daemon's control thread run
 while the engine thread is inside a kernel.
+
+Also what numba costs a process beside its kernels, and how the daemon and
+the command line avoid it: numba's BLAS probe (``without_blas_probe``) and
+the interpreter's teardown of numba's registries (``exit_without_teardown``).
 """
 
 from __future__ import annotations
@@ -45,9 +49,10 @@ def exit_without_teardown(code: int) -> None:
 
     With numba loaded, that teardown garbage-collects numba's type and
     lowering registries: ~0.25 s of CPU after the last useful instruction,
-    on every daemon stop.  Skipped only when no other thread is left (none
-    can still be writing) and after the log and stdio are flushed, so the
-    exit code and everything written are what a normal exit gives.
+    on every daemon stop and command-line run.  Skipped only when no other
+    thread is left (none can still be writing) and after the log and stdio
+    are flushed, so the exit code and everything written are what a normal
+    exit gives.
     """
     import logging
     import os

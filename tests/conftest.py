@@ -207,9 +207,13 @@ def start_daemon(tmp_path):
 
 
 def _children() -> set[int]:
-    """Live child processes of this one (multiprocessing's or not)."""
+    """Live child processes of this one (multiprocessing's or not), and the
+    workers its fork server started (waiting.worker_context: they are the
+    server's children, and share its command line)."""
     me = str(os.getpid())
-    return {pid for pid, f in processes() if f[1] == me and f[0] != "Z" and not _helper(pid)}
+    live = [(pid, f[1]) for pid, f in processes() if f[0] != "Z"]
+    helpers = {str(pid) for pid, parent in live if parent == me and _helper(pid)}
+    return {pid for pid, parent in live if parent in helpers or (parent == me and str(pid) not in helpers)}
 
 
 def _helper(pid: int) -> bool:

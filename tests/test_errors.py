@@ -1,6 +1,5 @@
 """Bad input: the offender gets a named error, everyone else carries on."""
 
-import multiprocessing as mp
 import os
 import signal
 import socket
@@ -19,7 +18,7 @@ from shmreplay.wire.layout import TableMap
 from rawclient import commit, reserve, send_raw
 from conftest import SMALL_FIELDS
 from readback import committed
-from waiting import HANG_S, wait_for
+from waiting import HANG_S, wait_for, worker_context
 
 
 def good_row(i=0):
@@ -368,7 +367,7 @@ def test_client_killed_mid_write_loses_nothing_of_others(daemon, client):
     t = client.create_table("t", capacity=40, fields=SMALL_FIELDS, sampler="uniform")
     t.insert_batch(good_batch(range(20)))
     t.flush()
-    ctx = mp.get_context("spawn")
+    ctx = worker_context()
     ready = ctx.Event()
     proc = ctx.Process(target=die_mid_write, args=(daemon.socket, ready))
     proc.start()

@@ -9,7 +9,7 @@ import numpy as np
 
 import shmreplay
 from readback import committed
-from waiting import HANG_S, wait_for
+from waiting import HANG_S, wait_for, worker_context
 
 FIELDS = {"v": ("int64", ()), "w": ("float32", (3,))}
 
@@ -135,9 +135,8 @@ def hold_a_lease(sock, ready):
 
 
 def test_a_killed_writers_lease_is_reclaimed(daemon, client):
-    import multiprocessing as mp
     t = client.create_table("big", capacity=10_000, fields=FIELDS)
-    ctx = mp.get_context("spawn")
+    ctx = worker_context()
     ready = ctx.Event()
     p = ctx.Process(target=hold_a_lease, args=(daemon.socket, ready))
     p.start()

@@ -1,7 +1,6 @@
 """Replay semantics over a real daemon and real client processes:
 selectors, removers, reuse limits, queues, rate limiting, several tables."""
 
-import multiprocessing as mp
 import os
 import queue
 import signal
@@ -12,10 +11,10 @@ import numpy as np
 import pytest
 
 import shmreplay
-from waiting import HANG_S, wait_for
+from waiting import HANG_S, wait_for, worker_context
 
 F = {"v": ("int64", ())}
-CTX = mp.get_context("spawn")
+CTX = worker_context()  # clean processes, as spawn's, started sooner
 
 
 def ids(batch):

@@ -9,14 +9,13 @@ or MAX_BATCHES batches end it as a failure.  The deadline only catches a
 hang."""
 
 import json
-import multiprocessing as mp
 import time
 
 import numpy as np
 import pytest
 
 import shmreplay
-from waiting import HANG_S, reap, wait_for
+from waiting import HANG_S, reap, wait_for, worker_context
 
 PAYLOAD = 2048
 FIELDS = {"actor": ("int32", ()), "seq": ("int64", ()), "payload": ("uint8", (PAYLOAD,)),
@@ -89,7 +88,7 @@ def learner_main(sock, stop, out):
 def test_four_actors_one_learner_under_constant_overwrite_no_torn_or_mismatched_rows(daemon):
     with daemon.connect() as c:
         c.create_table("stress", capacity=CAPACITY, fields=FIELDS, alpha=0.6)
-        ctx = mp.get_context("spawn")
+        ctx = worker_context()
         stop, out = ctx.Event(), ctx.Queue()
         procs = [ctx.Process(target=actor_main, args=(daemon.socket, a, stop, out)) for a in range(4)]
         procs.append(ctx.Process(target=learner_main, args=(daemon.socket, stop, out)))

@@ -170,6 +170,8 @@ class ControlServer:
             led.make_free(led.free.pop(len(led.free)))
 
     def _sync_soon(self, name: str) -> None:
+        if name not in self.syncing:  # dropped meanwhile
+            return
         task = self.loop.create_task(self._sync_logged(name))
         self.background.add(task)
         task.add_done_callback(self.background.discard)
@@ -242,6 +244,7 @@ class ControlServer:
         for name in await self.call(self.engine.table_names):
             kept = keep_adopted and name in self.adopted  # touched in no way
             await self.drop_table(name, unlink and not kept, keep_disk=not kept)
+        await asyncio.gather(*self.background, return_exceptions=True)  # asked for meanwhile
 
     async def checkpoint(self, names: list, directory: str, keep: int = 0) -> list[dict]:
         """Checkpoint tables (all if ``names`` is empty) into ``directory``,

@@ -30,6 +30,10 @@ def _status(client, args) -> None:
               f"{t['reserved']} reserved, {t['held']} held, {t['stale_priority_updates']} stale updates")
         print(f"  rows: {t['rows_bytes'] / 2**30:.2f} GiB in {'file' if t['file_backed'] else 'shared memory'}"
               f" {t['rows']}")
+        if "prefetch_reads" in t:  # a file-backed table with the daemon's prefetch on
+            print(f"  prefetch: {t['prefetch_reads']} reads ({t['prefetch_bytes'] / 2**30:.2f} GiB), "
+                  f"{t['prefetch_dropped']} dropped, {t['prefetch_errors']} failed; "
+                  f"{t['writeback_calls']} writebacks started")
         for h in t["holders"]:  # a learner that hangs keeps these until the daemon's hold_timeout_s
             print(f"  client {h['client']}, pid {h['pid']}: {h['held']} slots held, "
                   f"oldest {h['oldest_s']:.1f} s")

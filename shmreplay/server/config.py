@@ -27,7 +27,8 @@ DAEMON_KEYS = {"socket", "instance", "segment_mode", "spin_us", "idle_timeout_s"
                "retain_tables", "checkpoint_dir", "checkpoint_interval_s",
                "checkpoint_keep", "checkpoint_buffer_mb", "group", "allowed_users", "allowed_groups", "admin_group",
                "max_clients", "max_tables", "hold_timeout_s", "max_clients_per_user",
-               "handshake_timeout_s", "storage_dir", "storage_dirs"}
+               "handshake_timeout_s", "storage_dir", "storage_dirs", "prefetch_threads", "prefetch_queue",
+               "prefetch_method"}
 
 
 @dataclass
@@ -61,6 +62,11 @@ class DaemonConfig:
     # may be put in (this one, storage_dirs, and those of [[tables]])
     storage_dir: str = ""
     storage_dirs: set = field(default_factory=set)
+    # their prefetch (server/prefetch.py): reader threads (0: none), the most
+    # byte ranges queued for them, "fadvise" (WILLNEED) or "pread"
+    prefetch_threads: int = 16
+    prefetch_queue: int = 4096
+    prefetch_method: str = "fadvise"
     tables: list[TableSpec] = field(default_factory=list)
 
     def place(self, spec: TableSpec) -> TableSpec:
@@ -142,6 +148,12 @@ def parse_config(doc: dict, where: str = "config") -> DaemonConfig:
     cfg.storage_dir = _abs_dir(d.get("storage_dir", ""), "storage_dir", where)
     cfg.storage_dirs = {_abs_dir(p, "storage_dirs", where) for p in _list(d, "storage_dirs", where)}
     cfg.storage_dirs |= {cfg.storage_dir} - {""}
+    cfg.prefetch_threads = int(_number(d, "prefetch_threads", 16, where))
+    cfg.prefetch_queue = int(_number(d, "prefetch_queue", 4096, where, lo=1))
+    cfg.prefetch_method = str(d.get("prefetch_method", cfg.prefetch_method))
+    if cfg.prefetch_method not in ("pread", "fadvise"):
+        raise SchemaError(f"{where}: prefetch_method must be \"pread\" or \"fadvise\", "
+                          f"got {cfg.prefetch_method!r}")
     names = set()
     for i, t in enumerate(doc.get("tables", [])):
         if not isinstance(t, dict):

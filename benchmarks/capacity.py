@@ -28,7 +28,6 @@ is reported, never asserted.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import sys
@@ -141,15 +140,8 @@ def main(argv=None) -> int:
         shutil.rmtree(work, ignore_errors=True)
         if cg is not None:
             cg.remove()
-    print("\n" + table(report) + "\n\n" + TARGETS)
-    report["targets"] = targets(report)
-    print("\n".join(report["targets"]))
-    out = a.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
-                                time.strftime("capacity-%Y%m%d-%H%M%S") + ".json")
-    os.makedirs(os.path.dirname(out), exist_ok=True)
-    with open(out, "w") as f:
-        json.dump(report, f, indent=1)
-    print(f"\nwrote {out}")
+    runner.finish(report, table(report), TARGETS, targets, a.out, os.path.dirname(os.path.abspath(__file__)),
+                  "capacity-")
     return 0
 
 

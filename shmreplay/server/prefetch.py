@@ -11,24 +11,23 @@ time).  So after each draw and reservation of a file-backed table the
 engine hands the slots to the ``Prefetcher`` (``parking.run``), and a pool
 of reader threads has their byte ranges read.  Slots that follow each other
 merge into one range, and each field's ranges are read whole pages at a time.
-Two ways, measured by ``benchmarks/capacity.py`` (dqn-atari rows, page
-cache dropped, 1 GiB of rows in a 512 MiB memory cgroup):
+Two ways (docs/performance.md, "Beyond RAM", cold dqn-atari rows):
 
 * "fadvise" (default): ``POSIX_FADV_WILLNEED`` per range, a whole batch from
-  one reader; it only queues the reads, so all go to the disk at once:
-  16,300 rows/s through ``iterate(prefetch=2)``, 111% of 16 threads reading
-  a row each; free on cached rows (warm 140,000 rows/s, prefetch off 115,000).
+  one reader; it only queues the reads, so all go to the disk at once (21,000-
+  24,000 rows/s, above 16 threads reading a row each); a page-cache look-up
+  on cached rows.
 * "pread": ``preadv`` into a scratch buffer thrown away (the point is the
-  page cache), ``threads`` readers sharing a batch: 11,500 rows/s cold; warm
-  it copies every row again and wakes a reader per few rows (38,000 rows/s).
+  page cache), ``threads`` readers sharing a batch (11,600-16,400 rows/s);
+  warm it copies every row again and wakes a reader per few rows, which
+  cost the learner 3-4x.
 
 The same threads start the writeback of what writers stored: every
 ``writeback_s`` each rows file whose table took inserts since gets one
-``sync_file_range(SYNC_FILE_RANGE_WRITE)`` over the whole file, which
-starts writing its dirty pages (and only those) now, a fraction of a
-second's worth at a time, rather than all at once when the kernel's dirty
-limit makes a writer wait in ``balance_dirty_pages``.  Being periodic it
-costs a commit nothing.
+``sync_file_range(SYNC_FILE_RANGE_WRITE)`` of the whole file, which starts
+writing its dirty pages now, a fraction of a second's worth at a time, not
+all at once when the kernel's dirty limit makes a writer wait (in
+``balance_dirty_pages``).  Being periodic, it costs a commit nothing.
 
 The engine never waits here: it computes the ranges (a numba kernel, a few
 microseconds) and appends them to a queue under a lock held for a few list
@@ -39,10 +38,10 @@ table size, and a disk that cannot keep up loses prefetches, never rows.
 
 Threads: ``add``, ``drop``, ``read``, ``stats`` and ``table_stats`` on the
 engine thread; ``stop`` once, by the daemon after the engine has stopped.
-Readers touch the queue and the counters under the lock, their own
-scratch buffer, and a table's inserts counter (a shared-memory word).
-Nothing here reads through a mapping: a client that truncates a rows file
-makes a read fail (counted in ``prefetch_errors``), never the daemon fault.
+Readers touch the queue and counters under the lock, their own scratch
+buffer and a table's inserts counter (a shared-memory word), never a
+mapping: a client that truncates a rows file makes a read fail (counted in
+``prefetch_errors``), never the daemon fault.
 """
 
 from __future__ import annotations
@@ -54,76 +53,18 @@ import os
 import threading
 import time
 
-import numba
 import numpy as np
 
-from ..numbaconf import JIT
 from ..wire.records import key_slots
+from .rowranges import ranges_of
 
 log = logging.getLogger("shmreplayd.prefetch")
 
 READ, WRITEBACK = 0, 1
-PAGE = 4096
-MAX_RANGE = 1 << 20     # longer ranges are split so that several readers share them
 SCRATCH = 256 << 10     # a reader's buffer; a longer range reuses it (preadv iovecs)
 TAKE_BYTES = 64 << 10   # one reader's share of a read job: ~2 DQN rows, many small ones
 METHODS = ("fadvise", "pread")
 SYNC_FILE_RANGE_WRITE = 2
-
-
-@numba.njit(**JIT)
-def _emit(a, b, max_len, out_off, out_len, n):
-    while b > a >= 0:
-        k = min(b - a, max_len)
-        out_off[n], out_len[n] = a, k
-        n += 1
-        a += k
-    return n
-
-
-@numba.njit(**JIT)
-def row_ranges(slots, offs, widths, align, max_len, out_off, out_len):
-    """The byte ranges of ``slots`` in each field (field f's rows start at
-    ``offs[f]``, ``widths[f]`` bytes apart): runs of consecutive slots
-    merged, ends widened to multiples of ``align``, overlapping ranges
-    merged, none longer than ``max_len``.  Writes them into out_*; returns
-    how many."""
-    s = np.sort(slots)
-    m = s.shape[0]
-    n = 0
-    for f in range(offs.shape[0]):
-        off, w = offs[f], widths[f]
-        cur_a, cur_b = np.int64(-1), np.int64(-1)
-        i = 0
-        while i < m:
-            j = i
-            while j + 1 < m and s[j + 1] <= s[j] + 1:  # duplicates and neighbours
-                j += 1
-            a = off + s[i] * w
-            b = off + (s[j] + 1) * w
-            a -= a % align
-            b = (b + align - 1) // align * align
-            i = j + 1
-            if cur_a >= 0 and a <= cur_b:
-                cur_b = max(cur_b, b)
-            else:
-                n = _emit(cur_a, cur_b, max_len, out_off, out_len, n)
-                cur_a, cur_b = a, b
-        n = _emit(cur_a, cur_b, max_len, out_off, out_len, n)
-    return n
-
-
-def ranges_of(slots: np.ndarray, offs: np.ndarray, widths: np.ndarray, align: int = PAGE,
-              max_len: int = MAX_RANGE) -> tuple[np.ndarray, np.ndarray]:
-    """(offsets, lengths) of the byte ranges holding ``slots``' rows.  Any thread."""
-    slots = np.asarray(slots, dtype=np.int64)
-    # each run of slots makes at most one range per field, split once per
-    # max_len of its bytes (widened by at most 2 x align each)
-    m, nf = slots.shape[0], offs.shape[0]
-    cap = 2 * m * nf + int(m * widths.sum()) // max_len + 2 * nf + 2
-    out_off, out_len = np.empty(cap, np.int64), np.empty(cap, np.int64)
-    n = row_ranges(slots, offs, widths, align, max_len, out_off, out_len) if slots.shape[0] else 0
-    return out_off[:n], out_len[:n]
 
 
 _sync_file_range = getattr(ctypes.CDLL(None, use_errno=True), "sync_file_range", None)  # Linux only

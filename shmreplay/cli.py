@@ -1,4 +1,4 @@
-"""``shmreplay``: the admin command line (status, tables, checkpoint,
+"""``shmreplay``: the admin command line (status, tables, checkpoint, sync,
 cleanup, shutdown, bench).  A tool at the package root: it talks to a daemon
 as a client, and ``cleanup`` uses the daemon's own ownership rules.  Runs
 in its own process, one thread."""
@@ -29,7 +29,14 @@ def _status(client, args) -> None:
               f"{t['inserts']} inserted, {t['samples']} sampled, {t['evictions']} evicted, "
               f"{t['reserved']} reserved, {t['held']} held, {t['stale_priority_updates']} stale updates")
         print(f"  rows: {t['rows_bytes'] / 2**30:.2f} GiB in {'file' if t['file_backed'] else 'shared memory'}"
-              f" {t['rows']}")
+              f" {t['rows']}" + (f", {t['resident_bytes'] / 2**30:.2f} GiB of it in memory"
+                                 if t.get("resident_bytes") is not None else ""))
+        if t.get("durable"):
+            age = t["last_sync_age_s"]
+            print(f"  durable: {t['synced_items']} items on disk in {t['meta_file']}, synced "
+                  f"{'never' if age is None else f'{age:.1f} s ago'} ({t['syncs']} syncs, "
+                  f"{t['sync_failures']} failed); {t['retired']} slots wait for the next sync "
+                  f"(headroom {t['sync_headroom']})")
         if "prefetch_reads" in t:  # a file-backed table with the daemon's prefetch on
             print(f"  prefetch: {t['prefetch_reads']} reads ({t['prefetch_bytes'] / 2**30:.2f} GiB), "
                   f"{t['prefetch_dropped']} dropped, {t['prefetch_errors']} failed; "
@@ -68,6 +75,8 @@ def main(argv=None) -> int:
     ck = sub.add_parser("checkpoint", help="write a checkpoint of one table or all")
     ck.add_argument("table", nargs="?", help="table name (default: every table)")
     ck.add_argument("--to", required=True, metavar="DIR", help="directory (the daemon writes it)")
+    sy = sub.add_parser("sync", help="write durable file-backed tables' metadata to disk now")
+    sy.add_argument("table", nargs="?", help="table name (default: every durable table)")
     cl = sub.add_parser("cleanup", help="list and remove shared memory left by dead daemons")
     cl.add_argument("--dry-run", action="store_true", help="only list")
     cl.add_argument("--keep-tables", action="store_true",
@@ -87,7 +96,7 @@ def main(argv=None) -> int:
     if args.cmd == "cleanup":
         return _cleanup(args)
     try:
-        with connect(args.socket, timeout=600.0 if args.cmd == "checkpoint" else 10.0) as client:
+        with connect(args.socket, timeout=600.0 if args.cmd in ("checkpoint", "sync") else 10.0) as client:
             if args.cmd == "status":
                 _status(client, args)
             elif args.cmd == "tables":
@@ -98,6 +107,10 @@ def main(argv=None) -> int:
                           f"{r['write_s']:.2f} s -> {r['path']} (inserts and samples paused "
                           f"{1e3 * r['pause_s']:.2f} ms; {r['dropped']} items evicted during the copy "
                           "left out)")
+            elif args.cmd == "sync":
+                for r in client.sync(args.table):
+                    print(f"{r['table']}: {r['items']} items on disk in {r['path']} "
+                          f"({r['bytes'] / 2**20:.1f} MiB of metadata, {r['seconds']:.3f} s)")
             elif args.cmd == "shutdown":
                 client.shutdown()
     except ReplayError as exc:

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 import shmreplay
+from shmreplay.server.barrier import headroom
 from shmreplay.wire.layout import TableLayout
 
 from conftest import shm_entries, write_config
@@ -53,10 +54,12 @@ def test_a_file_backed_table_keeps_its_rows_on_disk_and_serves_like_any_other(st
         t.insert_batch(rows(np.arange(700)), priorities=np.full(700, 2.0))  # wraps: 200 evicted
         t.insert(**{k: v[0] for k, v in rows([700]).items()})
         c.flush()
-        # a single insert's leased slot handed back at flush was evicted when leased
-        assert 500 - 2 * t.lease_size <= len(t) <= 500
+        # a single insert's leased slot handed back at flush was evicted when
+        # leased; a durable table evicts up to its headroom ahead (barrier.py)
+        room = headroom(500) + 2 * t.lease_size
+        assert 500 - room <= len(t) <= 500
         b = t.sample(256)
-        assert torn(b.data) == 0 and set(b.data["id"].tolist()) <= set(range(201 - 2 * t.lease_size, 701))
+        assert torn(b.data) == 0 and set(b.data["id"].tolist()) <= set(range(201 - room, 701))
         t.update_priorities(b.keys[:1], [50.0])
         c.flush()
         assert c.stats()["tables"]["f"]["priority_updates"] == 1
@@ -82,7 +85,10 @@ def test_the_daemon_default_puts_tables_on_disk_and_empty_asks_for_dev_shm(start
         # the same definition is the same table, whichever way it was asked for
         assert c.create_table("disk", capacity=10, fields=FIELDS, storage_dir=store, exist_ok=True).name == "disk"
     assert d.stop() == 0
-    assert os.listdir(store) == []  # a clean stop without retain_tables removes the table
+    # a clean stop keeps a durable table's rows and metadata for the next start
+    # (test_durable.py); the /dev/shm table is gone with its segments
+    assert sorted(os.listdir(store)) == [f"shmreplay.{d.instance}.r.disk", f"shmreplay.{d.instance}.t.disk"]
+    assert shm_entries(f"shmreplay.{d.instance}.") == set()
 
 
 def test_a_directory_the_config_does_not_name_is_refused(start_daemon, tmp_path):
@@ -144,7 +150,8 @@ def test_a_rows_file_already_there_is_never_opened_or_removed(start_daemon, tmp_
 
 def test_a_file_backed_table_survives_a_daemon_sigkill(start_daemon, tmp_path):
     store = str(tmp_path / "tables")
-    d = start_daemon(tables=[table_def("f", 256, store, sampler="fifo")])
+    # no periodic sync: one listing the items would make the overflow evict ahead
+    d = start_daemon(tables=[table_def("f", 256, store, sampler="fifo")], sync_interval_s=0)
     with d.connect() as c:
         t = c.table("f")
         t.insert_batch(rows(np.arange(300)))
@@ -163,7 +170,9 @@ def test_a_file_backed_table_survives_a_daemon_sigkill(start_daemon, tmp_path):
     out = run_cli("cleanup", "--keep-tables", "--instance", d.instance)
     assert os.path.exists(rows_file(d, store, "f")), out
     out = run_cli("cleanup", "--instance", d.instance)
-    assert f"removed 2 object(s): shmreplay.{d.instance}.t.f {rows_file(d, store, 'f')}" in out, out
+    meta_file = os.path.join(store, f"shmreplay.{d.instance}.t.f")
+    assert (f"removed 3 object(s): shmreplay.{d.instance}.t.f {rows_file(d, store, 'f')} "
+            f"{meta_file}") in out, out
     assert os.listdir(store) == [] and shm_entries(f"shmreplay.{d.instance}.") == set()
 
 
@@ -224,11 +233,13 @@ FILE_MODULES = ("test_api.py", "test_writers.py", "test_iterate.py", "test_seman
 
 
 def test_rows_left_without_their_metadata_are_refused_clearly_and_cleaned_on_request(start_daemon, tmp_path):
-    """How a reboot looks today: /dev/shm and the runtime directory are
-    empty, the rows file is still on disk.  Nothing can adopt it; the daemon
-    says so and names the command, which removes it only when asked."""
+    """How a reboot looks to a table that keeps no metadata on disk
+    (``durable_file_tables = false``; a durable one is adopted, see
+    test_durable.py): /dev/shm and the runtime directory are empty, the rows
+    file is still on disk.  Nothing can adopt it; the daemon says so and
+    names the command, which removes it only when asked."""
     store = str(tmp_path / "tables")
-    d = start_daemon(tables=[table_def("f", 64, store)])
+    d = start_daemon(tables=[table_def("f", 64, store)], durable_file_tables=False)
     with d.connect() as c:
         c.table("f").insert_batch(rows(np.arange(10)))
         c.flush()
@@ -294,3 +305,26 @@ def test_a_storage_dir_through_a_symlink_is_refused(start_daemon, tmp_path):
                                                         f"configure its real path {real}"):
             c.create_table("f", capacity=10, fields=FIELDS, storage_dir=str(link))
     assert os.listdir(real) == []
+
+
+MOUNTINFO = """\
+27 1 254:0 / / rw,relatime shared:1 - ext4 /dev/vda rw
+30 27 0:25 / /dev/shm rw,nosuid,nodev shared:4 - tmpfs tmpfs rw
+41 27 8:16 / /var/lib/replay rw,relatime shared:9 - btrfs /dev/sdb rw,space_cache=v2
+42 41 8:32 / /var/lib/replay/nvme rw,relatime shared:10 - xfs /dev/nvme0n1 rw
+43 27 8:48 / /mnt/my\\040disk rw,relatime shared:11 - zfs tank/replay rw
+"""
+
+
+def test_the_filesystem_under_a_storage_dir_is_its_longest_mount_point():
+    """Which filesystem a storage_dir is on decides whether it is refused as
+    copy-on-write (storage.prepare_dir): the innermost mount wins, a name
+    that only starts like a mount point is not under it, spaces are escaped."""
+    from shmreplay.server.storage import COPY_ON_WRITE, fs_type
+    assert fs_type("/var/lib/replay/tables", MOUNTINFO) == "btrfs"
+    assert fs_type("/var/lib/replay/nvme/tables", MOUNTINFO) == "xfs"
+    assert fs_type("/var/lib/replayer", MOUNTINFO) == "ext4"
+    assert fs_type("/mnt/my disk/t", MOUNTINFO) == "zfs"
+    assert fs_type("/dev/shm", MOUNTINFO) == "tmpfs"
+    assert {"btrfs", "zfs"} <= COPY_ON_WRITE and "xfs" not in COPY_ON_WRITE
+    assert fs_type(str(os.getcwd())) is not None  # this machine's own table reads

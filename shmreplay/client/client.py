@@ -261,6 +261,14 @@ class Client:
         names = [tables] if isinstance(tables, str) else list(tables or [])
         return self._request("checkpoint", tables=names, to=str(to))["checkpoints"]
 
+    def sync(self, tables=None) -> list[dict]:
+        """Admin: write the metadata of durable file-backed tables (names;
+        None: all of them) to disk now, so a reboot finds every item
+        committed before this call.  One report per table: path, items,
+        bytes, seconds, freed (retired slots the sync gave back)."""
+        names = [tables] if isinstance(tables, str) else list(tables or [])
+        return self._request("sync", tables=names)["syncs"]
+
     def shutdown(self) -> None:
         """Admin: ask the daemon to shut down cleanly."""
         self._request("shutdown")

@@ -27,8 +27,8 @@ DAEMON_KEYS = {"socket", "instance", "segment_mode", "spin_us", "idle_timeout_s"
                "retain_tables", "checkpoint_dir", "checkpoint_interval_s",
                "checkpoint_keep", "checkpoint_buffer_mb", "group", "allowed_users", "allowed_groups", "admin_group",
                "max_clients", "max_tables", "hold_timeout_s", "max_clients_per_user",
-               "handshake_timeout_s", "storage_dir", "storage_dirs", "prefetch_threads", "prefetch_queue",
-               "prefetch_method"}
+               "handshake_timeout_s", "storage_dir", "storage_dirs", "durable_file_tables",
+               "sync_interval_s", "prefetch_threads", "prefetch_queue", "prefetch_method"}
 
 
 @dataclass
@@ -62,6 +62,12 @@ class DaemonConfig:
     # may be put in (this one, storage_dirs, and those of [[tables]])
     storage_dir: str = ""
     storage_dirs: set = field(default_factory=set)
+    # a file-backed table's metadata is synced to a file beside its rows
+    # (durable.py) every sync_interval_s (0: only when a full table needs
+    # its retired slots, at a clean stop and on `shmreplay sync`), so it
+    # survives a reboot; off: it lives and dies with /dev/shm like the rest
+    durable_file_tables: bool = True
+    sync_interval_s: float = 10.0
     # their prefetch (server/prefetch.py): reader threads (0: none), the most
     # byte ranges queued for them, "fadvise" (WILLNEED) or "pread"
     prefetch_threads: int = 16
@@ -148,6 +154,8 @@ def parse_config(doc: dict, where: str = "config") -> DaemonConfig:
     cfg.storage_dir = _abs_dir(d.get("storage_dir", ""), "storage_dir", where)
     cfg.storage_dirs = {_abs_dir(p, "storage_dirs", where) for p in _list(d, "storage_dirs", where)}
     cfg.storage_dirs |= {cfg.storage_dir} - {""}
+    cfg.durable_file_tables = _bool(d, "durable_file_tables", True, where)
+    cfg.sync_interval_s = _number(d, "sync_interval_s", 10.0, where)
     cfg.prefetch_threads = int(_number(d, "prefetch_threads", 16, where))
     cfg.prefetch_queue = int(_number(d, "prefetch_queue", 4096, where, lo=1))
     cfg.prefetch_method = str(d.get("prefetch_method", cfg.prefetch_method))

@@ -187,6 +187,10 @@ class ControlConnection(asyncio.Protocol):
             if not all(isinstance(n, str) for n in msg["tables"]):
                 raise ProtocolError("checkpoint: 'tables' must be a list of names")
             return {"checkpoints": await srv.checkpoint(msg["tables"], msg["to"])}
+        if op == "sync":
+            if not all(isinstance(n, str) for n in msg["tables"]):
+                raise ProtocolError("sync: 'tables' must be a list of names")
+            return {"syncs": await srv.sync(msg["tables"])}
         if op == "shutdown":
             log.info("shutdown requested by pid %d (uid %d)", self.peer.pid, self.peer.uid)
             srv.request_shutdown()

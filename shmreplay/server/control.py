@@ -11,6 +11,7 @@ the loop keeps serving.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import functools
 import logging
@@ -24,11 +25,13 @@ from ..schema import check_table_name, spec_from_wire
 from ..wire import names
 from ..wire.control import PROTOCOL_VERSION
 from ..wire.layout import TableMap
-from . import checkpoint, recovery, storage
+from ..wire.rowfile import resident_bytes
+from . import checkpoint, durable, recovery, storage, tablestats
 from .config import DaemonConfig
 from .engine import Engine
 from .connection import ControlConnection
 from .memory import check_memory
+from .barrier import ReuseBarrier
 from .table import Table
 
 log = logging.getLogger("shmreplayd.control")
@@ -49,6 +52,8 @@ class ControlServer:
         self.detaching: set[asyncio.Task] = set()
         self.checkpointing = asyncio.Lock()
         self.adopted: set[str] = set()  # tables taken over from a dead daemon
+        self.syncing: dict[str, asyncio.Lock] = {}  # durable tables: one sync at a time each
+        self.background: set[asyncio.Task] = set()  # syncs a full table asked for
         self.request_shutdown = lambda: None  # set by the Daemon
 
     async def start(self, path: str) -> None:
@@ -66,8 +71,8 @@ class ControlServer:
         bye = DaemonUnavailable("daemon is shutting down")
         for conn in list(self.connections.values()):
             conn.kick(bye)
-        while self.detaching:
-            await asyncio.gather(*list(self.detaching), return_exceptions=True)
+        while self.detaching or self.background:
+            await asyncio.gather(*self.detaching, *self.background, return_exceptions=True)
         if self.path:
             try:
                 os.unlink(self.path)
@@ -134,6 +139,8 @@ class ControlServer:
             build = functools.partial(Table, tid, spec, tmap, seed, hold_timeout_s=self.cfg.hold_timeout_s)
         try:
             table = await self.loop.run_in_executor(None, build)
+            if spec.file_backed and self.cfg.durable_file_tables:
+                await self.loop.run_in_executor(None, self._make_durable, table, recover)
         except BaseException:
             if fresh:  # an adopted or restored segment is the caller's to keep or drop
                 tmap.unlink()
@@ -141,22 +148,100 @@ class ControlServer:
             raise
         tmap.open_to_clients(self.cfg.segment_mode, self.cfg.gid)
         await self.call(self.engine.add_table, table)
+        if table.durable is not None:  # a file on disk from the start
+            self.syncing[spec.name] = asyncio.Lock()
+            await self.sync([spec.name])
         log.info("table %s: %d x %d bytes, rows in %s (%.1f MiB), meta in %s; ready in %.2f s", spec.name,
                  spec.capacity, spec.item_bytes, tmap.rows.name, tmap.layout.rows_size / 2**20, name,
                  time.monotonic() - t0)
-        return table.describe()
+        return tablestats.describe(table)
 
-    async def drop_table(self, name: str, unlink: bool = True) -> None:
+    def _make_durable(self, table: Table, recover: bool) -> None:
+        """Before the table is served: its reuse barrier and sync state; an
+        adopted table protects what its file on disk lists."""
+        led, name = table.ledger, table.spec.name
+        path = durable.meta_file(table.map)
+        led.barrier = ReuseBarrier(table.spec.capacity)
+        table.durable = durable.Durability(
+            path, lambda: self.loop.call_soon_threadsafe(self._sync_soon, name))
+        listed = durable.listed_on_disk(table.map, path) if recover else None
+        if listed is not None:
+            led.barrier.protected[:] = listed
+            led.make_free(led.free.pop(len(led.free)))
+
+    def _sync_soon(self, name: str) -> None:
+        task = self.loop.create_task(self._sync_logged(name))
+        self.background.add(task)
+        task.add_done_callback(self.background.discard)
+
+    async def _sync_logged(self, name: str) -> None:
+        try:
+            await self.sync([name])
+        except ReplayError as exc:
+            log.error("sync of table %s failed: %s", name, exc)
+
+    async def sync(self, names: list) -> list[dict]:
+        """Sync durable tables (all if ``names`` is empty) to disk
+        (durable.py); a table that is not durable is an error."""
+        if not names:
+            names = sorted(self.syncing)
+        reports = []
+        for name in names:
+            lock = self.syncing.get(check_table_name(name))
+            if lock is None:
+                table = await self.call(self.engine.table_named, name)  # unknown: UnknownTable
+                raise ReplayError(f"table {name!r} is not a durable file-backed table "
+                                  f"({'its rows are on disk but durable_file_tables is off' if table.spec.file_backed else 'it lives in /dev/shm'}); "
+                                  "there is nothing to sync")
+            async with lock:
+                if name not in self.syncing:
+                    continue  # dropped while this waited
+                table = await self.call(self.engine.table_named, name)
+                t0 = time.monotonic()
+                copy = await self.loop.run_in_executor(None, durable.Copy, table.map.layout.size)
+                copy = await self.call(durable.take, table, copy)
+                try:
+                    n = await self.loop.run_in_executor(None, durable.write, copy, table.map.rows.fd,
+                                                        table.durable.path)
+                except OSError as exc:
+                    table.durable.failures += 1
+                    raise ReplayError(f"sync of table {name!r} to {table.durable.path} failed: "
+                                      f"{exc}; the file of the sync before stays") from None
+                dt = time.monotonic() - t0
+                freed = await self.call(durable.landed, table, copy, dt)
+                reports.append({"table": name, "items": copy.items, "bytes": n, "seconds": dt,
+                                "freed": freed, "path": table.durable.path})
+        return reports
+
+    async def drop_table(self, name: str, unlink: bool = True, keep_disk: bool = False) -> None:
+        """Stop serving a table; ``unlink``: remove it.  ``keep_disk`` (a
+        clean stop): a durable table is synced a last time and its files
+        stay for the next start; only its meta segment goes."""
         check_table_name(name)
-        table = await self.call(self.engine.drop_table, name)
-        if unlink:
+        lock = self.syncing.get(name)
+        if lock is not None and keep_disk:
+            await self.sync([name])
+        async with lock or contextlib.nullcontext():
+            table = await self.call(self.engine.drop_table, name)
+            self.syncing.pop(name, None)
+        if unlink and table.durable is not None and keep_disk:
+            table.map.meta.unlink()
+            what = f"kept on disk for the next start ({table.durable.items} items)"
+        elif unlink:
+            if table.durable is not None:
+                _unlink_quiet(table.durable.path)
             table.map.unlink()
+            what = "dropped"
+        else:
+            what = "left in /dev/shm for the next daemon"
         table.map.release()
-        log.info("table %s %s", name, "dropped" if unlink else "left in /dev/shm for the next daemon")
+        log.info("table %s %s", name, what)
 
     async def drop_all_tables(self, unlink: bool = True, keep_adopted: bool = False) -> None:
+        """The clean stop's step 3: durable tables are synced and stay on disk."""
         for name in await self.call(self.engine.table_names):
-            await self.drop_table(name, unlink and not (keep_adopted and name in self.adopted))
+            kept = keep_adopted and name in self.adopted  # touched in no way
+            await self.drop_table(name, unlink and not kept, keep_disk=not kept)
 
     async def checkpoint(self, names: list, directory: str, keep: int = 0) -> list[dict]:
         """Checkpoint tables (all if ``names`` is empty) into ``directory``,
@@ -187,9 +272,23 @@ class ControlServer:
 
     async def status(self) -> dict:
         snap = await self.call(self.engine.snapshot)
+        for name, st in snap.get("tables", {}).items():
+            if st.get("file_backed"):  # how much of it the page cache holds (mincore: off the engine)
+                try:
+                    table = await self.call(self.engine.table_named, name)
+                except ReplayError:
+                    continue
+                st["resident_bytes"] = await self.loop.run_in_executor(None, resident_bytes, table.map.rows)
         return {"daemon_pid": self.pid, "protocol": PROTOCOL_VERSION, "instance": self.cfg.instance,
                 "socket": self.path, "uptime_s": time.time() - self.started,
                 "connections": len(self.connections), **snap}
+
+
+def _unlink_quiet(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
 
 
 def _claim_socket_path(path: str) -> None:

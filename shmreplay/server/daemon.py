@@ -13,17 +13,19 @@ Startup, in order (nothing is served until all of it succeeded):
   4. start the engine thread
   5. bring up the tables (recovery.py): adopt the segments a dead daemon
      left, else restore the newest checkpoint, else create them
-  6. listen on the control socket; start periodic checkpoints; tell
-     systemd READY=1
+  6. listen on the control socket; start periodic checkpoints and syncs;
+     tell systemd READY=1
 
 Shutdown (SIGTERM, SIGINT or the admin ``shutdown`` op, all of which set
 one event in ``Daemon.run``), in order:
-  1. tell systemd STOPPING=1; stop periodic checkpoints; stop accepting
+  1. tell systemd STOPPING=1; stop periodic checkpoints and syncs; stop accepting
      connections; send every client a bye and close it; remove the socket
   2. end every lease: the engine applies what each ring still holds, then
      each client's channel and doorbells are closed
   3. drop every table through the engine: unmap its segments, and unlink
      them unless ``retain_tables`` (then the next daemon adopts them).
+     A durable file-backed table is synced a last time and keeps its rows
+     and metadata files either way (durable.py).
      After an engine failure steps 2 and 3 touch nothing: every table
      stays for the next daemon, exactly as after a SIGKILL, and the exit
      code is 1
@@ -101,7 +103,7 @@ class Daemon:
         self.socket_path = socket_path
         self.restore_dir = restore_dir or cfg.checkpoint_dir or None
         self.lock: ownership.InstanceLock | None = None
-        self.periodic: asyncio.Task | None = None
+        self.periodic: list[asyncio.Task] = []
         self.engine: Engine | None = None
         self.prefetcher: Prefetcher | None = None
         self.control: ControlServer | None = None
@@ -141,8 +143,11 @@ class Daemon:
         self.control.loop = asyncio.get_running_loop()
         await recovery.open_tables(self.control, self.restore_dir)
         await self.control.start(self.socket_path)
+        loop = asyncio.get_running_loop()
         if cfg.checkpoint_interval_s > 0:
-            self.periodic = asyncio.get_running_loop().create_task(self._checkpoint_periodically())
+            self.periodic.append(loop.create_task(self._checkpoint_periodically()))
+        if cfg.sync_interval_s > 0 and cfg.durable_file_tables:
+            self.periodic.append(loop.create_task(self._sync_periodically()))
         n = len(await self.control.call(self.engine.table_names))
         log.info("serving %s with %d table(s)", self.socket_path, n)
         self.started = True
@@ -157,11 +162,20 @@ class Daemon:
             except ReplayError as exc:  # a full disk must not take the replay service down
                 log.error("periodic checkpoint failed: %s", exc)
 
+    async def _sync_periodically(self) -> None:
+        while True:
+            await asyncio.sleep(self.cfg.sync_interval_s)
+            for name in sorted(self.control.syncing):
+                try:  # shielded: a stop must not cut a sync's write in half; it waits for it
+                    await asyncio.shield(self.control.sync([name]))
+                except ReplayError as exc:  # the next one tries again; serving goes on
+                    log.error("periodic sync of table %s failed: %s", name, exc)
+
     async def shutdown(self) -> None:
         sd_notify("STOPPING=1")
-        if self.periodic is not None:
-            self.periodic.cancel()
-            await asyncio.gather(self.periodic, return_exceptions=True)
+        for task in self.periodic:
+            task.cancel()
+        await asyncio.gather(*self.periodic, return_exceptions=True)
         if self.control is not None:
             await self.control.close()                  # steps 1-2
             if self.failed:  # the tables stay exactly as they are, as after a SIGKILL

@@ -32,7 +32,7 @@ import time
 from ..errors import ProtocolError, ReplayError, UnknownTable
 from ..wire import records as R
 from ..wire.channel import new_doorbell, ring
-from . import parking
+from . import parking, tablestats
 from .calls import Calls
 from .idle import Idler
 from .outbox import ClientState
@@ -259,9 +259,9 @@ class Engine:
         """The description of table ``name`` (None if there is none), or
         with no name, of every table."""
         if name is None:
-            return [t.describe() for t in self.tables.values()]
+            return [tablestats.describe(t) for t in self.tables.values()]
         t = self.by_name.get(name)
-        return t.describe() if t is not None else None
+        return tablestats.describe(t) if t is not None else None
 
     @entry_point
     def drop_table(self, name: str) -> Table:
@@ -310,7 +310,7 @@ class Engine:
 def _table_stats(t: Table, pids: dict, parking: Parking, prefetch: Prefetcher) -> dict:
     """A table's numbers for ``Engine.snapshot``: its own, its parked
     requests, its prefetch counters (file-backed tables)."""
-    st = t.snapshot_stats(pids)
+    st = tablestats.snapshot_stats(t, pids)
     st["limiter"]["waiting_inserts"], st["limiter"]["waiting_samples"] = parking.waiting(t.id)
     st.update(prefetch.table_stats(t.id))
     return st

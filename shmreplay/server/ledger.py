@@ -36,6 +36,7 @@ import numpy as np
 
 from ..errors import ProtocolError, SlotsBusy
 from ..wire.layout import COMMITTED, FREE, HELD, RESERVED, TableMap
+from .barrier import ReuseBarrier
 from .orphans import OrphanLeases, owner_key
 from .slotqueue import SlotQueue
 
@@ -62,7 +63,16 @@ class SlotLedger:
         self.pending = 0  # slots reserved and not committed
         self.held = 0     # slots held for learners
         self.orphans: OrphanLeases | None = None  # leased under a dead daemon (orphans.py)
+        self.barrier: ReuseBarrier | None = None   # a durable table's (barrier.py)
         self.daemon_pid = os.getpid()
+
+    def make_free(self, slots: np.ndarray) -> None:
+        """Slots nobody uses any more: on the free list, or retired while the
+        metadata file on disk lists their items (barrier.py)."""
+        self.map.state[slots] = FREE
+        if self.barrier is not None:
+            slots = self.barrier.usable(slots)
+        self.free.push(slots)
 
     # ---- writers ----
     def reserve(self, owner: int, slots: np.ndarray, pid: int = 0, start: int = 0) -> int:
@@ -115,8 +125,7 @@ class SlotLedger:
         _, slots, done = self._entry(owner, rid)
         del self.reservations[rid]
         rest = slots[done:]
-        self.map.state[rest] = FREE
-        self.free.push(rest)
+        self.make_free(rest)
         self.pending -= rest.shape[0]
         return rest.shape[0]
 
@@ -136,8 +145,7 @@ class SlotLedger:
 
     def _unorphan(self, slots: np.ndarray) -> int:
         if slots.shape[0]:
-            self.map.state[slots] = FREE
-            self.free.push(slots)
+            self.make_free(slots)
         return slots.shape[0]
 
     def busy(self) -> SlotsBusy:
@@ -146,7 +154,8 @@ class SlotLedger:
             f"table {self.name!r}: no slot is free or evictable now; {self.pending} are reserved "
             f"by writers that have not committed and {self.held} are held by learners still "
             f"reading their last sample (a hold ends at the latest {self.hold_timeout_s:g} s "
-            "after its sample)")
+            "after its sample)" + (f"; {self.barrier.count} wait for the table's next sync to disk"
+                                   if self.barrier is not None and self.barrier.count else ""))
 
     def take_free(self, k: int) -> np.ndarray:
         """Up to k slots off the free list, oldest first."""
@@ -183,8 +192,7 @@ class SlotLedger:
             mine.remove(hid)
         slots = entry[1]
         self.held -= slots.shape[0]
-        self.map.state[slots] = FREE
-        self.free.push(slots)
+        self.make_free(slots)
 
     def expire(self, now: float) -> tuple[int, float | None]:
         """Release every hold made ``hold_timeout_s`` or more before ``now``.

@@ -197,7 +197,8 @@ def _read(path: str, dtype: np.dtype, offset: int = 0):
 
 
 def _rows_file(meta_seg: str, shm_dir: str) -> list[str]:
-    """The rows file of a file-backed table whose meta segment this is, if
+    """The rows file (and the metadata file beside it, if any) of a
+    file-backed table whose meta segment this is, if
     it is a regular file of this user whose header names this meta segment
     (capacity and creation time): [] for a /dev/shm table, or when anything
     cannot be read or does not match.  Never guess a path to remove."""
@@ -216,13 +217,17 @@ def _rows_file(meta_seg: str, shm_dir: str) -> list[str]:
         return []
     same = (bytes(r["magic"]) == ROWS_MAGIC and r["capacity"] == h["capacity"]
             and r["created_ns"] == h["created_ns"])
-    return [path] if same else []
+    if not same:
+        return []
+    durable = os.path.join(os.path.dirname(path), meta_seg)  # its metadata file (server/durable.py)
+    return [path] + ([durable] if _mine(durable) else [])
 
 
 def orphan_rows_files(storage_dirs, shm_dir: str = SHM_DIR) -> dict[str, list[str]]:
     """Rows files in ``storage_dirs`` whose meta segment is gone (a reboot,
-    an emptied /dev/shm): instance -> absolute paths.  Only regular files of
-    this user; nothing could ever adopt them."""
+    an emptied /dev/shm) and that have no metadata file beside them (a
+    durable table's, which the next start adopts): instance -> absolute
+    paths.  Only regular files of this user; nothing could ever adopt them."""
     out: dict[str, list[str]] = {}
     for d in storage_dirs:
         try:
@@ -232,7 +237,7 @@ def orphan_rows_files(storage_dirs, shm_dir: str = SHM_DIR) -> dict[str, list[st
         for n in entries:
             inst, meta = instance_of(n), meta_name(n)
             if inst and meta and not os.path.lexists(os.path.join(shm_dir, meta)) \
-                    and _mine(os.path.join(d, n)):
+                    and not os.path.lexists(os.path.join(d, meta)) and _mine(os.path.join(d, n)):
                 out.setdefault(inst, []).append(os.path.join(d, n))
     return out
 

@@ -39,7 +39,8 @@ import numpy as np
 from ..errors import ForeignObject, LayoutError, PermissionDenied, ReplayError
 from ..wire import names
 from ..wire.layout import COMMITTED, FREE, HELD, RESERVED, TableMap, process_start
-from . import checkpoint, ownership, storage
+from ..wire.segment import unlink_quiet
+from . import checkpoint, durable, ownership, storage
 from .ledger import HOLD_TIMEOUT_S
 from .memory import check_memory
 from .orphans import OrphanLeases
@@ -136,10 +137,33 @@ def table_segments(instance: str) -> dict[str, str]:
             if n.startswith(prefix)}
 
 
+def segments_from_disk(cfg) -> set[str]:
+    """After a reboot (or anything else that emptied /dev/shm): copy the
+    metadata file of each durable table in an allowed storage directory
+    whose meta segment is gone into a new meta segment, for ``adopt``.
+    A file that is not ours is logged and left alone.  Returns the names."""
+    have = table_segments(cfg.instance)
+    out = set()
+    for tname, path in durable.files(cfg.instance, cfg.storage_dirs).items():
+        if tname in have:  # the segment is newer: a daemon was killed, the box was not rebooted
+            continue
+        try:
+            storage.check_dir(os.path.dirname(path))
+            durable.to_segment(names.table_segment(cfg.instance, tname), durable.read_file(path),
+                               cfg.segment_mode, cfg.gid)
+        except (ForeignObject, LayoutError, PermissionDenied) as exc:
+            log.error("table %s: not adopted from %s: %s", tname, path, exc)
+            continue
+        out.add(tname)
+    return out
+
+
 async def open_tables(srv, restore_dir: str | None) -> None:
     """Bring up every table (see the module docstring); srv is the ControlServer."""
     cfg = srv.cfg
     declared = {spec.name: spec for spec in cfg.tables}
+    from_disk = (await srv.loop.run_in_executor(None, segments_from_disk, cfg)
+                 if cfg.durable_file_tables else set())
     for tname, seg in table_segments(cfg.instance).items():
         t0 = time.monotonic()
         try:
@@ -148,9 +172,14 @@ async def open_tables(srv, restore_dir: str | None) -> None:
         except ForeignObject as exc:  # planted: never opened beyond an fstat, never removed
             log.error("table %s: %s", tname, exc)
             continue
+        except BaseException:
+            if tname in from_disk:  # our copy of the file, which stays as it is
+                unlink_quiet(seg)
+            raise
         table = await srv.add_table(tmap.spec, tmap=tmap, recover=True)
         srv.adopted.add(tname)
-        log.info("table %s: adopted %s from a dead daemon: %d items (%.2f s)", tname, seg,
+        log.info("table %s: adopted %s from %s: %d items (%.2f s)", tname, seg,
+                 "its metadata file" if tname in from_disk else "a dead daemon",
                  table["items"], time.monotonic() - t0)
     have = set(await srv.call(srv.engine.table_names))
     saved = checkpoint.complete(restore_dir) if restore_dir else {}

@@ -37,6 +37,8 @@ from .counters import Blocked, LimiterCounters
 from .ledger import HOLD_TIMEOUT_S, SlotLedger
 from .order import CommitOrder
 from .reuse import draw_limited
+from . import tablestats
+from .barrier import evict_for, want_sync
 from .selectors import make_remover, make_sampler
 
 log = logging.getLogger("shmreplayd.table")
@@ -61,11 +63,8 @@ class Table:
         self.rng = np.random.default_rng(seed)
         self.updates_since_check = 0
         self.seqno = 0  # commit number of the newest item
-        self.stats = {"inserts": 0, "reservations": 0, "samples": 0, "sample_calls": 0, "evictions": 0,
-                      "removed_after_max_samples": 0, "stale_priority_updates": 0,
-                      "priority_updates": 0, "reclaimed_reservations": 0, "tree_rebuilds": 0,
-                      "insert_waits": 0, "sample_waits": 0, "timeouts": 0, "recovered_items": 0,
-                      "recovered_orphans": 0, "expired_held_slots": 0}
+        self.durable = None  # a durable file-backed table's sync state (durable.py)
+        self.stats = tablestats.new_stats()
         if fresh:
             self.ledger.free.push(np.arange(c, dtype=np.int64))
             self.publish()
@@ -97,13 +96,21 @@ class Table:
         # held, so a hung learner stops no writer; but a rate-limited table
         # (a queue) admits an insert because a sampled item made room, and
         # evicting an unsampled item for it would lose that item: it waits
-        # for the held slots, at most hold_timeout_s
-        k = min(room, free + (0 if led.held and self.spec.rate_limited else cnt.size))
+        # for the held slots, at most hold_timeout_s.  A durable table with
+        # its headroom retired waits for the sync that frees it (barrier.py)
+        waits = (led.held and self.spec.rate_limited) or (led.barrier is not None and led.barrier.full)
+        k = min(room, free + (0 if waits else cnt.size))
         if k == 0:
+            if led.barrier is not None:
+                want_sync(self, force=True)
             raise Blocked(led.busy())
         slots = led.take_free(k)
         if slots.shape[0] < k:
             slots = np.concatenate((slots, self._evict(k - slots.shape[0])))
+        if led.barrier is not None:
+            want_sync(self, force=slots.shape[0] == 0)
+            if slots.shape[0] == 0:
+                raise Blocked(led.busy())
         rid = led.reserve(owner, slots, pid, start)
         self.stats["reservations"] += 1
         self.publish()
@@ -111,6 +118,12 @@ class Table:
         return rid, slots, contiguous
 
     def _evict(self, n: int) -> np.ndarray:
+        """Evict n items for a writer and return their slots (a durable
+        table: maybe fewer, see ``barrier.evict_for``)."""
+        slots = self.evict_items(n)
+        return slots if self.ledger.barrier is None else evict_for(self, slots, n)
+
+    def evict_items(self, n: int) -> np.ndarray:
         slots = self.remover.pick(n, self.rng)[0]
         if slots.shape[0] < n:  # cannot happen while size >= n; defend anyway
             raise CapacityError(f"table {self.spec.name!r}: remover found {slots.shape[0]} of "
@@ -217,6 +230,8 @@ class Table:
     def release(self, owner: int, hid: int) -> None:
         """The learner is done reading the rows of hold ``hid``: free the slots."""
         self.ledger.release(owner, hid)
+        if self.ledger.barrier is not None:
+            want_sync(self)
         self.publish()
 
     def expire_holds(self, now: float) -> float | None:
@@ -277,21 +292,6 @@ class Table:
     @property
     def size(self) -> int:
         return self.counters.size
-
-    def describe(self) -> dict:
-        return {"id": self.id, "segment": self.segment_name, "spec": self.spec.to_wire(),
-                "segment_size": self.map.layout.size + self.map.layout.rows_size, "items": self.counters.size}
-
-    def snapshot_stats(self, pids: dict | None = None) -> dict:
-        """The numbers; ``pids`` (client id -> pid) names who holds slots."""
-        led = self.ledger
-        return {**self.stats, "size": self.counters.size, "capacity": self.spec.capacity,
-                "reserved": led.pending, "held": led.held, "holders": led.holders(pids or {}),
-                "orphaned": led.orphans.count if led.orphans else 0,
-                "orphan_holders": led.orphans.holders() if led.orphans else [],
-                "limiter": self.counters.snapshot(led.pending),
-                "max_priority": self.max_priority, "sampler": self.spec.sampler, "remover": self.spec.remover,
-                "rows": self.map.rows.name, "rows_bytes": self.map.layout.rows_size, "file_backed": self.spec.file_backed}
 
 
 def private_bytes(spec: TableSpec) -> int:

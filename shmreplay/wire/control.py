@@ -36,7 +36,7 @@ import msgpack
 
 from ..errors import ProtocolError, ReplayError, error_from_name
 
-PROTOCOL_VERSION = 3  # 2: checkpoint and shutdown ops; access control; 3: channel passed as fds
+PROTOCOL_VERSION = 4  # 2: checkpoint and shutdown ops; access control; 3: channel passed as fds; 4: sync op
 MAX_FRAME = 1 << 20
 _LEN = struct.Struct(">I")
 
@@ -51,10 +51,11 @@ REQUESTS: dict[str, dict[str, type | tuple]] = {
     "stats": {},
     "status": {},
     "checkpoint": {"tables": list, "to": str},
+    "sync": {"tables": list},
     "shutdown": {},
 }
 # ops only the daemon's user, root, or a member of the config's admin_group may send
-ADMIN_OPS = frozenset({"drop_table", "checkpoint", "shutdown"})
+ADMIN_OPS = frozenset({"drop_table", "checkpoint", "sync", "shutdown"})
 
 EXPECT_HELLO, EXPECT_READY, READY, CLOSED = "EXPECT_HELLO", "EXPECT_READY", "READY", "CLOSED"
 

@@ -20,10 +20,13 @@ in checkpoints and for ``set_mode``).
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import mmap
 import os
 import stat
+
+import numpy as np
 
 from ..errors import DiskFull, LayoutError, PermissionDenied, ReplayError
 from ..schema import TableSpec
@@ -130,6 +133,23 @@ def _unlink_quiet(path: str) -> None:
         os.unlink(path)
     except FileNotFoundError:
         pass
+
+
+def resident_bytes(seg: Segment) -> int | None:
+    """How many bytes of a mapping are in memory now (``mincore``); None if
+    it cannot be asked.  Its cost grows with the mapping (a byte per page):
+    for ``status``, not for a hot path."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        view = np.frombuffer(seg.buf, np.uint8)
+        pages = (seg.size + mmap.PAGESIZE - 1) // mmap.PAGESIZE
+        vec = np.zeros(pages, np.uint8)
+        rc = libc.mincore(ctypes.c_void_p(view.ctypes.data), ctypes.c_size_t(seg.size),
+                          ctypes.c_void_p(vec.ctypes.data))
+        del view
+    except (OSError, AttributeError, ValueError, TypeError):
+        return None
+    return None if rc != 0 else int(np.count_nonzero(vec & 1)) * mmap.PAGESIZE
 
 
 def rows_name(meta_name: str) -> str:

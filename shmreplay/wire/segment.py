@@ -97,7 +97,7 @@ class Segment:
             if mm is not None:
                 mm.close()
             shm.close_fd()
-            _unlink_quiet(name)
+            unlink_quiet(name)
             raise
         return cls(name, mm, size, shm.fd)
 
@@ -183,7 +183,7 @@ class Segment:
             self.fd = None
 
     def unlink(self) -> None:
-        _unlink_quiet(self.name)
+        unlink_quiet(self.name)
 
 
 def prefault(buf: mmap.mmap, write: bool) -> bool:
@@ -244,7 +244,7 @@ def check_owned(path: str, st: os.stat_result, mode: int, gid: int = -1) -> None
                             "not using it: remove it, or find out who created it")
 
 
-def _unlink_quiet(name: str) -> None:
+def unlink_quiet(name: str) -> None:
     try:
         posix_ipc.unlink_shared_memory(name)
     except posix_ipc.ExistentialError:

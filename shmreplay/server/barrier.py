@@ -1,0 +1,109 @@
+"""The reuse barrier of a durable file-backed table: no slot whose item the
+metadata file on disk lists is written until a newer file has landed.
+
+Why: after a reboot the daemon adopts the table from the metadata file of
+its last sync (``durable.py``) and the rows file.  If a slot listed there
+were reused after that sync, the rows file would hold the new writer's
+bytes under the old item's stamp and priority: a torn item, silently.  So
+a slot freed (evicted, released after its last sample, aborted, orphaned)
+while the file on disk lists its item is *retired*, not freed; it goes
+back to the free list when a sync whose copy no longer lists it is on disk.
+
+Protection is widened when a sync takes its copy (``protect``: the items
+the new file will list may not be reused while it is being written, or the
+old file, if the write fails) and narrowed when the file has landed
+(``landed``).  The cost: a full table evicts ahead (``Table``), so it holds
+up to ``headroom`` fewer items than its capacity while it is written.
+
+Owned by a ``SlotLedger``; engine thread only.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+def headroom(capacity: int) -> int:
+    """How many slots a full durable table keeps evicted ahead, so writers
+    find free slots while a sync runs: 1 % of the table, at least 64, at
+    most a quarter of it."""
+    return max(1, min(capacity // 4, max(64, capacity // 100)))
+
+
+class ReuseBarrier:
+    def __init__(self, capacity: int):
+        self.protected = np.zeros(capacity, dtype=bool)  # listed by the file on disk, or the one being written
+        self.retired: list[np.ndarray] = []
+        self.count = 0  # slots retired
+        self.taken = 0  # of those, how many the sync in flight frees when it lands
+        self.headroom = headroom(capacity)
+
+    @property
+    def full(self) -> bool:
+        """As many slots retired as the headroom: evict no more, sync."""
+        return self.count >= self.headroom
+
+    def usable(self, slots: np.ndarray) -> np.ndarray:
+        """Of freed ``slots``, those that may be written now; the rest are retired."""
+        keep = self.protected[slots]
+        if keep.any():
+            held = slots[keep]
+            self.retired.append(held)
+            self.count += held.shape[0]
+            return slots[~keep]
+        return slots
+
+    def protect(self, listed: np.ndarray) -> None:
+        """A sync took its copy, which lists the items of mask ``listed``:
+        protect those too until it lands.  Every slot retired so far is
+        free in that copy, so it is freed when it lands."""
+        self.protected |= listed
+        self.taken = self.count
+
+    def landed(self, listed: np.ndarray) -> np.ndarray:
+        """The copy that lists ``listed`` is on disk: only its items stay
+        protected.  Returns the retired slots now free to use."""
+        self.protected = listed.copy()
+        n, self.taken = self.taken, 0
+        out, rest, got = [], [], 0
+        for a in self.retired:
+            if got < n:
+                out.append(a)
+                got += a.shape[0]
+            else:
+                rest.append(a)
+        self.retired = rest
+        self.count -= got
+        freed = np.concatenate(out) if out else np.empty(0, dtype=np.int64)
+        # a slot retired before the copy was free in it; defend anyway
+        back = freed[listed[freed]]
+        if back.shape[0]:
+            self.retired.append(back)
+            self.count += back.shape[0]
+        return freed[~listed[freed]]
+
+
+# ---- a durable table's side of reserve (Table calls these; engine thread) ----
+
+def evict_for(table, slots: np.ndarray, n: int) -> np.ndarray:
+    """``slots`` were just evicted for a writer that needs n: return those it
+    may write.  If some are listed on disk, evict up to the headroom ahead,
+    so the next sync frees a batch (not in a queue: that would drop
+    unsampled items); the result may be shorter than n, even empty."""
+    led = table.ledger
+    b = led.barrier
+    led.make_free(slots)
+    if len(led.free) < n and not table.spec.rate_limited:
+        ahead = min(table.counters.size, b.headroom - b.count)
+        if ahead > 0:
+            led.make_free(table.evict_items(ahead))
+    return led.take_free(n)
+
+
+def want_sync(table, force: bool = False) -> None:
+    """Ask for a sync when retired slots are needed: the free list is below
+    half the headroom (``force``: a writer waits for them)."""
+    led = table.ledger
+    if table.durable is not None and led.barrier.count and (
+            force or len(led.free) < led.barrier.headroom // 2):
+        table.durable.want()

@@ -1,0 +1,230 @@
+"""Durable metadata of a file-backed table: what lets a reboot find it.
+
+A file-backed table keeps two files in its ``storage_dir``::
+
+    shmreplay.<instance>.r.<table>   the rows (wire/rowfile.py), written by clients
+    shmreplay.<instance>.t.<table>   the metadata as of the table's last sync: a byte
+                                     copy of the meta segment (same magic, layout
+                                     version, header and schema; docs/layout.md),
+                                     mode 0600, written by the daemon only
+
+The meta segment in /dev/shm stays the live truth (a SIGKILLed daemon's
+successor adopts it and loses nothing committed); the file is what is left
+when /dev/shm is not: after a reboot, the next start copies it into a new
+meta segment and adopts that (recovery.py), with every item committed
+before the sync, bit-exact.
+
+A sync of one table, in order:
+
+1. engine thread (``take``): copy the meta segment; the reuse barrier
+   (barrier.py) now also protects the items the copy lists;
+2. executor (``write``): ``fdatasync`` the rows, so every row of every
+   item in the copy is on disk; write the copy to a temporary file, fsync,
+   rename it over the old one, fsync the directory;
+3. engine thread (``landed``): only the new file's items stay protected;
+   slots retired before step 1 go back to the free list.
+
+A sync runs every ``sync_interval_s``, when a full table is about to run
+out of free slots (``Table.want_sync``), at every clean stop, and on
+``shmreplay sync``; one at a time per table (the control plane's lock).
+If step 2 fails (a full disk) the old file stays, and so does the wider
+protection: nothing on disk is ever half-replaced.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import stat
+import time
+
+import numpy as np
+
+from ..errors import ForeignObject, LayoutError
+from ..wire.layout import COMMITTED, HEADER, LAYOUT_VERSION, MAGIC, TableMap, meta_mode
+from ..wire.segment import Segment
+from .barrier import ReuseBarrier
+
+log = logging.getLogger("shmreplayd.durable")
+
+FILE_MODE = 0o600  # clients read the meta segment, never this file
+
+
+def meta_file(tmap: TableMap) -> str:
+    return os.path.join(tmap.spec.storage_dir, tmap.name.lstrip("/"))
+
+
+class Durability:
+    """A durable table's sync state.  ``want`` on the engine thread; the rest
+    on the control plane's loop."""
+
+    def __init__(self, path: str, on_wanted):
+        self.path = path
+        self.on_wanted = on_wanted  # thread-safe: schedules a sync
+        self.wanted = False
+        self.syncs = self.failures = 0
+        self.items = 0          # items in the file on disk
+        self.last_ns = 0        # wall time of its copy
+        self.seconds = 0.0      # how long the last sync took
+
+    def want(self) -> None:
+        if not self.wanted:
+            self.wanted = True
+            self.on_wanted()
+
+    def report(self, barrier: ReuseBarrier) -> dict:
+        return {"meta_file": self.path, "syncs": self.syncs, "sync_failures": self.failures,
+                "synced_items": self.items,
+                "last_sync_age_s": round((time.time_ns() - self.last_ns) / 1e9, 3) if self.last_ns else None,
+                "last_sync_s": round(self.seconds, 4),
+                "retired": barrier.count, "sync_headroom": barrier.headroom}
+
+
+class Copy:
+    """A meta segment's bytes as of one instant, and which items they list."""
+
+    def __init__(self, size: int):
+        self.buf = bytearray(size)
+        self.listed: np.ndarray | None = None
+        self.t_ns = 0
+        self.items = 0
+
+
+def take(table, copy: Copy) -> Copy:
+    """Engine thread: step 1."""
+    m = table.map
+    copy.buf[:] = m.meta.buf
+    copy.t_ns = time.time_ns()
+    c = table.spec.capacity
+    copy.listed = np.frombuffer(copy.buf, np.uint8, c, m.layout.state_off) == COMMITTED
+    copy.items = int(np.count_nonzero(copy.listed))
+    table.ledger.barrier.protect(copy.listed)
+    table.durable.wanted = False
+    return copy
+
+
+def write(copy: Copy, rows_fd: int, path: str) -> int:
+    """Executor: step 2.  Returns the bytes written."""
+    os.fdatasync(rows_fd)
+    tmp = path + ".tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, FILE_MODE)
+    try:
+        st = os.fstat(fd)
+        if st.st_uid != os.geteuid() or not stat.S_ISREG(st.st_mode):
+            raise ForeignObject(f"{tmp} is not a file of the daemon's user; not writing into it")
+        view = memoryview(copy.buf)
+        done = 0
+        while done < len(view):
+            done += os.write(fd, view[done:])
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.rename(tmp, path)
+    dfd = os.open(os.path.dirname(path), os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        os.fsync(dfd)
+    finally:
+        os.close(dfd)
+    return len(copy.buf)
+
+
+def landed(table, copy: Copy, seconds: float) -> int:
+    """Engine thread: step 3.  Returns how many retired slots it freed."""
+    freed = table.ledger.barrier.landed(copy.listed)
+    table.ledger.free.push(freed)
+    d = table.durable
+    d.syncs += 1
+    d.items, d.last_ns, d.seconds = copy.items, copy.t_ns, seconds
+    table.publish()
+    return freed.shape[0]
+
+
+# ---- startup: the files a reboot left ----
+
+def read_file(path: str) -> bytes:
+    """The bytes of a metadata file this daemon's user made (regular, mode
+    0600, opened without following a link); anything else is
+    ``ForeignObject`` and is neither read nor touched."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as exc:
+        raise ForeignObject(f"metadata file {path} cannot be opened ({exc.strerror}); left alone") from None
+    try:
+        st = os.fstat(fd)
+        if (not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid()
+                or stat.S_IMODE(st.st_mode) != FILE_MODE):
+            raise ForeignObject(f"metadata file {path} is not a mode-0600 file of the daemon's user "
+                                f"(uid {st.st_uid}, mode {stat.S_IMODE(st.st_mode):o}); left alone")
+        chunks, size = [], st.st_size
+        while size > 0:
+            b = os.read(fd, min(size, 1 << 24))
+            if not b:
+                break
+            chunks.append(b)
+            size -= len(b)
+        return b"".join(chunks)
+    finally:
+        os.close(fd)
+
+
+def files(instance: str, dirs) -> dict[str, str]:
+    """table name -> metadata file, in the allowed storage directories.
+    A name found in two directories (a table moved by a checkpoint and a
+    restore) takes the newer file; the other is logged and left."""
+    prefix = f"shmreplay.{instance}.t."
+    found: dict[str, str] = {}
+    for d in sorted(dirs):
+        try:
+            entries = os.listdir(d)
+        except OSError:
+            continue
+        for e in entries:
+            if not e.startswith(prefix) or e.endswith(".tmp"):
+                continue
+            name, path = e[len(prefix):], os.path.join(d, e)
+            old = found.get(name)
+            if old is not None:
+                newer = max((old, path), key=lambda p: os.lstat(p).st_mtime_ns)
+                log.warning("table %s: metadata files in two directories, %s and %s; using the "
+                            "newer, %s", name, old, path, newer)
+                path = newer
+            found[name] = path
+    return found
+
+
+def to_segment(name: str, data: bytes, mode: int, gid: int) -> None:
+    """Copy a metadata file's bytes into a new meta segment ``name`` for
+    ``recovery.adopt``, which checks every byte of it as it checks a meta
+    segment a dead daemon left."""
+    if len(data) < 4096 or bytes(np.ndarray((), HEADER, buffer=data)["magic"]) != MAGIC:
+        raise LayoutError(f"metadata file for {name} is not a shmreplay table")
+    seg = Segment.create(name, len(data), 0o600, (-1, gid))
+    try:
+        seg.buf[:] = data
+        seg.set_mode(meta_mode(mode), gid)
+    except BaseException:
+        seg.unlink()  # our copy; the file on disk stays
+        raise
+    finally:
+        seg.close()
+
+
+def listed_on_disk(tmap: TableMap, path: str) -> np.ndarray | None:
+    """Which slots the metadata file of adopted table ``tmap`` lists as
+    committed (those stay protected); None if there is no file, or it
+    belongs to another incarnation of the table (then nothing is protected
+    until the first sync, which follows at once)."""
+    try:
+        data = read_file(path)
+    except ForeignObject as exc:
+        if os.path.lexists(path):
+            log.error("table %s: %s", tmap.spec.name, exc)
+        return None
+    h = np.ndarray((), HEADER, buffer=data) if len(data) >= HEADER.itemsize else None
+    c = tmap.spec.capacity
+    if (h is None or bytes(h["magic"]) != MAGIC or int(h["layout_version"]) != LAYOUT_VERSION
+            or int(h["created_ns"]) != int(tmap.header["created_ns"]) or len(data) != tmap.layout.size):
+        log.warning("table %s: metadata file %s is not this table's; replaced at the next sync",
+                    tmap.spec.name, path)
+        return None
+    return np.frombuffer(data, np.uint8, c, tmap.layout.state_off) == COMMITTED

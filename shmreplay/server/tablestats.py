@@ -1,0 +1,36 @@
+"""A table's numbers, as ``stats``/``shmreplay status`` and ``describe`` report them.
+
+Engine thread only, like the table they read.
+"""
+
+from __future__ import annotations
+
+
+def new_stats() -> dict:
+    """The event counters a ``Table`` keeps (reported as they are)."""
+    return {"inserts": 0, "reservations": 0, "samples": 0, "sample_calls": 0, "evictions": 0,
+            "removed_after_max_samples": 0, "stale_priority_updates": 0,
+            "priority_updates": 0, "reclaimed_reservations": 0, "tree_rebuilds": 0,
+            "insert_waits": 0, "sample_waits": 0, "timeouts": 0, "recovered_items": 0,
+            "recovered_orphans": 0, "expired_held_slots": 0}
+
+
+def describe(t) -> dict:
+    return {"id": t.id, "segment": t.segment_name, "spec": t.spec.to_wire(),
+            "segment_size": t.map.layout.size + t.map.layout.rows_size, "items": t.counters.size}
+
+
+def snapshot_stats(t, pids: dict | None = None) -> dict:
+    """The numbers of table ``t``; ``pids`` (client id -> pid) names who holds slots."""
+    led = t.ledger
+    out = {**t.stats, "size": t.counters.size, "capacity": t.spec.capacity,
+           "reserved": led.pending, "held": led.held, "holders": led.holders(pids or {}),
+           "orphaned": led.orphans.count if led.orphans else 0,
+           "orphan_holders": led.orphans.holders() if led.orphans else [],
+           "limiter": t.counters.snapshot(led.pending),
+           "max_priority": t.max_priority, "sampler": t.spec.sampler, "remover": t.spec.remover,
+           "rows": t.map.rows.name, "rows_bytes": t.map.layout.rows_size,
+           "file_backed": t.spec.file_backed, "durable": t.durable is not None}
+    if t.durable is not None:
+        out.update(t.durable.report(led.barrier))
+    return out

@@ -36,7 +36,26 @@ def _rows(n: int, seed: int) -> dict:
             "done": rng.random(n) < 0.01}
 
 
-def _filler(sock: str, items: int, seed: int, out) -> None:
+def _reporting(fn):
+    """A worker that always reports: its result, or its error (so the
+    benchmark never waits for a worker that died)."""
+    def run(*args):
+        out = args[-1]
+        try:
+            out.put(fn(*args[:-1]))
+        except BaseException as exc:
+            out.put(RuntimeError(f"{fn.__name__}: {exc!r}"))
+    return run
+
+
+def _get(out) -> float:
+    got = out.get(timeout=24 * 3600)
+    if isinstance(got, BaseException):
+        raise got
+    return got
+
+
+def _filler(sock: str, items: int, seed: int) -> int:
     import shmreplay
     _nice(ACTOR_NICE)
     with shmreplay.connect(sock, timeout=120) as c:
@@ -46,10 +65,10 @@ def _filler(sock: str, items: int, seed: int, out) -> None:
             k = min(32, items - lo)
             t.insert_batch({f: v[:k] for f, v in rows.items()})
         c.flush()
-    out.put(items)
+    return items
 
 
-def _actor(sock: str, rate: float, seconds: float, seed: int, start, out) -> None:
+def _actor(sock: str, rate: float, seconds: float, seed: int, start) -> float:
     """One item at a time at ``rate`` items/s (an environment's pace)."""
     import shmreplay
     _nice(ACTOR_NICE)
@@ -66,7 +85,7 @@ def _actor(sock: str, rate: float, seconds: float, seed: int, start, out) -> Non
             t.insert(**{f: v[n % 8] for f, v in rows.items()})
             n += 1
         c.flush()
-        out.put(n / (time.monotonic() - t0))
+        return n / (time.monotonic() - t0)
 
 
 def run(daemon: BenchDaemon, capacity: int, seconds: float, prefetch: int = 2, actors: int = 2,
@@ -77,32 +96,33 @@ def run(daemon: BenchDaemon, capacity: int, seconds: float, prefetch: int = 2, a
     item = sum(np.dtype(d).itemsize * int(np.prod(s)) for d, s in FIELDS.values())
     c = daemon.connect()
     res: dict = {"capacity": capacity, "item_bytes": item, "GB": capacity * item / 1e9}
+    c.create_table("seed", capacity=capacity, fields=FIELDS, sampler="prioritized", alpha=0.6,
+                   storage_dir=daemon.store)  # DiskFull when the disk cannot hold it: nothing made
     try:
-        c.create_table("seed", capacity=capacity, fields=FIELDS, sampler="prioritized", alpha=0.6,
-                       storage_dir=daemon.store)
         log(f"  seed row: filling {capacity:,} x {item:,} bytes ({res['GB']:.1f} GB)")
         out = ctx.Queue()
         t0 = time.monotonic()
-        procs = [ctx.Process(target=_filler, args=(daemon.socket, capacity // actors + (i < capacity % actors), i, out))
+        procs = [ctx.Process(target=_reporting(_filler),
+                             args=(daemon.socket, capacity // actors + (i < capacity % actors), i, out))
                  for i in range(actors)]
         for p in procs:
             p.start()
         for p in procs:
-            out.get(timeout=24 * 3600)
+            _get(out)
             p.join()
         res["fill_s"] = round(time.monotonic() - t0, 1)
         res["fill_items_per_s"] = capacity / res["fill_s"]
         log(f"  seed row: filled in {res['fill_s']:.0f} s ({res['fill_items_per_s']:,.0f} items/s); "
             f"sampling for {seconds:.0f} s with actors at {OFFERED} items/s")
         start, out = ctx.Event(), ctx.Queue()
-        procs = [ctx.Process(target=_actor, args=(daemon.socket, OFFERED / actors, seconds, 10 + i, start, out))
-                 for i in range(actors)]
+        procs = [ctx.Process(target=_reporting(_actor), args=(daemon.socket, OFFERED / actors, seconds, 10 + i,
+                                                              start, out)) for i in range(actors)]
         for p in procs:
             p.start()
         before = prefetch_stats(c, "seed")
         start.set()
         got = learner(c.table("seed"), BATCH, 10**9, seconds, prefetch)
-        res["inserts_per_s"] = sum(out.get(timeout=600) for _ in procs)
+        res["inserts_per_s"] = sum(_get(out) for _ in procs)
         for p in procs:
             p.join(60)
         after = prefetch_stats(c, "seed")

@@ -136,6 +136,9 @@ def main(argv=None) -> int:
         daemon.stop()
         if os.path.isdir(store) and os.listdir(store):  # a failed run: adopt and drop what is left
             daemon.start(0, retain=False)
+            with daemon.connect() as c:
+                for name in c.list_tables():
+                    c.drop_table(name)
             daemon.stop()
         shutil.rmtree(work, ignore_errors=True)
         if cg is not None:

@@ -13,10 +13,8 @@ of the test suite: speed is reported, never asserted in tests.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -103,15 +101,8 @@ def main(argv=None) -> int:
     ap.add_argument("--out", help="JSON file (default benchmarks/results/<time>.json)")
     a = ap.parse_args(argv)
     report = runner.run(a.quick, a.seconds, a.mp_seconds, a.workload, log=lambda s: print(s, flush=True))
-    print("\n" + runner.table(report) + "\n\n" + TARGETS)
-    report["targets"] = check_targets(report)
-    print("\n".join(report["targets"]))
-    out = a.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
-                                time.strftime("%Y%m%d-%H%M%S") + ".json")
-    os.makedirs(os.path.dirname(out), exist_ok=True)
-    with open(out, "w") as f:
-        json.dump(report, f, indent=1)
-    print(f"\nwrote {out}")
+    runner.finish(report, runner.table(report), TARGETS, check_targets, a.out,
+                  os.path.dirname(os.path.abspath(__file__)))
     return 0
 
 

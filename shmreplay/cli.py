@@ -38,6 +38,10 @@ def _status(client, args) -> None:
                   f"{'never' if age is None else f'{age:.1f} s ago'} ({t['syncs']} syncs, "
                   f"{t['sync_failures']} failed); {t['retired']} slots wait for the next sync "
                   f"(headroom {t['sync_headroom']})")
+        if "prefetch_reads" in t:  # a file-backed table with the daemon's prefetch on
+            print(f"  prefetch: {t['prefetch_reads']} reads ({t['prefetch_bytes'] / 2**30:.2f} GiB), "
+                  f"{t['prefetch_dropped']} dropped, {t['prefetch_errors']} failed; "
+                  f"{t['writeback_calls']} writebacks started")
         for h in t["holders"]:  # a learner that hangs keeps these until the daemon's hold_timeout_s
             print(f"  client {h['client']}, pid {h['pid']}: {h['held']} slots held, "
                   f"oldest {h['oldest_s']:.1f} s")

@@ -50,3 +50,28 @@ def test_target_check_tells_a_slow_cell_from_one_beyond_the_machine():
     assert by_cell["sac-mujoco insert64"].startswith("MISS")
     assert "beyond" not in by_cell["sac-mujoco insert64"]
     assert by_cell["sac-mujoco sample"].startswith("PASS")
+
+
+def test_capacity_cells_and_report_run_on_a_small_file(tmp_path):
+    """benchmarks/capacity.py's disk cells on a few rows (not cold: no page
+    cache is dropped here), and its table and target lines."""
+    import importlib.util
+    import os
+    from shmreplay.bench import disk
+    path = str(tmp_path / "rows.bin")
+    disk.make_rows_file(path, 64, 1000, chunk_rows=16)
+    assert os.path.getsize(path) == 64_000
+    cells = {"disk preadv, 16 in flight": disk.ceiling(path, 64, 1000, 4, 40),
+             "np.memmap gather": disk.memmap_gather(path, 64, 1000, 2, 8, 10.0),
+             "shmreplay iterate, prefetch WILLNEED": disk.fadvise_batches(path, 64, 1000, 32, 8)}
+    assert [r["rows"] for r in cells.values()] == [40, 16, 32]
+    spec = importlib.util.spec_from_file_location(
+        "capacity", os.path.join(os.path.dirname(__file__), "..", "benchmarks", "capacity.py"))
+    cap = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(cap)
+    report = {"results": {**cells, "seed row": {
+        "capacity": 10, "item_bytes": 5, "GB": 0.0, "fill_s": 1.0, "fill_items_per_s": 10.0, "prefetch": 2,
+        "method": "fadvise", "inserts_per_s": 420.0, "samples_per_s": 100.0, "file_removed": True}}}
+    assert "| np.memmap gather | not dropped |" in cap.table(report)
+    lines = cap.targets(report)
+    assert len(lines) == 4 and lines[2].startswith("PASS seed row inserts") and lines[3].startswith("MISS")

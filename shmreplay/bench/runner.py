@@ -8,6 +8,7 @@ mappings or threads.  Ratios are shmreplay / best peer of the same run.
 from __future__ import annotations
 
 import json
+import os
 import platform
 import subprocess
 import sys
@@ -70,7 +71,6 @@ def run(quick: bool = False, seconds: float | None = None, mp_seconds: float | N
 
 
 def machine() -> dict:
-    import os
     import numpy
     info = {"python": platform.python_version(), "numpy": numpy.__version__, "cpus": os.cpu_count()}
     try:
@@ -128,6 +128,22 @@ def table(report: dict) -> str:
         lines.append(f"\nnumpy {c} ceiling ({w}): " + ", ".join(
             f"{k} {v:,.1f}" for k, v in r.items() if isinstance(v, float) and k != "wall_s"))
     return "\n".join(lines)
+
+
+def finish(report: dict, table_text: str, targets_text: str, check, out: str | None, bench_dir: str,
+           prefix: str = "") -> str:
+    """A benchmark's end: print its table and its targets with the verdicts
+    ``check(report)`` gives (kept in the report), and write the report as
+    JSON to ``out`` (default ``bench_dir/results/<prefix><time>.json``)."""
+    print("\n" + table_text + "\n\n" + targets_text)
+    report["targets"] = check(report)
+    print("\n".join(report["targets"]))
+    out = out or os.path.join(bench_dir, "results", prefix + time.strftime("%Y%m%d-%H%M%S") + ".json")
+    os.makedirs(os.path.dirname(out), exist_ok=True)
+    with open(out, "w") as f:
+        json.dump(report, f, indent=1)
+    print(f"\nwrote {out}")
+    return out
 
 
 def _fmt(v) -> str:

@@ -28,7 +28,7 @@ DAEMON_KEYS = {"socket", "instance", "segment_mode", "spin_us", "idle_timeout_s"
                "checkpoint_keep", "checkpoint_buffer_mb", "group", "allowed_users", "allowed_groups", "admin_group",
                "max_clients", "max_tables", "hold_timeout_s", "max_clients_per_user",
                "handshake_timeout_s", "storage_dir", "storage_dirs", "durable_file_tables",
-               "sync_interval_s"}
+               "sync_interval_s", "prefetch_threads", "prefetch_queue", "prefetch_method"}
 
 
 @dataclass
@@ -68,6 +68,11 @@ class DaemonConfig:
     # survives a reboot; off: it lives and dies with /dev/shm like the rest
     durable_file_tables: bool = True
     sync_interval_s: float = 10.0
+    # their prefetch (server/prefetch.py): reader threads (0: none), the most
+    # byte ranges queued for them, "fadvise" (WILLNEED) or "pread"
+    prefetch_threads: int = 16
+    prefetch_queue: int = 4096
+    prefetch_method: str = "fadvise"
     tables: list[TableSpec] = field(default_factory=list)
 
     def place(self, spec: TableSpec) -> TableSpec:
@@ -151,6 +156,12 @@ def parse_config(doc: dict, where: str = "config") -> DaemonConfig:
     cfg.storage_dirs |= {cfg.storage_dir} - {""}
     cfg.durable_file_tables = _bool(d, "durable_file_tables", True, where)
     cfg.sync_interval_s = _number(d, "sync_interval_s", 10.0, where)
+    cfg.prefetch_threads = int(_number(d, "prefetch_threads", 16, where))
+    cfg.prefetch_queue = int(_number(d, "prefetch_queue", 4096, where, lo=1))
+    cfg.prefetch_method = str(d.get("prefetch_method", cfg.prefetch_method))
+    if cfg.prefetch_method not in ("pread", "fadvise"):
+        raise SchemaError(f"{where}: prefetch_method must be \"pread\" or \"fadvise\", "
+                          f"got {cfg.prefetch_method!r}")
     names = set()
     for i, t in enumerate(doc.get("tables", [])):
         if not isinstance(t, dict):

@@ -29,7 +29,8 @@ one event in ``Daemon.run``), in order:
      After an engine failure steps 2 and 3 touch nothing: every table
      stays for the next daemon, exactly as after a SIGKILL, and the exit
      code is 1
-  4. stop the engine thread
+  4. stop the engine thread, then the prefetch readers (prefetch.py),
+     joining them and closing their descriptors
   5. release the instance lock
 """
 
@@ -57,6 +58,7 @@ from . import ownership, recovery, sumtree
 from .config import DaemonConfig, check_instance, load_config
 from .control import ControlServer
 from .engine import Engine
+from .prefetch import Prefetcher
 
 log = logging.getLogger("shmreplayd")
 
@@ -105,6 +107,7 @@ class Daemon:
         self.lock: ownership.InstanceLock | None = None
         self.periodic: list[asyncio.Task] = []
         self.engine: Engine | None = None
+        self.prefetcher: Prefetcher | None = None
         self.control: ControlServer | None = None
         self.stop_event: asyncio.Event | None = None
         self.failed = False
@@ -131,7 +134,9 @@ class Daemon:
         stale = ownership.remove_dead_channels(cfg.instance)  # we hold the lock: their daemon is dead
         if stale:
             log.info("removed %d channel(s) and doorbell(s) of a dead daemon", stale)
-        self.engine = Engine(cfg.spin_us, cfg.idle_timeout_s)
+        if cfg.prefetch_threads:
+            self.prefetcher = Prefetcher(cfg.prefetch_threads, cfg.prefetch_queue, cfg.prefetch_method)
+        self.engine = Engine(cfg.spin_us, cfg.idle_timeout_s, prefetch=self.prefetcher)
         self.control = ControlServer(cfg, self.engine)
         self.control.request_shutdown = lambda: self._stop("shutdown requested")
         self.engine.on_client_error = self.control.on_client_error
@@ -184,6 +189,8 @@ class Daemon:
                                                    keep_adopted=not self.started)  # step 3
         if self.engine is not None:
             self.engine.stop()                          # step 4
+        if self.prefetcher is not None:
+            self.prefetcher.stop()
         if self.lock is not None:                       # step 5
             self.lock.release()
         log.info("stopped")

@@ -37,6 +37,7 @@ from .calls import Calls
 from .idle import Idler
 from .outbox import ClientState
 from .parking import Parking, Waiter, earliest
+from .prefetch import Prefetcher
 from .table import Table, expire_holds
 
 log = logging.getLogger("shmreplayd.engine")
@@ -57,7 +58,7 @@ def entry_point(method):
 
 class Engine:
     def __init__(self, spin_us: float = 250.0, idle_timeout: float = 1.0, on_client_error=None,
-                 on_crash=None):
+                 on_crash=None, prefetch: Prefetcher | None = None):
         self.bell = new_doorbell()  # the control plane's: private to this process
         self.idler = Idler(self.bell, spin_us, idle_timeout)
         self.on_client_error = on_client_error or (lambda cid, exc: None)
@@ -66,7 +67,8 @@ class Engine:
         self.by_name: dict[str, Table] = {}
         self.clients: dict[int, ClientState] = {}
         self.dropped: dict[int, ClientState] = {}  # cut off, awaiting unmap by the control plane
-        self.parking = Parking()
+        self.prefetch = prefetch or Prefetcher(0)  # reads file-backed tables' rows ahead
+        self.parking = Parking(self.prefetch)
         self.calls = Calls()
         self.stopping = False
         self.running = False  # True while the thread serves; guarded by lock
@@ -239,6 +241,7 @@ class Engine:
         self.tables[table.id] = table
         self.by_name[table.spec.name] = table
         self.parking.add_table(table.id)
+        self.prefetch.add(table)
 
     @entry_point
     def table_named(self, name: str) -> Table:
@@ -269,6 +272,7 @@ class Engine:
         self._cut_off_all(doomed)  # after the walk: cutting off unparks
         del self.by_name[name]
         del self.tables[t.id]
+        self.prefetch.drop(t.id)
         return t
 
     @entry_point
@@ -297,13 +301,19 @@ class Engine:
 
     @entry_point
     def snapshot(self) -> dict:
-        tables, pids = {}, {cid: cl.pid for cid, cl in self.clients.items()}
-        for t in self.tables.values():
-            st = tablestats.snapshot_stats(t, pids)
-            st["limiter"]["waiting_inserts"], st["limiter"]["waiting_samples"] = self.parking.waiting(t.id)
-            tables[t.spec.name] = st
+        pids = {cid: cl.pid for cid, cl in self.clients.items()}
+        tables = {t.spec.name: _table_stats(t, pids, self.parking, self.prefetch) for t in self.tables.values()}
         return {"engine": {**self.stats, **self.idler.stats, "parked": self.parking.total},
-                "clients": len(self.clients), "tables": tables}
+                "prefetch": self.prefetch.stats(), "clients": len(self.clients), "tables": tables}
+
+
+def _table_stats(t: Table, pids: dict, parking: Parking, prefetch: Prefetcher) -> dict:
+    """A table's numbers for ``Engine.snapshot``: its own, its parked
+    requests, its prefetch counters (file-backed tables)."""
+    st = tablestats.snapshot_stats(t, pids)
+    st["limiter"]["waiting_inserts"], st["limiter"]["waiting_samples"] = parking.waiting(t.id)
+    st.update(prefetch.table_stats(t.id))
+    return st
 
 
 def _deadline(timeout_us: int) -> float:

@@ -35,7 +35,8 @@ class Waiter:
 
 
 class Parking:
-    def __init__(self):
+    def __init__(self, prefetch=None):
+        self.prefetch = prefetch  # prefetch.Prefetcher: told which rows each request will touch
         # table id -> (parked RESERVEs, parked SAMPLEs), oldest first
         self.queues: dict[int, tuple[collections.deque, collections.deque]] = {}
         self.count = 0    # requests parked now
@@ -61,7 +62,7 @@ class Parking:
             self.park(table, w)
             return
         try:
-            run(table, w)
+            run(table, w, self.prefetch)
         except Blocked as b:
             if w.deadline <= time.monotonic():
                 raise b.error from None
@@ -101,7 +102,7 @@ class Parking:
         """Run a parked request, or answer it with its error once its
         deadline has passed.  False while it stays parked."""
         try:
-            run(table, w)
+            run(table, w, self.prefetch)
         except Blocked as b:
             if w.deadline > now:
                 return False
@@ -146,14 +147,20 @@ def earliest(*deadlines: float | None) -> float | None:
     return min((d for d in deadlines if d is not None), default=None)
 
 
-def run(table, w: Waiter) -> None:
-    """Run a RESERVE or SAMPLE and queue its reply; raises Blocked."""
+def run(table, w: Waiter, prefetch=None) -> None:
+    """Run a RESERVE or SAMPLE and queue its reply; raises Blocked.  Then
+    ``prefetch`` learns which rows the client will touch next: a writer the
+    reserved slots', a learner the drawn ones' (file-backed tables)."""
     if w.op == RESERVE:
         rid, slots, contiguous = table.reserve(w.cl.id, w.n, w.cl.pid, w.cl.start)
         w.cl.respond(R.reserve_reply(w.seq, rid, slots, contiguous))
+        keys = None
     else:
         keys, probs, weights, hid = table.sample(w.cl.id, w.n, w.beta)
         w.cl.respond(R.sample_reply(w.seq, keys, probs, weights, hid))
+        slots = None
+    if prefetch is not None:
+        prefetch.read(table.id, slots, keys)
 
 
 def answer(w: Waiter, exc: ReplayError | None, doomed: list) -> None:

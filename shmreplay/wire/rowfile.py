@@ -112,6 +112,10 @@ class RowFile(Segment):
                            mmap.PROT_READ | mmap.PROT_WRITE)
         finally:
             os.close(fd)
+        # a fault on a page not in the cache reads just that page, not the
+        # disk's read-ahead around it (8 MiB here: FACTS.md); the daemon's
+        # prefetch brings in whole rows ahead of the faults
+        mm.madvise(mmap.MADV_RANDOM)
         return cls(path, mm, size)
 
     @classmethod

@@ -71,7 +71,9 @@ def test_capacity_cells_and_report_run_on_a_small_file(tmp_path):
     spec.loader.exec_module(cap)
     report = {"results": {**cells, "seed row": {
         "capacity": 10, "item_bytes": 5, "GB": 0.0, "fill_s": 1.0, "fill_items_per_s": 10.0, "prefetch": 2,
-        "method": "fadvise", "inserts_per_s": 420.0, "samples_per_s": 100.0, "file_removed": True}}}
-    assert "| np.memmap gather | not dropped |" in cap.table(report)
+        "method": "fadvise", "inserts_per_s": 420.0, "samples_per_s": 100.0, "max_inserts_per_s": 300.0,
+        "max_samples_per_s": 2000.0, "file_removed": True}}}
+    text = cap.table(report)
+    assert "| np.memmap gather | not dropped |" in text and "learner flat out: 2,000 samples/s" in text
     lines = cap.targets(report)
     assert len(lines) == 4 and lines[2].startswith("PASS seed row inserts") and lines[3].startswith("MISS")

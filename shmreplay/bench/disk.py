@@ -335,10 +335,12 @@ def learn(sock: str, name: str, batch: int, batches: int, seconds: float, prefet
         return r
 
 
-def learner(table, batch: int, batches: int, seconds: float, prefetch: int) -> dict:
+def learner(table, batch: int, batches: int, seconds: float, prefetch: int,
+            rate: float | None = None) -> dict:
     """Prioritized draws with their data and a priority update each, through
     ``iterate(prefetch=k)`` (k 0: plain ``sample``), until ``batches`` or
-    ``seconds``; items/s and GB/s gathered."""
+    ``seconds``, at most ``rate`` items/s (None: as fast as it goes);
+    items/s and GB/s gathered."""
     rng = np.random.default_rng(2)
     n, t0 = 0, time.perf_counter()
     it = table.iterate(batch, beta=BETA, prefetch=prefetch) if prefetch else None
@@ -349,8 +351,11 @@ def learner(table, batch: int, batches: int, seconds: float, prefetch: int) -> d
             out = b if it is None else None
             table.update_priorities(b.keys, rng.uniform(0.1, 2.0, batch))
             n += batch
-            if time.perf_counter() - t0 > seconds:
+            now = time.perf_counter()
+            if now - t0 > seconds:
                 break
+            if rate is not None and n / rate > now - t0:  # a learner step's pace
+                time.sleep(n / rate - (now - t0))
     finally:
         if it is not None:
             it.close()

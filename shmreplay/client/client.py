@@ -186,13 +186,15 @@ class Client:
         desc = self._request("create_table", spec=spec.to_wire(), exist_ok=bool(exist_ok))["table"]
         return self._adopt(desc)
 
-    def create_queue(self, name, capacity, fields, exist_ok=False) -> Table:
+    def create_queue(self, name, capacity, fields, exist_ok=False, storage_dir=None) -> Table:
         """A queue (Reverb's ``Table.queue``): fifo sampler and remover, each
         item delivered once, inserts wait while ``capacity`` items are
-        unsampled, samples wait for items.  Needs capacity >= 2."""
+        unsampled, samples wait for items.  Needs capacity >= 2.
+        ``storage_dir``: as for ``create_table``."""
         return self.create_table(name, capacity, fields, sampler="fifo", remover="fifo",
                                  max_times_sampled=1, samples_per_insert=1.0,
-                                 error_buffer=(0.0, float(capacity)), exist_ok=exist_ok)
+                                 error_buffer=(0.0, float(capacity)), exist_ok=exist_ok,
+                                 storage_dir=storage_dir)
 
     @retried
     def table(self, name: str) -> Table:

@@ -33,6 +33,7 @@ def headroom(capacity: int) -> int:
 class ReuseBarrier:
     def __init__(self, capacity: int):
         self.protected = np.zeros(capacity, dtype=bool)  # listed by the file on disk, or the one being written
+        self.listed = 0  # how many: with none, eviction reuses slots at once and nothing is evicted ahead
         self.retired: list[np.ndarray] = []
         self.count = 0  # slots retired
         self.taken = 0  # of those, how many the sync in flight frees when it lands
@@ -58,12 +59,14 @@ class ReuseBarrier:
         protect those too until it lands.  Every slot retired so far is
         free in that copy, so it is freed when it lands."""
         self.protected |= listed
+        self.listed = int(np.count_nonzero(self.protected))
         self.taken = self.count
 
     def landed(self, listed: np.ndarray) -> np.ndarray:
         """The copy that lists ``listed`` is on disk: only its items stay
         protected.  Returns the retired slots now free to use."""
         self.protected = listed.copy()
+        self.listed = int(np.count_nonzero(listed))
         n, self.taken = self.taken, 0
         out, rest, got = [], [], 0
         for a in self.retired:
@@ -85,19 +88,36 @@ class ReuseBarrier:
 
 # ---- a durable table's side of reserve (Table calls these; engine thread) ----
 
+def consumable(spec) -> bool:
+    """Items leave by being sampled (a queue: a rate limiter and a reuse
+    limit): one evicted early is lost, so such a table never evicts ahead,
+    and its writers wait for retired slots as they wait for held ones."""
+    return spec.rate_limited and bool(spec.max_times_sampled)
+
+
+def waits_for_sync(table) -> bool:
+    """A writer of this table waits for the next sync instead of evicting."""
+    b = table.ledger.barrier
+    return b.full or (b.count > 0 and consumable(table.spec))
+
+
 def evict_for(table, slots: np.ndarray, n: int) -> np.ndarray:
     """``slots`` were just evicted for a writer that needs n: return those it
-    may write.  If some are listed on disk, evict up to the headroom ahead,
-    so the next sync frees a batch (not in a queue: that would drop
-    unsampled items); the result may be shorter than n, even empty."""
+    may write, maybe fewer than n, even none (listed on disk: retired)."""
     led = table.ledger
-    b = led.barrier
     led.make_free(slots)
-    if len(led.free) < n and not table.spec.rate_limited:
-        ahead = min(table.counters.size, b.headroom - b.count)
+    evict_ahead(table)
+    return led.take_free(n)
+
+
+def evict_ahead(table) -> None:
+    """Keep a full table's free and retired slots at its headroom, so the
+    next sync frees a batch while writers use what is free (not a queue)."""
+    led, b = table.ledger, table.ledger.barrier
+    if b.listed and len(led.free) < b.headroom // 2 + 1 and not consumable(table.spec):
+        ahead = min(table.counters.size, b.headroom - b.count - len(led.free))
         if ahead > 0:
             led.make_free(table.evict_items(ahead))
-    return led.take_free(n)
 
 
 def want_sync(table, force: bool = False) -> None:
@@ -105,5 +125,5 @@ def want_sync(table, force: bool = False) -> None:
     half the headroom (``force``: a writer waits for them)."""
     led = table.ledger
     if table.durable is not None and led.barrier.count and (
-            force or len(led.free) < led.barrier.headroom // 2):
+            force or len(led.free) < led.barrier.headroom // 2 + 1):
         table.durable.want()

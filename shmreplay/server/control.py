@@ -31,7 +31,7 @@ from .config import DaemonConfig
 from .engine import Engine
 from .connection import ControlConnection
 from .memory import check_memory
-from .barrier import ReuseBarrier
+from .syncs import Syncer
 from .table import Table
 
 log = logging.getLogger("shmreplayd.control")
@@ -52,8 +52,7 @@ class ControlServer:
         self.detaching: set[asyncio.Task] = set()
         self.checkpointing = asyncio.Lock()
         self.adopted: set[str] = set()  # tables taken over from a dead daemon
-        self.syncing: dict[str, asyncio.Lock] = {}  # durable tables: one sync at a time each
-        self.background: set[asyncio.Task] = set()  # syncs a full table asked for
+        self.syncs = Syncer(self)  # durable file-backed tables' syncs (syncs.py)
         self.request_shutdown = lambda: None  # set by the Daemon
 
     async def start(self, path: str) -> None:
@@ -71,8 +70,9 @@ class ControlServer:
         bye = DaemonUnavailable("daemon is shutting down")
         for conn in list(self.connections.values()):
             conn.kick(bye)
-        while self.detaching or self.background:
-            await asyncio.gather(*self.detaching, *self.background, return_exceptions=True)
+        while self.detaching:
+            await asyncio.gather(*self.detaching, return_exceptions=True)
+        await self.syncs.wait()
         if self.path:
             try:
                 os.unlink(self.path)
@@ -140,7 +140,9 @@ class ControlServer:
         try:
             table = await self.loop.run_in_executor(None, build)
             if spec.file_backed and self.cfg.durable_file_tables:
-                await self.loop.run_in_executor(None, self._make_durable, table, recover)
+                await self.loop.run_in_executor(None, self.syncs.make_durable, table, recover)
+            elif spec.file_backed:  # a file from when it was on: kept in step no more
+                await self.loop.run_in_executor(None, durable.remove_stale, tmap)
         except BaseException:
             if fresh:  # an adopted or restored segment is the caller's to keep or drop
                 tmap.unlink()
@@ -149,89 +151,44 @@ class ControlServer:
         tmap.open_to_clients(self.cfg.segment_mode, self.cfg.gid)
         await self.call(self.engine.add_table, table)
         if table.durable is not None:  # a file on disk from the start
-            self.syncing[spec.name] = asyncio.Lock()
-            await self.sync([spec.name])
+            await self.syncs.serve(spec.name)
         log.info("table %s: %d x %d bytes, rows in %s (%.1f MiB), meta in %s; ready in %.2f s", spec.name,
                  spec.capacity, spec.item_bytes, tmap.rows.name, tmap.layout.rows_size / 2**20, name,
                  time.monotonic() - t0)
         return tablestats.describe(table)
 
-    def _make_durable(self, table: Table, recover: bool) -> None:
-        """Before the table is served: its reuse barrier and sync state; an
-        adopted table protects what its file on disk lists."""
-        led, name = table.ledger, table.spec.name
-        path = durable.meta_file(table.map)
-        led.barrier = ReuseBarrier(table.spec.capacity)
-        table.durable = durable.Durability(
-            path, lambda: self.loop.call_soon_threadsafe(self._sync_soon, name))
-        listed = durable.listed_on_disk(table.map, path) if recover else None
-        if listed is not None:
-            led.barrier.protected[:] = listed
-            led.make_free(led.free.pop(len(led.free)))
-
-    def _sync_soon(self, name: str) -> None:
-        if name not in self.syncing:  # dropped meanwhile
-            return
-        task = self.loop.create_task(self._sync_logged(name))
-        self.background.add(task)
-        task.add_done_callback(self.background.discard)
-
-    async def _sync_logged(self, name: str) -> None:
-        try:
-            await self.sync([name])
-        except ReplayError as exc:
-            log.error("sync of table %s failed: %s", name, exc)
-
     async def sync(self, names: list) -> list[dict]:
-        """Sync durable tables (all if ``names`` is empty) to disk
-        (durable.py); a table that is not durable is an error."""
-        if not names:
-            names = sorted(self.syncing)
-        reports = []
+        """``shmreplay sync``: durable tables (all if ``names`` is empty) to
+        disk now (syncs.py); a table that is not durable is an error."""
+        names = names or sorted(self.syncs.locks)
         for name in names:
-            lock = self.syncing.get(check_table_name(name))
-            if lock is None:
+            if check_table_name(name) not in self.syncs.locks:
                 table = await self.call(self.engine.table_named, name)  # unknown: UnknownTable
-                raise ReplayError(f"table {name!r} is not a durable file-backed table "
-                                  f"({'its rows are on disk but durable_file_tables is off' if table.spec.file_backed else 'it lives in /dev/shm'}); "
+                why = ("its rows are on disk but durable_file_tables is off" if table.spec.file_backed
+                       else "it lives in /dev/shm")
+                raise ReplayError(f"table {name!r} is not a durable file-backed table ({why}); "
                                   "there is nothing to sync")
-            async with lock:
-                if name not in self.syncing:
-                    continue  # dropped while this waited
-                table = await self.call(self.engine.table_named, name)
-                t0 = time.monotonic()
-                copy = await self.loop.run_in_executor(None, durable.Copy, table.map.layout.size)
-                copy = await self.call(durable.take, table, copy)
-                try:
-                    n = await self.loop.run_in_executor(None, durable.write, copy, table.map.rows.fd,
-                                                        table.durable.path)
-                except OSError as exc:
-                    table.durable.failures += 1
-                    raise ReplayError(f"sync of table {name!r} to {table.durable.path} failed: "
-                                      f"{exc}; the file of the sync before stays") from None
-                dt = time.monotonic() - t0
-                freed = await self.call(durable.landed, table, copy, dt)
-                reports.append({"table": name, "items": copy.items, "bytes": n, "seconds": dt,
-                                "freed": freed, "path": table.durable.path})
-        return reports
+        return await self.syncs.sync(names)
 
     async def drop_table(self, name: str, unlink: bool = True, keep_disk: bool = False) -> None:
         """Stop serving a table; ``unlink``: remove it.  ``keep_disk`` (a
         clean stop): a durable table is synced a last time and its files
         stay for the next start; only its meta segment goes."""
         check_table_name(name)
-        lock = self.syncing.get(name)
-        if lock is not None and keep_disk:
-            await self.sync([name])
+        lock, landed = await self.syncs.drop(name, final=keep_disk)
         async with lock or contextlib.nullcontext():
             table = await self.call(self.engine.drop_table, name)
-            self.syncing.pop(name, None)
+            self.syncs.forget(name)
+        if unlink and landed is False:  # the file on disk is older than /dev/shm: keep both
+            unlink = False
+            log.error("table %s: its last sync failed; left in /dev/shm too, for the next start", name)
         if unlink and table.durable is not None and keep_disk:
             table.map.meta.unlink()
             what = f"kept on disk for the next start ({table.durable.items} items)"
         elif unlink:
             if table.durable is not None:
                 _unlink_quiet(table.durable.path)
+                _unlink_quiet(durable.temp_file(table.durable.path))
             table.map.unlink()
             what = "dropped"
         else:
@@ -244,7 +201,7 @@ class ControlServer:
         for name in await self.call(self.engine.table_names):
             kept = keep_adopted and name in self.adopted  # touched in no way
             await self.drop_table(name, unlink and not kept, keep_disk=not kept)
-        await asyncio.gather(*self.background, return_exceptions=True)  # asked for meanwhile
+        await self.syncs.wait()  # asked for meanwhile
 
     async def checkpoint(self, names: list, directory: str, keep: int = 0) -> list[dict]:
         """Checkpoint tables (all if ``names`` is empty) into ``directory``,

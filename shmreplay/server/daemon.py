@@ -167,11 +167,11 @@ class Daemon:
     async def _sync_periodically(self) -> None:
         while True:
             await asyncio.sleep(self.cfg.sync_interval_s)
-            for name in sorted(self.control.syncing):
-                try:  # shielded: a stop must not cut a sync's write in half; it waits for it
-                    await asyncio.shield(self.control.sync([name]))
-                except ReplayError as exc:  # the next one tries again; serving goes on
-                    log.error("periodic sync of table %s failed: %s", name, exc)
+            for name in sorted(self.control.syncs.locks):
+                try:  # a stop cancels this wait, never the sync (syncs.py)
+                    await self.control.syncs.sync([name])
+                except ReplayError:  # logged; the next one tries again
+                    pass
 
     async def shutdown(self) -> None:
         sd_notify("STOPPING=1")

@@ -54,6 +54,28 @@ def meta_file(tmap: TableMap) -> str:
     return os.path.join(tmap.spec.storage_dir, tmap.name.lstrip("/"))
 
 
+def temp_file(path: str) -> str:
+    """Where a sync writes before its rename: a dot name, outside every
+    table's names (a table may be called ``x.tmp``)."""
+    d, base = os.path.split(path)
+    return os.path.join(d, f".{base}.tmp")
+
+
+def remove_stale(tmap: TableMap) -> None:
+    """``durable_file_tables`` is off: a metadata file left from when it was
+    on would no longer follow the rows, and a later start with it on would
+    adopt it against rows rewritten since.  The live table is in /dev/shm."""
+    path = meta_file(tmap)
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return
+    if stat.S_ISREG(st.st_mode) and st.st_uid == os.geteuid():
+        os.unlink(path)
+        log.warning("table %s: durable_file_tables is off; removed its metadata file %s, which "
+                    "would no longer follow the rows", tmap.spec.name, path)
+
+
 class Durability:
     """A durable table's sync state.  ``want`` on the engine thread; the rest
     on the control plane's loop."""
@@ -106,12 +128,13 @@ def take(table, copy: Copy) -> Copy:
 def write(copy: Copy, rows_fd: int, path: str) -> int:
     """Executor: step 2.  Returns the bytes written."""
     os.fdatasync(rows_fd)
-    tmp = path + ".tmp"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, FILE_MODE)
+    tmp = temp_file(path)
+    try:  # a dead daemon's half-written copy (the directory is ours alone: storage.py)
+        os.unlink(tmp)
+    except FileNotFoundError:
+        pass
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, FILE_MODE)
     try:
-        st = os.fstat(fd)
-        if st.st_uid != os.geteuid() or not stat.S_ISREG(st.st_mode):
-            raise ForeignObject(f"{tmp} is not a file of the daemon's user; not writing into it")
         view = memoryview(copy.buf)
         done = 0
         while done < len(view):
@@ -179,7 +202,7 @@ def files(instance: str, dirs) -> dict[str, str]:
         except OSError:
             continue
         for e in entries:
-            if not e.startswith(prefix) or e.endswith(".tmp"):
+            if not e.startswith(prefix):  # a sync's temporary file starts with a dot
                 continue
             name, path = e[len(prefix):], os.path.join(d, e)
             old = found.get(name)
@@ -201,6 +224,11 @@ def to_segment(name: str, data: bytes, mode: int, gid: int) -> None:
     seg = Segment.create(name, len(data), 0o600, (-1, gid))
     try:
         seg.buf[:] = data
+        # no owner: the copy is this daemon's (it holds the instance lock);
+        # the old boot's pid and start time could name a process of this one
+        h = np.ndarray((), HEADER, buffer=seg.buf)
+        h["owner_pid"] = h["owner_start"] = 0
+        del h
         seg.set_mode(meta_mode(mode), gid)
     except BaseException:
         seg.unlink()  # our copy; the file on disk stays

@@ -169,13 +169,13 @@ async def open_tables(srv, restore_dir: str | None) -> None:
         try:
             tmap = await srv.loop.run_in_executor(None, adopt, seg, cfg.segment_mode, cfg.gid,
                                                   declared.get(tname), cfg.storage_dirs)
-        except ForeignObject as exc:  # planted: never opened beyond an fstat, never removed
-            log.error("table %s: %s", tname, exc)
-            continue
-        except BaseException:
+        except BaseException as exc:
             if tname in from_disk:  # our copy of the file, which stays as it is
                 unlink_quiet(seg)
-            raise
+            if not isinstance(exc, ForeignObject):
+                raise
+            log.error("table %s: %s", tname, exc)  # planted: never opened beyond an fstat, never removed
+            continue
         table = await srv.add_table(tmap.spec, tmap=tmap, recover=True)
         srv.adopted.add(tname)
         log.info("table %s: adopted %s from %s: %d items (%.2f s)", tname, seg,

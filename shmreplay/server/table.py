@@ -38,7 +38,7 @@ from .ledger import HOLD_TIMEOUT_S, SlotLedger
 from .order import CommitOrder
 from .reuse import draw_limited
 from . import tablestats
-from .barrier import evict_for, want_sync
+from .barrier import evict_ahead, evict_for, waits_for_sync, want_sync
 from .selectors import make_remover, make_sampler
 
 log = logging.getLogger("shmreplayd.table")
@@ -98,19 +98,17 @@ class Table:
         # evicting an unsampled item for it would lose that item: it waits
         # for the held slots, at most hold_timeout_s.  A durable table with
         # its headroom retired waits for the sync that frees it (barrier.py)
-        waits = (led.held and self.spec.rate_limited) or (led.barrier is not None and led.barrier.full)
+        waits = (led.held and self.spec.rate_limited) or (led.barrier is not None and waits_for_sync(self))
         k = min(room, free + (0 if waits else cnt.size))
-        if k == 0:
-            if led.barrier is not None:
-                want_sync(self, force=True)
-            raise Blocked(led.busy())
         slots = led.take_free(k)
         if slots.shape[0] < k:
             slots = np.concatenate((slots, self._evict(k - slots.shape[0])))
         if led.barrier is not None:
+            evict_ahead(self)
             want_sync(self, force=slots.shape[0] == 0)
-            if slots.shape[0] == 0:
-                raise Blocked(led.busy())
+        if slots.shape[0] == 0:
+            self.publish()  # evictions may have changed the counters
+            raise Blocked(led.busy())
         rid = led.reserve(owner, slots, pid, start)
         self.stats["reservations"] += 1
         self.publish()

@@ -61,6 +61,13 @@ class RowFile(Segment):
                 st = None
             if st is not None and (st.st_uid != os.geteuid() or not stat.S_ISREG(st.st_mode)):
                 check_owned(path, st, stat.S_IMODE(st.st_mode))  # raises, naming the owner
+            meta = meta_name(os.path.basename(path))
+            if meta and os.path.lexists(os.path.join(directory, meta)):
+                raise ReplayError(
+                    f"rows file {path} exists already, with its metadata file {meta} beside it, "
+                    "which this start did not adopt (the log says why: durable_file_tables off, "
+                    "a file not made by this daemon's user, another table's); fix that, or drop "
+                    "the table under a daemon that adopts it, or move both files away") from None
             raise ReplayError(
                 f"rows file {path} exists already: another daemon uses it, or a dead one left it "
                 f"behind without its metadata (a reboot, an emptied /dev/shm), so it cannot be "

@@ -89,6 +89,9 @@ class Job:
         return self.offs.shape[0] - self.pos
 
 
+SMALL_FIELD = 64 << 20  # bytes of a field's whole array: not read ahead (unless every field is)
+
+
 class RowSource:
     """A file-backed table's rows file as the prefetcher sees it: its own
     duplicate of the daemon's descriptor (closed once the table is dropped
@@ -145,10 +148,13 @@ class Prefetcher:
     def add(self, table) -> None:
         """A table is served: prefetch its rows if they are in a file."""
         if self.nthreads and table.spec.file_backed and table.map.rows.fd is not None:
-            lo = table.map.layout
-            src = self.source(table.spec.name, table.map.rows.fd,
-                              [(lo.field_offs[f.name], f.item_bytes) for f in table.spec.fields],
-                              table.map.words)
+            lo, c = table.map.layout, table.spec.capacity
+            fields = [(lo.field_offs[f.name], f.item_bytes) for f in table.spec.fields]
+            # a small field (actions, rewards: a few MB for the whole table)
+            # stays in the page cache by use alone; reading it ahead would
+            # only add a call per row, which a warm learner pays for
+            big = [(o, w) for o, w in fields if c * w > SMALL_FIELD]
+            src = self.source(table.spec.name, table.map.rows.fd, big or fields, table.map.words)
             self.by_table[table.id] = src
 
     def source(self, name: str, fd: int, fields: list[tuple[int, int]], words=None) -> RowSource:

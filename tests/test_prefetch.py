@@ -212,3 +212,25 @@ def test_readers_read_and_are_joined_at_stop(tmp_path, method):
     assert pf.stats()["queued"] == 0
     with pytest.raises(shmreplay.ReplayError, match="prefetch_method"):
         parse_config({"daemon": {"prefetch_method": "mmap"}})
+
+
+def test_a_small_field_is_not_read_ahead_beside_a_large_one(start_daemon, tmp_path):
+    """A field whose whole array is at most 64 MiB (ids, actions, rewards)
+    stays in the page cache by use: only the large field's ranges are read
+    ahead, one call fewer per row for a warm learner."""
+    store = str(tmp_path / "tables")
+    big = {"obs": ("uint8", (65536,)), "id": ("int64", ())}
+    cap = 1100  # obs: 72 MB, over the 64 MiB line; id: 8.8 KB
+    d = start_daemon(storage_dirs=[store], seed=3, prefetch_threads=2)
+    with d.connect() as c:
+        t = c.create_table("f", capacity=cap, fields=big, storage_dir=store)
+        ids = np.arange(100)
+        t.insert_batch({"obs": np.repeat((ids % 251).astype(np.uint8)[:, None], 65536, axis=1), "id": ids})
+        c.flush()
+        lo = TableLayout(make_spec("f", cap, big, storage_dir=store))
+        offs, widths = np.array([lo.field_offs["obs"]], np.int64), np.array([65536], np.int64)
+        before = idle_stats(c)["prefetch_reads"]
+        b = t.sample(64)
+        st = idle_stats(c)
+        assert st["prefetch_reads"] - before == ranges_of(key_slots(b.keys), offs, widths)[0].shape[0]
+        assert np.array_equal(b.data["obs"][:, 0], (b.data["id"] % 251).astype(np.uint8))

@@ -178,7 +178,7 @@ def table(report: dict) -> str:
     elif s:
         lines.append(f"\nseed row: {s['capacity']:,} x {s['item_bytes']:,} bytes ({s['GB']:.1f} GB), filled in "
                      f"{s['fill_s']:.0f} s ({s['fill_items_per_s']:,.0f} items/s); learner paced at the "
-                     f"seed's 1,650: actors {s['inserts_per_s']:,.0f} inserts/s (seed 400), learner "
+                     f"seed's 1,650 (+5%): actors {s['inserts_per_s']:,.0f} inserts/s (seed 400), learner "
                      f"{s['samples_per_s']:,.0f} samples/s; learner flat out: {s['max_samples_per_s']:,.0f} "
                      f"samples/s with actors at {s['max_inserts_per_s']:,.0f} inserts/s; "
                      f"iterate(prefetch={s['prefetch']}), prefetch by "

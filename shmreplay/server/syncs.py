@@ -102,9 +102,9 @@ class Syncer:
                 "path": d.path}
 
     async def drop(self, name: str, final: bool):
-        """Hold the table's lock while the caller drops it; ``final`` (a
-        clean stop) syncs it a last time first.  Yields whether that last
-        sync landed (None: not durable, or not asked)."""
+        """The table's lock, for the caller to hold while it drops the table
+        (None: not durable), and whether the last sync ``final`` (a clean
+        stop) asked for landed (None: not asked)."""
         lock = self.locks.get(name)
         landed = None
         if lock is not None and final:

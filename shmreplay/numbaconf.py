@@ -57,7 +57,10 @@ def exit_without_teardown(code: int) -> None:
     import logging
     import os
     import threading
-    if threading.active_count() == 1:
+    import multiprocessing
+    # no other thread (none can still be writing), no child of ours
+    # (multiprocessing's exit handler would reap or stop it)
+    if threading.active_count() == 1 and not multiprocessing.active_children():
         logging.shutdown()  # flush and close every log handler, as atexit would
         try:
             sys.stdout.flush()

@@ -14,13 +14,14 @@ merge into one range, and each field's ranges are read whole pages at a time.
 Two ways (docs/performance.md, "Beyond RAM", cold dqn-atari rows):
 
 * "fadvise" (default): ``POSIX_FADV_WILLNEED`` per range, a whole batch from
-  one reader; it only queues the reads, so all go to the disk at once (21,000-
-  24,000 rows/s, above 16 threads reading a row each); a page-cache look-up
-  on cached rows.
+  one reader; it only queues the reads, so all go to the disk at once (cold
+  iterate 21,000-27,500 rows/s over the runs, above 16 threads reading a
+  row each); a page-cache look-up on cached rows (12-41% of a warm
+  learner's rate on 2 cores).
 * "pread": ``preadv`` into a scratch buffer thrown away (the point is the
-  page cache), ``threads`` readers sharing a batch (11,600-16,400 rows/s);
+  page cache), ``threads`` readers sharing a batch (10,300-16,400 rows/s);
   warm it copies every row again and wakes a reader per few rows, which
-  cost the learner 3-4x.
+  cost the learner 4-7x.
 
 The same threads start the writeback of what writers stored: every
 ``writeback_s`` each rows file whose table took inserts since gets one
@@ -40,8 +41,11 @@ Threads: ``add``, ``drop``, ``read``, ``stats`` and ``table_stats`` on the
 engine thread; ``stop`` once, by the daemon after the engine has stopped.
 Readers touch the queue and counters under the lock, their own scratch
 buffer and a table's inserts counter (a shared-memory word), never a
-mapping: a client that truncates a rows file makes a read fail (counted in
-``prefetch_errors``), never the daemon fault.
+mapping: a client that truncates a rows file makes reads past its end
+come back short or do nothing, never the daemon fault (an I/O error is
+counted in ``prefetch_errors``; ``prefetch_bytes`` counts what was asked).
+A descriptor is closed outside the lock: the last close of a dropped 45 GB
+file frees its page cache, which must not hold up the engine's ``read``.
 """
 
 from __future__ import annotations
@@ -154,7 +158,11 @@ class Prefetcher:
             # stays in the page cache by use alone; reading it ahead would
             # only add a call per row, which a warm learner pays for
             big = [(o, w) for o, w in fields if c * w > SMALL_FIELD]
-            src = self.source(table.spec.name, table.map.rows.fd, big or fields, table.map.words)
+            try:
+                src = self.source(table.spec.name, table.map.rows.fd, big or fields, table.map.words)
+            except (OSError, RuntimeError) as exc:  # no descriptor or thread left: serve, unprefetched
+                log.error("table %s: served without prefetch: %s", table.spec.name, exc)
+                return
             self.by_table[table.id] = src
 
     def source(self, name: str, fd: int, fields: list[tuple[int, int]], words=None) -> RowSource:
@@ -162,13 +170,14 @@ class Prefetcher:
         row, bytes per row) of each field."""
         src = RowSource(name, fd, fields, words)
         with self.lock:
+            if not self.threads and not self.stopping:
+                for i in range(self.nthreads):  # each one kept as it starts: stop joins those that did
+                    t = threading.Thread(target=self._reader, args=(i == 0,), daemon=True,
+                                         name=f"shmreplay-prefetch-{i}")
+                    t.start()
+                    self.threads.append(t)
             self.sources.add(src)
             self.ready.notify_all()  # the timer reader starts its period
-            if not self.threads and not self.stopping:
-                self.threads = [threading.Thread(target=self._reader, args=(i == 0,), daemon=True,
-                                                 name=f"shmreplay-prefetch-{i}") for i in range(self.nthreads)]
-                for t in self.threads:
-                    t.start()
         return src
 
     def drop(self, table_id: int) -> None:  # the table is no longer served
@@ -219,8 +228,9 @@ class Prefetcher:
                 return
             src.closed = True
             self.sources.discard(src)
-            if src.users == 0:
-                os.close(src.fd)
+            last = src.users == 0
+        if last:
+            os.close(src.fd)
 
     def stats(self) -> dict:
         """The pool's numbers (a table's are in ``table_stats``)."""
@@ -246,8 +256,9 @@ class Prefetcher:
             self.queue.clear()
             self.queued = 0
             self.ready.notify_all()
+        deadline = time.monotonic() + timeout  # one for all: a stuck disk holds the stop at most this
         for t in self.threads:
-            t.join(timeout)
+            t.join(max(0.0, deadline - time.monotonic()))
         for src in list(self.sources):
             self.forget(src)
         self.by_table.clear()
@@ -302,8 +313,9 @@ class Prefetcher:
             c["prefetch_errors"] += errors
             src.users -= 1
             self.busy -= 1
-            if src.closed and src.users == 0:
-                os.close(src.fd)
+            last = src.closed and src.users == 0
+        if last:
+            os.close(src.fd)
 
     def _reader(self, timer: bool) -> None:
         scratch = memoryview(bytearray(SCRATCH)) if self.method == "pread" else None

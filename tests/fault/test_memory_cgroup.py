@@ -52,7 +52,8 @@ class MemoryCgroup:
     def __init__(self, name: str):
         self.path = self.v = None
         reasons = []
-        for version, mount in ((1, "/sys/fs/cgroup/memory"), (2, "/sys/fs/cgroup/unified")):
+        # v1, v2 beside it (hybrid), v2 alone (unified: mounted at the top)
+        for version, mount in ((1, "/sys/fs/cgroup/memory"), (2, "/sys/fs/cgroup/unified"), (2, "/sys/fs/cgroup")):
             try:
                 self._make(version, mount, name)
                 return

@@ -23,6 +23,7 @@ from ..errors import PermissionDenied, SchemaError
 from ..schema import TableSpec, spec_from_dict
 from ..wire import names
 _INSTANCE = re.compile(r"^[A-Za-z0-9_-]{1,32}$")
+PREFETCH_METHODS = ("fadvise", "pread")  # server/prefetch.py
 DAEMON_KEYS = {"socket", "instance", "segment_mode", "spin_us", "idle_timeout_s", "log_level", "seed",
                "retain_tables", "checkpoint_dir", "checkpoint_interval_s",
                "checkpoint_keep", "checkpoint_buffer_mb", "group", "allowed_users", "allowed_groups", "admin_group",
@@ -159,8 +160,8 @@ def parse_config(doc: dict, where: str = "config") -> DaemonConfig:
     cfg.prefetch_threads = int(_number(d, "prefetch_threads", 16, where))
     cfg.prefetch_queue = int(_number(d, "prefetch_queue", 4096, where, lo=1))
     cfg.prefetch_method = str(d.get("prefetch_method", cfg.prefetch_method))
-    if cfg.prefetch_method not in ("pread", "fadvise"):
-        raise SchemaError(f"{where}: prefetch_method must be \"pread\" or \"fadvise\", "
+    if cfg.prefetch_method not in PREFETCH_METHODS:
+        raise SchemaError(f"{where}: prefetch_method must be one of {', '.join(PREFETCH_METHODS)}, "
                           f"got {cfg.prefetch_method!r}")
     names = set()
     for i, t in enumerate(doc.get("tables", [])):

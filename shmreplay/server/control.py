@@ -25,7 +25,7 @@ from ..schema import check_table_name, spec_from_wire
 from ..wire import names
 from ..wire.control import PROTOCOL_VERSION
 from ..wire.layout import TableMap
-from ..wire.rowfile import resident_bytes
+from ..wire.rowfile import resident_bytes, unlink_file_quiet
 from . import checkpoint, durable, recovery, storage, tablestats
 from .config import DaemonConfig
 from .engine import Engine
@@ -187,8 +187,8 @@ class ControlServer:
             what = f"kept on disk for the next start ({table.durable.items} items)"
         elif unlink:
             if table.durable is not None:
-                _unlink_quiet(table.durable.path)
-                _unlink_quiet(durable.temp_file(table.durable.path))
+                unlink_file_quiet(table.durable.path)
+                unlink_file_quiet(durable.temp_file(table.durable.path))
             table.map.unlink()
             what = "dropped"
         else:
@@ -242,13 +242,6 @@ class ControlServer:
         return {"daemon_pid": self.pid, "protocol": PROTOCOL_VERSION, "instance": self.cfg.instance,
                 "socket": self.path, "uptime_s": time.time() - self.started,
                 "connections": len(self.connections), **snap}
-
-
-def _unlink_quiet(path: str) -> None:
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass
 
 
 def _claim_socket_path(path: str) -> None:

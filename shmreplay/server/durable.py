@@ -117,8 +117,7 @@ def take(table, copy: Copy) -> Copy:
     m = table.map
     copy.buf[:] = m.meta.buf
     copy.t_ns = time.time_ns()
-    c = table.spec.capacity
-    copy.listed = np.frombuffer(copy.buf, np.uint8, c, m.layout.state_off) == COMMITTED
+    copy.listed = _listed(copy.buf, m)
     copy.items = int(np.count_nonzero(copy.listed))
     table.ledger.barrier.protect(copy.listed)
     table.durable.wanted = False
@@ -249,10 +248,14 @@ def listed_on_disk(tmap: TableMap, path: str) -> np.ndarray | None:
             log.error("table %s: %s", tmap.spec.name, exc)
         return None
     h = np.ndarray((), HEADER, buffer=data) if len(data) >= HEADER.itemsize else None
-    c = tmap.spec.capacity
     if (h is None or bytes(h["magic"]) != MAGIC or int(h["layout_version"]) != LAYOUT_VERSION
             or int(h["created_ns"]) != int(tmap.header["created_ns"]) or len(data) != tmap.layout.size):
         log.warning("table %s: metadata file %s is not this table's; replaced at the next sync",
                     tmap.spec.name, path)
         return None
-    return np.frombuffer(data, np.uint8, c, tmap.layout.state_off) == COMMITTED
+    return _listed(data, tmap)
+
+
+def _listed(image, tmap: TableMap) -> np.ndarray:
+    """Which slots a meta segment image (a copy, a file's bytes) lists as committed."""
+    return np.frombuffer(image, np.uint8, tmap.spec.capacity, tmap.layout.state_off) == COMMITTED

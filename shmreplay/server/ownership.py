@@ -35,7 +35,7 @@ import numpy as np
 from ..errors import ForeignObject, ReplayError
 from ..schema import spec_from_wire
 from ..wire.layout import HEADER, MAGIC, ROWS_HEADER, ROWS_MAGIC, SCHEMA_OFF, process_start
-from ..wire.rowfile import RowFile, meta_name, rows_location
+from ..wire.rowfile import RowFile, meta_name, rows_location, unlink_file_quiet
 from ..wire.names import SHM_DIR, instance_of, is_table, lock_path, pid_in_name, secure_dir
 from ..wire.segment import check_owned
 
@@ -100,13 +100,6 @@ class InstanceLock:
         except FileNotFoundError:
             pass
         os.close(self.fd)
-
-
-def _unlink_quiet(path: str) -> None:
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass
 
 
 def _read_owner(fd: int) -> tuple[int, int]:
@@ -305,7 +298,7 @@ def cleanup(dry_run: bool = False, keep_tables: bool = False, only: str | None =
                         if exc.errno != errno.ENOENT:
                             raise
                 if fd is not None:  # last, while we hold it
-                    _unlink_quiet(lock)
+                    unlink_file_quiet(lock)
         finally:
             if fd is not None:
                 os.close(fd)

@@ -89,7 +89,7 @@ class RowFile(Segment):
             mm = mmap.mmap(fd, size)
         except BaseException:
             os.close(fd)
-            _unlink_quiet(path)
+            unlink_file_quiet(path)
             raise
         return cls(path, mm, size, fd)
 
@@ -132,14 +132,18 @@ class RowFile(Segment):
         return cls.map_owned(path, Segment.open_owned_fd(path, mode, gid, "rows file"))
 
     def unlink(self) -> None:
-        _unlink_quiet(self.name)
+        unlink_file_quiet(self.name)
 
 
-def _unlink_quiet(path: str) -> None:
+def unlink_file_quiet(path: str) -> None:
+    """Remove a file by its path; gone already is fine."""
     try:
         os.unlink(path)
     except FileNotFoundError:
         pass
+
+
+_LIBC = ctypes.CDLL(None, use_errno=True)
 
 
 def resident_bytes(seg: Segment) -> int | None:
@@ -147,11 +151,10 @@ def resident_bytes(seg: Segment) -> int | None:
     it cannot be asked.  Its cost grows with the mapping (a byte per page):
     for ``status``, not for a hot path."""
     try:
-        libc = ctypes.CDLL(None, use_errno=True)
         view = np.frombuffer(seg.buf, np.uint8)
         pages = (seg.size + mmap.PAGESIZE - 1) // mmap.PAGESIZE
         vec = np.zeros(pages, np.uint8)
-        rc = libc.mincore(ctypes.c_void_p(view.ctypes.data), ctypes.c_size_t(seg.size),
+        rc = _LIBC.mincore(ctypes.c_void_p(view.ctypes.data), ctypes.c_size_t(seg.size),
                           ctypes.c_void_p(vec.ctypes.data))
         del view
     except (OSError, AttributeError, ValueError, TypeError):

@@ -13,7 +13,7 @@ import sys
 from .client import connect
 from .errors import ReplayError
 from .numbaconf import exit_without_teardown
-from .server import ownership
+from .server.disk import ownership
 
 
 def _status(client, args) -> None:

@@ -1,4 +1,4 @@
-"""Plain-numpy twins of the kernels in ``shmreplay.server.sumtree`` (and of
+"""Plain-numpy twins of the kernels in ``shmreplay.server.tables.sumtree`` (and of
 ``shmreplay.priorities.first_invalid_priority``), with the same names.
 
 Slow and obviously correct: updates rebuild the whole tree level by level
@@ -13,7 +13,7 @@ import math
 
 import numpy as np
 
-from shmreplay.server.sumtree import DRIFT_SAFETY, new_trees, tree_size  # noqa: F401  (same public names)
+from shmreplay.server.tables.sumtree import DRIFT_SAFETY, new_trees, tree_size  # noqa: F401  (same public names)
 
 
 def _rebuild_internal(sums: np.ndarray, mins: np.ndarray) -> None:

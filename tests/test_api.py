@@ -203,7 +203,7 @@ def test_connect_uses_env_socket(daemon, monkeypatch):
 
 
 def test_default_socket_path_is_shared_by_daemon_and_client(monkeypatch):
-    from shmreplay.server.config import DaemonConfig
+    from shmreplay.server.control.config import DaemonConfig
     from shmreplay.wire.names import client_socket_path
     monkeypatch.delenv("SHMREPLAY_SOCKET", raising=False)
     assert DaemonConfig().socket_path() == client_socket_path()

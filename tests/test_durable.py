@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import shmreplay
-from shmreplay.server.barrier import headroom
+from shmreplay.server.tables.barrier import headroom
 from shmreplay.wire.layout import (COMMITTED, LIVE_DELETES, LIVE_INSERTS, LIVE_SAMPLES, LIVE_SIZE,
                                    LIVE_USES)
 from shmreplay.wire.names import lock_path
@@ -147,7 +147,7 @@ def check_rows(t, lo: int, hi: int) -> np.ndarray:
 
 
 def test_no_slot_listed_on_disk_is_written_before_the_next_sync(start_daemon, tmp_path):
-    """The reuse barrier (server/barrier.py): a full table goes on evicting
+    """The reuse barrier (server/tables/barrier.py): a full table goes on evicting
     and overwriting, after a daemon SIGKILL and an adoption from /dev/shm
     too; whenever the box goes down, the file on disk lists only items whose
     rows are still theirs."""

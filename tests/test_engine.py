@@ -7,7 +7,7 @@ import pytest
 
 import shmreplay
 
-from shmreplay.server.engine import Engine
+from shmreplay.server.engine.engine import Engine
 from waiting import HANG_S
 
 

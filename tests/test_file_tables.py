@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import shmreplay
-from shmreplay.server.barrier import headroom
+from shmreplay.server.tables.barrier import headroom
 from shmreplay.wire.layout import TableLayout
 
 from conftest import shm_entries, write_config
@@ -320,7 +320,7 @@ def test_the_filesystem_under_a_storage_dir_is_its_longest_mount_point():
     """Which filesystem a storage_dir is on decides whether it is refused as
     copy-on-write (storage.prepare_dir): the innermost mount wins, a name
     that only starts like a mount point is not under it, spaces are escaped."""
-    from shmreplay.server.storage import COPY_ON_WRITE, fs_type
+    from shmreplay.server.disk.storage import COPY_ON_WRITE, fs_type
     assert fs_type("/var/lib/replay/tables", MOUNTINFO) == "btrfs"
     assert fs_type("/var/lib/replay/nvme/tables", MOUNTINFO) == "xfs"
     assert fs_type("/var/lib/replayer", MOUNTINFO) == "ext4"

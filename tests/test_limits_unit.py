@@ -11,10 +11,10 @@ import pytest
 from shmreplay import ratelimiter
 from shmreplay.errors import CapacityError, EmptyTable, ProtocolError, RateLimited, SchemaError
 from shmreplay.wire.layout import COMMITTED, FREE, HELD, TableMap
-from shmreplay.server.order import CommitOrder
+from shmreplay.server.tables.order import CommitOrder
 from shmreplay.schema import make_spec
-from shmreplay.server.counters import Blocked
-from shmreplay.server.table import Table
+from shmreplay.server.tables.counters import Blocked
+from shmreplay.server.tables.table import Table
 
 
 # ---- commit order ----

@@ -14,9 +14,9 @@ import pytest
 
 import shmreplay
 from shmreplay.schema import make_spec
-from shmreplay.server.config import parse_config
-from shmreplay.server.prefetch import Prefetcher
-from shmreplay.server.rowranges import ranges_of
+from shmreplay.server.control.config import parse_config
+from shmreplay.server.disk.prefetch import Prefetcher
+from shmreplay.server.disk.rowranges import ranges_of
 from shmreplay.wire.layout import TableLayout
 from shmreplay.wire.records import key_slots
 

@@ -21,7 +21,7 @@ def test_the_demo_runs_with_the_bundled_config_and_leaves_nothing():
 
 
 def test_the_bundled_config_loads_and_declares_the_demo_table():
-    from shmreplay.server.config import load_config
+    from shmreplay.server.control.config import load_config
     cfg = load_config(os.path.join(ROOT, "daemon", "shmreplayd.toml"))
     assert [t.name for t in cfg.tables] == ["demo"]
     assert cfg.hold_timeout_s > 0 and cfg.handshake_timeout_s > 0

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 
 from shmreplay.priorities import first_invalid_priority
-from shmreplay.server import sumtree as fast
+from shmreplay.server.tables import sumtree as fast
 import sumtree_reference as ref
 
 priorities = st.one_of(

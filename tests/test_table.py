@@ -9,8 +9,8 @@ import pytest
 from shmreplay.errors import CapacityError, ProtocolError
 from shmreplay.wire.layout import COMMITTED, FREE, RESERVED, TableMap
 from shmreplay.schema import make_spec
-from shmreplay.server.counters import Blocked
-from shmreplay.server.table import Table
+from shmreplay.server.tables.counters import Blocked
+from shmreplay.server.tables.table import Table
 
 
 @pytest.fixture

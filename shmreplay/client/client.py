@@ -95,7 +95,7 @@ class Client:
     def _open(self) -> None:
         # the lease this process held at its last daemon: the leases were
         # voided just below, so if that daemon died, the next may reuse the
-        # slots it gave us (server/orphans.py)
+        # slots it gave us (server/tables/orphans.py)
         resume = self._lease_key if self._pid == os.getpid() else 0
         self._pid = os.getpid()
         self._closed = False

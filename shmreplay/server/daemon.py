@@ -54,11 +54,13 @@ from ..priorities import first_invalid_priority
 from ..version import __version__
 from ..wire import atomics
 from ..wire.segment import shmem_huge_pages
-from . import ownership, recovery, sumtree
-from .config import DaemonConfig, check_instance, load_config
-from .control import ControlServer
-from .engine import Engine
-from .prefetch import Prefetcher
+from .control import recovery
+from .control.config import DaemonConfig, check_instance, load_config
+from .control.server import ControlServer
+from .disk import ownership
+from .disk.prefetch import Prefetcher
+from .engine.engine import Engine
+from .tables import sumtree
 
 log = logging.getLogger("shmreplayd")
 

@@ -17,7 +17,7 @@ directory (``runtime_dir()``), which only that user (or root) can write:
 anyone may create a name in /dev/shm or /tmp first, so nothing the daemon
 must trust lives there under a guessable name.
 
-    <runtime dir>/shmreplay.<instance>.lock  the instance lock (server/ownership.py)
+    <runtime dir>/shmreplay.<instance>.lock  the instance lock (server/disk/ownership.py)
     <runtime dir>/shmreplay.sock             the default control socket
 
 Socket path: a daemon takes ``--socket``, its config's ``daemon.socket``,

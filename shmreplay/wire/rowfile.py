@@ -4,7 +4,7 @@ The same roles as ``segment.Segment`` (the daemon creates and adopts, a
 client attaches), for a table larger than RAM.  What differs from /dev/shm:
 
 * The file is made ``O_CREAT|O_EXCL|O_NOFOLLOW`` in a directory only the
-  daemon's user (or root) can write (``server/storage.py`` checks it), so no
+  daemon's user (or root) can write (``server/disk/storage.py`` checks it), so no
   one can plant it first or swap it for a link.
 * Its space is reserved with ``posix_fallocate`` after a ``statvfs`` check:
   a full disk is a ``DiskFull`` at create, never a SIGBUS later in a client

@@ -9,7 +9,9 @@ import sys
 # the repository's package, not an installed copy (this file runs as a script)
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-from shmreplay.server import daemon, engine  # noqa: E402
+from shmreplay.server import daemon  # noqa: E402
+
+from shmreplay.server.engine import engine  # noqa: E402
 
 _serve_all = engine.Engine._serve_all
 

@@ -17,7 +17,9 @@ import sys
 # the repository's package, not an installed copy (this file runs as a script)
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-from shmreplay.server import daemon, engine  # noqa: E402
+from shmreplay.server import daemon  # noqa: E402
+
+from shmreplay.server.engine import engine  # noqa: E402
 
 _snapshot = engine.Engine.snapshot
 _done = []

@@ -14,7 +14,9 @@ import time
 # the repository's package, not an installed copy (this file runs as a script)
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-from shmreplay.server import checkpoint, daemon  # noqa: E402
+from shmreplay.server.disk import checkpoint  # noqa: E402
+
+from shmreplay.server import daemon  # noqa: E402
 
 _write_rows = checkpoint._write_rows
 

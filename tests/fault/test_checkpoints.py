@@ -15,7 +15,7 @@ import pytest
 
 import shmreplay
 from shmreplay import ratelimiter
-from shmreplay.server import checkpoint
+from shmreplay.server.disk import checkpoint
 from shmreplay.schema import make_spec
 
 from faults import FIELDS, HANG_S, committed_ids, rows, table_state, torn, wait_for

@@ -225,7 +225,7 @@ def own_a_table(name, ready):
 
 
 def test_adoption_checks_magic_version_and_owner(start_daemon):
-    from shmreplay.server import recovery
+    from shmreplay.server.control import recovery
     d = start_daemon(tables=TABLES[1:])
     with d.connect() as c:
         c.table("fifo").insert_batch(rows(np.arange(3)))

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 import shmreplay
-from shmreplay.server.connection import CHANNEL
-from shmreplay.server.outbox import MAX_OUTBOX
+from shmreplay.server.control.connection import CHANNEL
+from shmreplay.server.engine.outbox import MAX_OUTBOX
 from shmreplay.wire import records as C
 
 from faults import FIELDS, HANG_S, rows, torn, wait_for
@@ -66,7 +66,7 @@ def test_one_user_and_a_silent_connection_cannot_take_every_place(start_daemon):
 def test_a_table_the_machine_cannot_hold_is_refused_before_anything_is_made(start_daemon):
     """Issue 12 item 10: the daemon's own arrays count too (a prioritized
     table's trees are larger than its metadata)."""
-    from shmreplay.server.memory import mem_available
+    from shmreplay.server.control.memory import mem_available
     from shmreplay.wire.segment import shm_free_bytes
     avail, shm = mem_available(), shm_free_bytes()
     # shared memory 46 B a slot, the daemon's arrays 56 B: pick a size whose

@@ -282,7 +282,7 @@ def test_a_writer_without_timeout_waits_out_a_hung_learner_and_one_with_a_timeou
 
 def test_hold_timeout_s_comes_from_the_config_and_must_be_positive():
     from conftest import ROOT
-    from shmreplay.server.config import load_config, parse_config
+    from shmreplay.server.control.config import load_config, parse_config
     assert load_config(os.path.join(ROOT, "daemon", "shmreplayd.toml")).hold_timeout_s == 5.0
     assert parse_config({"daemon": {"hold_timeout_s": 0.25}}).hold_timeout_s == 0.25
     for bad in (0, -1.0, "5"):  # 0 would free held rows before any learner could copy them

@@ -19,7 +19,7 @@ from __future__ import annotations
 import select
 import time
 
-from ..wire.channel import drain
+from ...wire.channel import drain
 
 
 class Idler:

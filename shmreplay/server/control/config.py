@@ -19,11 +19,12 @@ try:
 except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib
 
-from ..errors import PermissionDenied, SchemaError
-from ..schema import TableSpec, spec_from_dict
-from ..wire import names
+from ...errors import PermissionDenied, SchemaError
+from ...schema import TableSpec, spec_from_dict
+from ...wire import names
+from ..disk.prefetch import METHODS as PREFETCH_METHODS
+
 _INSTANCE = re.compile(r"^[A-Za-z0-9_-]{1,32}$")
-PREFETCH_METHODS = ("fadvise", "pread")  # server/prefetch.py
 DAEMON_KEYS = {"socket", "instance", "segment_mode", "spin_us", "idle_timeout_s", "log_level", "seed",
                "retain_tables", "checkpoint_dir", "checkpoint_interval_s",
                "checkpoint_keep", "checkpoint_buffer_mb", "group", "allowed_users", "allowed_groups", "admin_group",
@@ -69,7 +70,7 @@ class DaemonConfig:
     # survives a reboot; off: it lives and dies with /dev/shm like the rest
     durable_file_tables: bool = True
     sync_interval_s: float = 10.0
-    # their prefetch (server/prefetch.py): reader threads (0: none), the most
+    # their prefetch (server/disk/prefetch.py): reader threads (0: none), the most
     # byte ranges queued for them, "fadvise" (WILLNEED) or "pread"
     prefetch_threads: int = 16
     prefetch_queue: int = 4096

@@ -59,12 +59,12 @@ import time
 
 import numpy as np
 
-from ..wire.records import key_slots
-from .config import PREFETCH_METHODS as METHODS
+from ...wire.records import key_slots
 from .rowranges import ranges_of
 
 log = logging.getLogger("shmreplayd.prefetch")
 
+METHODS = ("fadvise", "pread")  # the ways of reading ahead (see above); config checks it
 READ, WRITEBACK = 0, 1
 SCRATCH = 256 << 10     # a reader's buffer; a longer range reuses it (preadv iovecs)
 TAKE_BYTES = 64 << 10   # one reader's share of a read job: ~2 DQN rows, many small ones

@@ -16,9 +16,9 @@ import asyncio
 import logging
 import time
 
-from ..errors import ReplayError
-from . import durable
-from .barrier import ReuseBarrier
+from ...errors import ReplayError
+from ..disk import durable
+from ..tables.barrier import ReuseBarrier
 
 log = logging.getLogger("shmreplayd.durable")
 

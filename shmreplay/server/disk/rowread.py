@@ -15,7 +15,7 @@ import os
 
 import numpy as np
 
-from ..errors import ReplayError
+from ...errors import ReplayError
 
 
 class RowSource:

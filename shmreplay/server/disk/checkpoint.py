@@ -47,9 +47,9 @@ from dataclasses import dataclass
 import msgpack
 import numpy as np
 
-from ..errors import LayoutError, ReplayError
-from ..schema import TableSpec, spec_from_wire
-from ..wire.layout import COMMITTED, LAYOUT_VERSION, TableMap
+from ...errors import LayoutError, ReplayError
+from ...schema import TableSpec, spec_from_wire
+from ...wire.layout import COMMITTED, LAYOUT_VERSION, TableMap
 from .rowread import RowSource
 
 FORMAT = "shmreplay-checkpoint"

@@ -32,12 +32,12 @@ from dataclasses import dataclass
 import msgpack
 import numpy as np
 
-from ..errors import ForeignObject, ReplayError
-from ..schema import spec_from_wire
-from ..wire.layout import HEADER, MAGIC, ROWS_HEADER, ROWS_MAGIC, SCHEMA_OFF, process_start
-from ..wire.rowfile import RowFile, meta_name, rows_location, unlink_file_quiet
-from ..wire.names import SHM_DIR, instance_of, is_table, lock_path, pid_in_name, secure_dir
-from ..wire.segment import check_owned
+from ...errors import ForeignObject, ReplayError
+from ...schema import spec_from_wire
+from ...wire.layout import HEADER, MAGIC, ROWS_HEADER, ROWS_MAGIC, SCHEMA_OFF, process_start
+from ...wire.names import SHM_DIR, instance_of, is_table, lock_path, pid_in_name, secure_dir
+from ...wire.rowfile import RowFile, meta_name, rows_location, unlink_file_quiet
+from ...wire.segment import check_owned
 
 
 class InstanceLock:
@@ -212,7 +212,7 @@ def _rows_file(meta_seg: str, shm_dir: str) -> list[str]:
             and r["created_ns"] == h["created_ns"])
     if not same:
         return []
-    durable = os.path.join(os.path.dirname(path), meta_seg)  # its metadata file (server/durable.py)
+    durable = os.path.join(os.path.dirname(path), meta_seg)  # its metadata file (server/disk/durable.py)
     return [path] + ([durable] if _mine(durable) else [])
 
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..errors import RateLimited
+from ...errors import RateLimited
 from .counters import Blocked
 
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import concurrent.futures
 import queue
 
-from ..errors import DaemonUnavailable
+from ...errors import DaemonUnavailable
 
 
 class Calls:

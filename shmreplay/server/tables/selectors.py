@@ -16,8 +16,8 @@ from typing import Protocol
 
 import numpy as np
 
-from ..errors import SchemaError
-from ..schema import REMOVERS, SAMPLERS
+from ...errors import SchemaError
+from ...schema import REMOVERS, SAMPLERS
 from .removers import OrderRemover, UniformRemover
 from .samplers import OrderSampler, PrioritizedSampler, UniformSampler
 

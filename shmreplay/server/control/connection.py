@@ -18,14 +18,14 @@ import logging
 import os
 import socket
 
-from ..errors import CapacityError, PermissionDenied, ProtocolError, ReplayError, UnknownTable
-from ..schema import check_table_name
-from ..wire import control as protocol
-from ..wire import records
-from ..wire.channel import Channel, ChannelLayout, new_doorbell
-from ..wire.control import ADMIN_OPS, PROTOCOL_VERSION
+from ...errors import CapacityError, PermissionDenied, ProtocolError, ReplayError, UnknownTable
+from ...schema import check_table_name
+from ...wire import control as protocol
+from ...wire import records
+from ...wire.channel import Channel, ChannelLayout, new_doorbell
+from ...wire.control import ADMIN_OPS, PROTOCOL_VERSION
+from ..engine.outbox import ClientState
 from . import access
-from .outbox import ClientState
 
 log = logging.getLogger("shmreplayd.control")
 

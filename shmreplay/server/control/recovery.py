@@ -36,15 +36,15 @@ import time
 
 import numpy as np
 
-from ..errors import ForeignObject, LayoutError, PermissionDenied, ReplayError
-from ..wire import names
-from ..wire.layout import COMMITTED, FREE, HELD, RESERVED, TableMap, process_start
-from ..wire.segment import unlink_quiet
-from . import checkpoint, durable, ownership, storage
-from .ledger import HOLD_TIMEOUT_S
+from ...errors import ForeignObject, LayoutError, PermissionDenied, ReplayError
+from ...wire import names
+from ...wire.layout import COMMITTED, FREE, HELD, RESERVED, TableMap, process_start
+from ...wire.segment import unlink_quiet
+from ..disk import checkpoint, durable, ownership, storage
+from ..tables.ledger import HOLD_TIMEOUT_S
+from ..tables.orphans import OrphanLeases
+from ..tables.table import Table
 from .memory import check_memory
-from .orphans import OrphanLeases
-from .table import Table
 
 log = logging.getLogger("shmreplayd.recovery")
 

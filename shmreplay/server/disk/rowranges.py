@@ -11,7 +11,7 @@ from __future__ import annotations
 import numba
 import numpy as np
 
-from ..numbaconf import JIT
+from ...numbaconf import JIT
 
 PAGE = 4096
 MAX_RANGE = 1 << 20  # longer ranges are split, so that several readers can share one

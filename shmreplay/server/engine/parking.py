@@ -17,10 +17,10 @@ import collections
 import logging
 import time
 
-from ..errors import ProtocolError, ReplayError
-from ..wire import records as R
-from ..wire.records import RESERVE
-from .counters import Blocked
+from ...errors import ProtocolError, ReplayError
+from ...wire import records as R
+from ...wire.records import RESERVE
+from ..tables.counters import Blocked
 
 log = logging.getLogger("shmreplayd.engine")
 

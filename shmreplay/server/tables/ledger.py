@@ -34,8 +34,8 @@ import time
 
 import numpy as np
 
-from ..errors import ProtocolError, SlotsBusy
-from ..wire.layout import COMMITTED, FREE, HELD, RESERVED, TableMap
+from ...errors import ProtocolError, SlotsBusy
+from ...wire.layout import COMMITTED, FREE, HELD, RESERVED, TableMap
 from .barrier import ReuseBarrier
 from .orphans import OrphanLeases, owner_key
 from .slotqueue import SlotQueue

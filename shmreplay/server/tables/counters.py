@@ -14,10 +14,10 @@ from __future__ import annotations
 
 import math
 
-from .. import ratelimiter  # the shared predicates
-from ..errors import CapacityError, EmptyTable, RateLimited, ReplayError
-from ..schema import TableSpec
-from ..wire.layout import LiveWords
+from ... import ratelimiter  # the shared predicates
+from ...errors import CapacityError, EmptyTable, RateLimited, ReplayError
+from ...schema import TableSpec
+from ...wire.layout import LiveWords
 
 
 class LimiterCounters:

@@ -40,10 +40,10 @@ import time
 
 import numpy as np
 
-from ..errors import ForeignObject, LayoutError
-from ..wire.layout import COMMITTED, HEADER, LAYOUT_VERSION, MAGIC, TableMap, meta_mode
-from ..wire.segment import Segment
-from .barrier import ReuseBarrier
+from ...errors import ForeignObject, LayoutError
+from ...wire.layout import COMMITTED, HEADER, LAYOUT_VERSION, MAGIC, TableMap, meta_mode
+from ...wire.segment import Segment
+from ..tables.barrier import ReuseBarrier
 
 log = logging.getLogger("shmreplayd.durable")
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 import os
 import stat
 
-from ..errors import ForeignObject, ReplayError
+from ...errors import ForeignObject, ReplayError
 
 
 def prepare_dir(path: str, gid: int = -1) -> str:

@@ -28,17 +28,17 @@ import logging
 
 import numpy as np
 
-from ..errors import CapacityError, PriorityError, ProtocolError
-from ..priorities import check_priorities
-from ..schema import TableSpec
-from ..wire.layout import COMMITTED, TableMap
-from ..wire.records import key_slots, make_keys, stale
+from ...errors import CapacityError, PriorityError, ProtocolError
+from ...priorities import check_priorities
+from ...schema import TableSpec
+from ...wire.layout import COMMITTED, TableMap
+from ...wire.records import key_slots, make_keys, stale
+from . import tablestats
+from .barrier import evict_ahead, evict_for, waits_for_sync, want_sync
 from .counters import Blocked, LimiterCounters
 from .ledger import HOLD_TIMEOUT_S, SlotLedger
 from .order import CommitOrder
 from .reuse import draw_limited
-from . import tablestats
-from .barrier import evict_ahead, evict_for, waits_for_sync, want_sync
 from .selectors import make_remover, make_sampler
 
 log = logging.getLogger("shmreplayd.table")

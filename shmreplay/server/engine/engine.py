@@ -29,16 +29,17 @@ import os
 import threading
 import time
 
-from ..errors import ProtocolError, ReplayError, UnknownTable
-from ..wire import records as R
-from ..wire.channel import new_doorbell, ring
-from . import parking, tablestats
+from ...errors import ProtocolError, ReplayError, UnknownTable
+from ...wire import records as R
+from ...wire.channel import new_doorbell, ring
+from ..disk.prefetch import Prefetcher
+from ..tables import tablestats
+from ..tables.table import Table, expire_holds
+from . import parking
 from .calls import Calls
 from .idle import Idler
 from .outbox import ClientState
 from .parking import Parking, Waiter, earliest
-from .prefetch import Prefetcher
-from .table import Table, expire_holds
 
 log = logging.getLogger("shmreplayd.engine")
 

@@ -4,10 +4,10 @@ the control plane before it creates or restores a table."""
 
 from __future__ import annotations
 
-from ..errors import CapacityError
-from ..wire.layout import TableLayout
-from ..wire.segment import shm_free_bytes
-from .table import private_bytes
+from ...errors import CapacityError
+from ...wire.layout import TableLayout
+from ...wire.segment import shm_free_bytes
+from ..tables.table import private_bytes
 
 
 def check_memory(spec) -> None:

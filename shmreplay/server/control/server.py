@@ -20,19 +20,21 @@ import socket
 import stat
 import time
 
-from ..errors import CapacityError, DaemonUnavailable, ForeignObject, ReplayError, TableExists
-from ..schema import check_table_name, spec_from_wire
-from ..wire import names
-from ..wire.control import PROTOCOL_VERSION
-from ..wire.layout import TableMap
-from ..wire.rowfile import resident_bytes, unlink_file_quiet
-from . import checkpoint, durable, recovery, storage, tablestats
+from ...errors import CapacityError, DaemonUnavailable, ForeignObject, ReplayError, TableExists
+from ...schema import check_table_name, spec_from_wire
+from ...wire import names
+from ...wire.control import PROTOCOL_VERSION
+from ...wire.layout import TableMap
+from ...wire.rowfile import resident_bytes, unlink_file_quiet
+from ..disk import checkpoint, durable, storage
+from ..engine.engine import Engine
+from ..tables import tablestats
+from ..tables.table import Table
+from . import recovery
 from .config import DaemonConfig
-from .engine import Engine
 from .connection import ControlConnection
 from .memory import check_memory
 from .syncs import Syncer
-from .table import Table
 
 log = logging.getLogger("shmreplayd.control")
 

@@ -1,0 +1,14 @@
+"""The control plane: the daemon's event loop and what it decides.
+
+``server.py`` (``ControlServer``: the control socket, tables' life cycle,
+checkpoints, status), ``connection.py`` (one client's connection: hello,
+ready, its requests in order), ``access.py`` (who may connect and
+administer), ``config.py`` (the daemon's config), ``memory.py`` (can the
+box hold a table), ``recovery.py`` (bringing every table up at start:
+adopt, restore, create), ``syncs.py`` (when durable tables are synced).
+
+May import every other room: ``tables``, ``engine``, ``disk``.
+Who calls: the event-loop thread; table state is reached only through
+the engine's entry points (``ControlServer.call``), slow work runs in the
+loop's executor.
+"""

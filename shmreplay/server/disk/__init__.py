@@ -1,0 +1,17 @@
+"""What the daemon keeps in files, and the names it owns on the box.
+
+``durable.py`` (a durable file-backed table's metadata file: one sync's
+steps, reading it back after a reboot), ``checkpoint.py`` (a table's
+checkpoint directory: write, load, restore) with ``rowread.py`` (rows read
+with ``pread``, never through a mapping a client can truncate),
+``storage.py`` (which ``storage_dir`` is safe to create rows files in),
+``prefetch.py`` (reading file-backed rows ahead, starting their writeback)
+with ``rowranges.py`` (slots to byte ranges, a numba kernel),
+``ownership.py`` (the instance lock; removing what dead daemons left).
+
+May import: ``tables`` (and ``wire``, the shared root modules).  Byte
+formats of segments are ``wire.layout``'s; this room opens, reads and
+writes files by them.
+Who calls: each module says; most run on the control plane's executor
+threads, the prefetch readers on threads of their own.
+"""

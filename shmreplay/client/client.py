@@ -73,7 +73,7 @@ class Client:
         self._lost = False  # inserts were unflushed when a daemon died (flush says so)
         self._tables: dict[str, Table] = {}
         self._link = self._pipe = None
-        self._pid, self._lease_key = 0, 0  # this process's lease at its daemon (pid << 32 | id)
+        self._pid, self._lease_key = 0, 0  # this process's lease at its daemon (records.owner_key)
         self._open()
 
     # ---- pickling / fork ----
@@ -106,7 +106,7 @@ class Client:
         try:
             hello, fds = link.hello(os.getpid(), resume)
             self.daemon_pid = hello["daemon_pid"]
-            self._lease_key = (int(self.daemon_pid) << 32) | int(hello["client_id"])
+            self._lease_key = R.owner_key(self.daemon_pid, hello["client_id"])
             self.max_batch = int(hello["max_batch"])
             pipe = CommandPipe(link, fds)
             try:

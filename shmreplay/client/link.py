@@ -14,9 +14,9 @@ import os
 import pwd
 import select
 import socket
-import struct
 
 from ..errors import DaemonUnavailable, PermissionDenied, ProtocolError, ReplayTimeout
+from ..wire import peer
 from ..wire.control import PROTOCOL_VERSION, ClientConnection
 
 
@@ -142,7 +142,6 @@ class ControlLink:
 
 _MAX_FDS = 4
 ENV_DAEMON_USER = "SHMREPLAY_DAEMON_USER"
-_CRED = struct.Struct("3i")
 
 
 def check_daemon(sock: socket.socket, path: str) -> None:
@@ -150,7 +149,7 @@ def check_daemon(sock: socket.socket, path: str) -> None:
     a daemon user named in $SHMREPLAY_DAEMON_USER (names or uids, comma
     separated): anyone who took the socket path first could otherwise read
     every row we insert and feed us theirs."""
-    pid, uid, _ = _CRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _CRED.size))
+    pid, uid, _ = peer.credentials(sock)
     if uid in (os.getuid(), 0) or uid in daemon_uids():
         return
     raise PermissionDenied(

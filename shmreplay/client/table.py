@@ -166,12 +166,7 @@ class Table:
         return BatchIterator(self, batch_size, beta, prefetch, timeout)
 
     def _check_draw(self, batch_size, beta) -> tuple[int, float]:
-        n = int(batch_size)
-        if not 1 <= n <= self._client.max_batch:
-            raise ReplayError(f"batch_size {batch_size} outside 1..{self._client.max_batch}")
-        beta = float(beta)
-        if not (0.0 <= beta < np.inf):
-            raise ReplayError(f"beta must be finite and >= 0, got {beta}")
+        n, beta = R.check_draw(batch_size, beta, "batch_size {n}", self._client.max_batch)
         self._client._begin()
         return n, beta
 

@@ -120,6 +120,34 @@ def stale(keys: np.ndarray, stamps: np.ndarray) -> np.ndarray:
     return stamps[key_slots(keys)].astype(np.uint64) != (keys >> _BITS)
 
 
+def owner_key(daemon_pid: int, client_id: int) -> int:
+    """The name of one lease: the granting daemon's pid << 32 | the client's
+    id there.  The daemon records it with every slot it leases (a dead
+    daemon's successor reads it, ``server/tables/orphans.py``); a client
+    that reconnects names its old one in ``hello``'s ``resume``."""
+    return (int(daemon_pid) << SLOT_BITS) | int(client_id)
+
+
+# ---- arguments ----
+def check_count(value, what: str, top: int = MAX_BATCH, error=CapacityError) -> int:
+    """``value`` as an item count of one command, 1..``top``; else ``error``
+    naming it (``what``: its description, with ``{n}`` for the value)."""
+    n = int(value)
+    if not 1 <= n <= top:
+        raise error(f"{what.format(n=n)} outside the allowed 1..{top}")
+    return n
+
+
+def check_draw(n, beta, what: str = "SAMPLE of {n} items", top: int = MAX_BATCH) -> tuple[int, float]:
+    """A draw's batch size (``check_count``) and ``beta`` (finite, >= 0).
+    The client checks before it sends; the engine checks what it reads."""
+    n = check_count(n, what, top)
+    beta = float(beta)
+    if not 0.0 <= beta < float("inf"):
+        raise ReplayError(f"beta must be finite and >= 0, got {beta}")
+    return n, beta
+
+
 # ---- records in a ring ----
 def envelope(rec) -> tuple[int, int, int]:
     """(op, table id, seq) of a record."""
@@ -150,13 +178,6 @@ def _put(ring, parts, op, table, seq, a0=0, a1=0, a2=0, f0=0.0, status=0) -> boo
     return True
 
 
-def _count(value, what: str) -> int:
-    n = int(value)
-    if not 1 <= n <= MAX_BATCH:
-        raise CapacityError(f"{what} of {n} items: allowed 1..{MAX_BATCH}")
-    return n
-
-
 def _deadline_us(rec) -> int:
     return int(rec["a1"])
 
@@ -168,7 +189,7 @@ def put_reserve(ring, seq: int, table: int, n: int, wait_us: int) -> bool:
 
 def read_reserve(rec) -> tuple[int, int]:
     """(n, timeout in us)."""
-    return _count(rec["a0"], "RESERVE"), _deadline_us(rec)
+    return check_count(rec["a0"], "RESERVE of {n} items"), _deadline_us(rec)
 
 
 def put_commit(ring, seq: int, table: int, rid: int, n: int, offset: int, prios) -> bool:
@@ -208,9 +229,8 @@ def read_commit_run(ring, i: int, n: int) -> CommitRun:
                       or int(rec["a0"]) != rid or int(rec["a2"]) != offset + total
                       or (int(rec["pay_len"]) > 0) != with_prios):
             break
-        k = int(rec["a1"])
-        if not 1 <= k <= MAX_BATCH:  # a COMMIT has no reply to carry a refusal
-            raise ProtocolError(f"COMMIT of {k} items: allowed 1..{MAX_BATCH}")
+        # a COMMIT has no reply to carry a refusal: the client is cut off
+        k = check_count(rec["a1"], "COMMIT of {n} items", error=ProtocolError)
         pay = ring.payload_of(rec)
         if with_prios:
             if pay.shape[0] != _F64 * k:
@@ -237,7 +257,8 @@ def put_sample(ring, seq: int, table: int, n: int, wait_us: int, beta: float) ->
 
 def read_sample(rec) -> tuple[int, int, float]:
     """(n, timeout in us, beta)."""
-    return _count(rec["a0"], "SAMPLE"), _deadline_us(rec), float(rec["f0"])
+    n, beta = check_draw(rec["a0"], rec["f0"])
+    return n, _deadline_us(rec), beta
 
 
 def put_release(ring, seq: int, table: int, hid: int) -> bool:
@@ -254,7 +275,7 @@ def put_update(ring, seq: int, table: int, keys: np.ndarray, prios: np.ndarray) 
 
 def read_update(rec, pay: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """(keys, priorities), views of the payload."""
-    n = _count(rec["a0"], "UPDATE")
+    n = check_count(rec["a0"], "UPDATE of {n} keys")
     if pay.shape[0] != (_KEY + _F64) * n:
         raise ProtocolError(f"UPDATE of {n} keys carries {pay.shape[0]} payload bytes")
     return pay[:_KEY * n].view(np.uint64), pay[_KEY * n:].view(np.float64)

@@ -21,14 +21,10 @@ Pure functions; the control plane (server.py) calls them per connection.
 from __future__ import annotations
 
 import os
-import socket
-import struct
 from dataclasses import dataclass
 
+from ...wire import peer
 from .config import DaemonConfig
-
-SO_PEERGROUPS = getattr(socket, "SO_PEERGROUPS", 59)
-_CRED = struct.Struct("3i")
 
 
 @dataclass(frozen=True)
@@ -41,11 +37,10 @@ class Peer:
 
 def peer_of(sock) -> Peer:
     """The kernel's record of who connected ``sock`` (a Unix stream socket)."""
-    pid, uid, gid = _CRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _CRED.size))
+    pid, uid, gid = peer.credentials(sock)
     groups = {gid}
     try:
-        raw = sock.getsockopt(socket.SOL_SOCKET, SO_PEERGROUPS, 4 * 1024)
-        groups.update(struct.unpack(f"{len(raw) // 4}I", raw[:len(raw) // 4 * 4]))
+        groups.update(peer.groups(sock))
     except OSError:
         groups.update(_proc_groups(pid))  # older kernels: racy but close enough
     return Peer(pid, uid, gid, frozenset(groups))

@@ -29,7 +29,7 @@ class ClientState:
         self.id = cid
         self.pid = pid
         self.start = process_start(pid)  # with the pid, names this process in lease records
-        self.resume = resume  # the lease it held at a dead daemon (orphans.owner_key), or 0
+        self.resume = resume  # the lease it held at a dead daemon (records.owner_key), or 0
         self.channel = channel
         self.req = channel.requests
         self.resp = channel.responses

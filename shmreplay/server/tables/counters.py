@@ -12,8 +12,6 @@ Engine thread only.
 
 from __future__ import annotations
 
-import math
-
 from ... import ratelimiter  # the shared predicates
 from ...errors import CapacityError, EmptyTable, RateLimited, ReplayError
 from ...schema import TableSpec
@@ -39,11 +37,10 @@ class LimiterCounters:
         return RateLimited(f"insert into table {self.spec.name!r} timed out: "
                            + ratelimiter.insert_blocker(self.spec, self.inserts, pending, self.samples))
 
-    def check_sample(self, n: int, beta: float) -> None:
-        """Refuse, at once, samples that could never run (bad beta, a batch
-        larger than the limits can ever admit)."""
-        if not math.isfinite(beta) or beta < 0:
-            raise ReplayError(f"beta must be finite and >= 0, got {beta}")
+    def check_sample(self, n: int) -> None:
+        """Refuse, at once, samples that could never run: a batch larger
+        than the limits can ever admit.  (The batch size's range and beta
+        are the record's to check: ``records.check_draw``.)"""
         spec = self.spec
         top = ratelimiter.max_sample_batch(spec)
         if top is not None and n > top:

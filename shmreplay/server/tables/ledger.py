@@ -36,8 +36,9 @@ import numpy as np
 
 from ...errors import ProtocolError, SlotsBusy
 from ...wire.layout import COMMITTED, FREE, HELD, RESERVED, TableMap
+from ...wire.records import owner_key
 from .barrier import ReuseBarrier
-from .orphans import OrphanLeases, owner_key
+from .orphans import OrphanLeases
 from .slotqueue import SlotQueue
 
 log = logging.getLogger("shmreplayd.table")

@@ -52,7 +52,7 @@ class OrphanLeases:
 
     def resumed(self, pid: int, start: int, owner: int) -> np.ndarray:
         """The slots of a holder that reconnected naming its old lease
-        ``owner`` (daemon pid << 32 | client id); its pid and start come from
+        ``owner`` (``records.owner_key``); its pid and start come from
         the kernel (SO_PEERCRED), not from what it says."""
         return self._take([k for k in self.by_holder if k == (pid, start, owner)])
 
@@ -72,10 +72,6 @@ def _alive(pid: int, start: int) -> bool:
     process (a lease recorded by no client): treated as alive, never freed
     by this path."""
     return pid == 0 or process_start(pid) == start
-
-
-def owner_key(daemon_pid: int, client_id: int) -> int:
-    return (int(daemon_pid) << 32) | int(client_id)
 
 
 _NONE = np.zeros(0, dtype=np.int64)

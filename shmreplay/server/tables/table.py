@@ -186,7 +186,7 @@ class Table:
     def sample(self, owner: int, n: int, beta: float):
         """Draw n items: (keys, probabilities, weights, hold id or 0).  Raises
         Blocked when the limits say not yet; nothing is taken then."""
-        self.counters.check_sample(n, beta)
+        self.counters.check_sample(n)
         err = self.counters.sample_refusal(n, self.sampler.mass)
         if err is not None:
             raise Blocked(err)

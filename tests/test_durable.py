@@ -16,8 +16,8 @@ import pytest
 
 import shmreplay
 from shmreplay.server.tables.barrier import headroom
-from shmreplay.wire.layout import (COMMITTED, LIVE_DELETES, LIVE_INSERTS, LIVE_SAMPLES, LIVE_SIZE,
-                                   LIVE_USES)
+from shmreplay.wire.layout import COMMITTED
+from shmreplay.wire.livewords import LIVE_DELETES, LIVE_INSERTS, LIVE_SAMPLES, LIVE_SIZE, LIVE_USES
 from shmreplay.wire.names import lock_path
 
 from conftest import shm_entries

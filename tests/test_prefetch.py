@@ -16,7 +16,7 @@ import shmreplay
 from shmreplay.schema import make_spec
 from shmreplay.server.control.config import parse_config
 from shmreplay.server.disk.prefetch import Prefetcher
-from shmreplay.server.disk.rowranges import ranges_of
+from shmreplay.wire.rowranges import ranges_of
 from shmreplay.wire.layout import TableLayout
 from shmreplay.wire.records import key_slots
 

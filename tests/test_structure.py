@@ -1,6 +1,7 @@
 """The package's shape, checked from its source: the three wings and their
-import rules, no import cycles, and no file or class grown past a size a
-reader can hold in mind.
+import rules, the server wing's four rooms and theirs, no import cycles, no
+module reading another object's private attributes, and no file or class
+grown past a size a reader can hold in mind.
 
 Edges are the import statements written in each module, those inside
 functions included; ``from pkg import name`` counts as an import of the
@@ -94,6 +95,37 @@ def test_wings_import_only_what_they_may(graph, source, forbidden):
             if reached:
                 bad[m] = sorted(reached)
     assert not bad, f"{source} modules reach {forbidden} (or the package root): {bad}"
+
+
+# the server wing's rooms, each with the rooms it may import; daemon.py, in
+# the wing's hall, builds the daemon from all of them and no room imports it
+ROOMS = {"tables": set(), "engine": {"tables"}, "disk": {"tables"},
+         "control": {"tables", "engine", "disk"}}
+HALL = {f"{PKG}.server", f"{PKG}.server.daemon"}
+
+
+def room(name: str) -> str | None:
+    parts = name.split(".")
+    return parts[2] if len(parts) > 2 and parts[1] == "server" and parts[2] in ROOMS else None
+
+
+def test_the_server_wing_is_four_rooms_and_its_hall(graph):
+    server = {m for m in graph if wing(m) == "server"}
+    assert {m for m in server if room(m) is None} == HALL
+    for r in ROOMS:
+        assert f"{PKG}.server.{r}" in graph and sum(room(m) == r for m in graph) >= 4, r
+
+
+@pytest.mark.parametrize("source", sorted(ROOMS))
+def test_server_rooms_import_only_the_rooms_below_them(graph, source):
+    bad = {}
+    for m in graph:
+        if room(m) == source:
+            reached = {x for x in closure(graph, m) if wing(x) == "server"
+                       and room(x) not in ROOMS[source] | {source}}
+            if reached:
+                bad[m] = sorted(reached)
+    assert not bad, f"server/{source} modules reach rooms above or beside them (or the hall): {bad}"
 
 
 def test_the_shared_root_modules_import_no_wing_but_wire(graph):

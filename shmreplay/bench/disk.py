@@ -28,7 +28,7 @@ import time
 
 import numpy as np
 
-from .peers import BETA, DAEMON_NICE, _nice
+from .peers import BETA, DAEMON_NICE, nice
 from .workloads import WORKLOADS
 
 DQN = WORKLOADS["dqn-atari"]
@@ -172,9 +172,11 @@ def memmap_gather(path: str, rows: int, row_bytes: int, batches: int, batch: int
     """A plain ``np.memmap`` gather of random batches (``np.take``): every
     row not in the cache is a page fault, one at a time.  ``random_advice``:
     the mapping gets MADV_RANDOM first, as shmreplay's clients do."""
-    mm = np.memmap(path, dtype=np.uint8, mode="r", shape=(rows, row_bytes))
+    with open(path, "rb") as f:  # what np.memmap does, with the mapping in hand for madvise
+        raw = mmap.mmap(f.fileno(), rows * row_bytes, prot=mmap.PROT_READ)
     if random_advice:
-        mm._mmap.madvise(mmap.MADV_RANDOM)
+        raw.madvise(mmap.MADV_RANDOM)
+    mm = np.frombuffer(raw, np.uint8).reshape(rows, row_bytes)
     out = np.empty((batch, row_bytes), np.uint8)
     idx = _distinct(rows, batches * batch, seed=7)
     t0, n = time.perf_counter(), 0
@@ -185,6 +187,7 @@ def memmap_gather(path: str, rows: int, row_bytes: int, batches: int, batch: int
             break
     dt = time.perf_counter() - t0
     del mm
+    raw.close()
     return _rate(n, row_bytes, dt)
 
 
@@ -279,7 +282,7 @@ class BenchDaemon:
                     f'storage_dirs = ["{self.store}"]\nretain_tables = {str(retain).lower()}\n'
                     f'prefetch_threads = {threads}\nprefetch_method = "{method}"\nlog_level = "warning"\n')
         def setup():
-            _nice(DAEMON_NICE)
+            nice(DAEMON_NICE)
             if cgroup is not None:
                 cgroup.join()
         self.proc = subprocess.Popen([sys.executable, "-m", "shmreplay.server.daemon", "--config", cfg],

@@ -31,7 +31,7 @@ DAEMON_NICE = -5
 ACTOR_NICE = 5
 
 
-def _nice(increment: int) -> None:
+def nice(increment: int) -> None:
     try:
         os.nice(increment)
     except OSError:  # lowering nice needs privileges; run as is
@@ -75,7 +75,7 @@ class Daemon:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "shmreplay.server.daemon", "--socket", self.socket,
              "--instance", f"bench{os.getpid()}", "--log-level", "warning"],
-            preexec_fn=lambda: _nice(DAEMON_NICE))
+            preexec_fn=lambda: nice(DAEMON_NICE))
         import shmreplay
         for _ in range(1200):
             try:
@@ -155,7 +155,7 @@ class ShmreplayPeer:
 
 def _shm_actor(sock, wkey, chunk, seconds, seed, start, out):
     import shmreplay
-    _nice(ACTOR_NICE)
+    nice(ACTOR_NICE)
     w = WORKLOADS[wkey]
     rows = w.rows(chunk, seed)
     with shmreplay.connect(sock, timeout=120) as c:
@@ -224,7 +224,7 @@ def _cpprb_actor(rb, wkey, chunk, seconds, seed, start, out):
 def _actor_loop(put, wkey, chunk, seconds, seed, start, out):
     """A peer's actor process: put(rows) chunks for `seconds` (or until put
     returns False), report how many items went in."""
-    _nice(ACTOR_NICE)
+    nice(ACTOR_NICE)
     rows = WORKLOADS[wkey].rows(chunk, seed)
     start.wait()
     n, t0 = 0, time.perf_counter()

@@ -20,7 +20,7 @@ import time
 
 import numpy as np
 
-from .peers import ACTOR_NICE, _nice
+from .peers import ACTOR_NICE, nice
 from .disk import BenchDaemon, learner, prefetch_stats
 
 FIELDS = {"obs": ("uint8", (8, 84, 84)), "next_obs": ("uint8", (8, 84, 84)), "action": ("int32", ()),
@@ -60,7 +60,7 @@ def _get(out) -> float:
 
 def _filler(sock: str, items: int, seed: int) -> int:
     import shmreplay
-    _nice(ACTOR_NICE)
+    nice(ACTOR_NICE)
     with shmreplay.connect(sock, timeout=120) as c:
         t = c.table("seed")
         rows = _rows(32, seed)
@@ -74,7 +74,7 @@ def _filler(sock: str, items: int, seed: int) -> int:
 def _actor(sock: str, rate: float, seconds: float, seed: int, start) -> float:
     """One item at a time at ``rate`` items/s (an environment's pace)."""
     import shmreplay
-    _nice(ACTOR_NICE)
+    nice(ACTOR_NICE)
     with shmreplay.connect(sock, timeout=120) as c:
         t = c.table("seed")
         rows = _rows(8, seed)

@@ -136,8 +136,8 @@ class Daemon:
         stale = ownership.remove_dead_channels(cfg.instance)  # we hold the lock: their daemon is dead
         if stale:
             log.info("removed %d channel(s) and doorbell(s) of a dead daemon", stale)
-        if cfg.prefetch_threads:
-            self.prefetcher = Prefetcher(cfg.prefetch_threads, cfg.prefetch_queue, cfg.prefetch_method)
+        # with prefetch_threads = 0 a pool that reads nothing (its stats say so)
+        self.prefetcher = Prefetcher(cfg.prefetch_threads, cfg.prefetch_queue, cfg.prefetch_method)
         self.engine = Engine(cfg.spin_us, cfg.idle_timeout_s, prefetch=self.prefetcher)
         self.control = ControlServer(cfg, self.engine)
         self.control.request_shutdown = lambda: self._stop("shutdown requested")

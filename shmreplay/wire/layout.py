@@ -58,95 +58,13 @@ import msgpack
 import numpy as np
 
 from ..errors import LayoutError
-from ..schema import TableSpec, spec_from_wire
+from ..schema import TableSpec
+from .headers import (HEADER, LAYOUT_VERSION, LIVE_OFF, MAGIC, PAGE, ROWS_HEADER, ROWS_MAGIC, ROWS_OFF,
+                      SCHEMA_OFF, decode_schema, meta_header, rows_header, same_table, schema_span)
+from .livewords import LIVE_WORDS, LiveWords
+from .peer import process_start
 from .rowfile import rows_location
 from .segment import Segment
-
-MAGIC = b"SHMRTBL\x00"
-LAYOUT_VERSION = 4  # 2: HELD, times, seqno, limiter words; 3: owner, epoch; 4: meta/rows split, leases
-PAGE = 4096
-
-HEADER = np.dtype([
-    ("magic", "S8"), ("layout_version", "<u4"), ("header_size", "<u4"),
-    ("capacity", "<u8"), ("creator_pid", "<u8"), ("created_ns", "<u8"),
-    ("segment_size", "<u8"), ("gens_off", "<u8"), ("prios_off", "<u8"),
-    ("state_off", "<u8"), ("schema_len", "<u4"), ("reserved", "<u4"),
-    ("times_off", "<u8"), ("seqno_off", "<u8"),
-    ("owner_pid", "<u8"), ("owner_start", "<u8"), ("rows_size", "<u8"),
-])
-ROWS_MAGIC = b"SHMRROW\x00"
-ROWS_HEADER = np.dtype([
-    ("magic", "S8"), ("layout_version", "<u4"), ("reserved", "<u4"),
-    ("capacity", "<u8"), ("created_ns", "<u8"), ("segment_size", "<u8"),
-])
-ROWS_OFF = 4096
-LIVE_OFF = 192
-LIVE_WORDS = 16
-LIVE_SIZE = 0      # committed items (what len(table) reports)
-LIVE_INSERTS = 1   # items committed since creation
-LIVE_PENDING = 2   # slots reserved by writers, not committed yet (count as inserts for the limiter)
-LIVE_SAMPLES = 3   # items handed out by SAMPLE since creation
-LIVE_DELETES = 4   # items that left: evicted, or removed after max_times_sampled
-LIVE_FREE = 5      # slots on the free list
-LIVE_USES = 6      # samples the committed items can still give (max_times_sampled tables)
-LIVE_MASS = 7      # float64: the sampler's total mass; 0 means nothing can be drawn
-# How many times a daemon adopted or restored this table.  A writer checks
-# it before it copies into slots leased from a daemon: a changed epoch means
-# that daemon died and its leases are void (recovery.py).
-LIVE_EPOCH = 8
-SCHEMA_OFF = 320
-
-
-
-class LiveWords:
-    """The live words by name.  Reads go through a memoryview, so each is a
-    plain Python int (cheaper on a writer's hot path than a numpy scalar);
-    the engine thread is the only writer."""
-
-    __slots__ = ("_w", "_mass")
-
-    def __init__(self, words: np.ndarray):
-        self._w = memoryview(words).cast("B").cast("Q")
-        self._mass = words[LIVE_MASS:LIVE_MASS + 1].view(np.float64)
-
-    size = property(lambda self: self._w[LIVE_SIZE])
-    inserts = property(lambda self: self._w[LIVE_INSERTS])
-    pending = property(lambda self: self._w[LIVE_PENDING])
-    samples = property(lambda self: self._w[LIVE_SAMPLES])
-    deletes = property(lambda self: self._w[LIVE_DELETES])
-    free = property(lambda self: self._w[LIVE_FREE])
-    uses = property(lambda self: self._w[LIVE_USES])
-
-    @property
-    def epoch(self) -> int:
-        return self._w[LIVE_EPOCH]
-
-    @epoch.setter
-    def epoch(self, value: int) -> None:
-        self._w[LIVE_EPOCH] = int(value)
-
-    @property
-    def mass(self) -> float:
-        return float(self._mass[0])
-
-    @mass.setter
-    def mass(self, value: float) -> None:
-        self._mass[0] = value
-
-    def publish(self, size: int, inserts: int, pending: int, samples: int, deletes: int,
-                free: int, uses: int, mass: float) -> None:
-        """Engine thread: the counters clients read for len() and the
-        rate-limiter probes."""
-        w = self._w
-        w[LIVE_SIZE], w[LIVE_INSERTS], w[LIVE_PENDING] = size, inserts, pending
-        w[LIVE_SAMPLES], w[LIVE_DELETES], w[LIVE_FREE], w[LIVE_USES] = samples, deletes, free, uses
-        self._mass[0] = mass
-
-    def set_counters(self, inserts: int, samples: int, deletes: int) -> None:
-        """Checkpoint restore: the limiter counters a table restarts from."""
-        w = self._w
-        w[LIVE_INSERTS], w[LIVE_SAMPLES], w[LIVE_DELETES] = int(inserts), int(samples), int(deletes)
-
 
 # HELD: sampled for the last time (max_times_sampled) and no longer in the
 # table, but a learner may still be reading the row: the slot is reused only
@@ -181,6 +99,23 @@ class TableLayout:
         self.size = offsets[-1]
         self.field_offs = dict(zip((f.name for f in spec.fields), self.rows_offsets[:-1]))
         self.rows_size = self.rows_offsets[-1]
+
+    def row_span(self, field: str) -> tuple[int, int]:
+        """(offset, width): ``field``'s row of slot s lies at offset + s * width
+        in the rows segment, ``width`` bytes long."""
+        return self.field_offs[field], self.spec.field(field).item_bytes
+
+    def row_spans(self, fields=None) -> tuple[np.ndarray, np.ndarray]:
+        """``row_span`` of each of ``fields`` (names; None: all, in order) as
+        two int64 arrays, for ``rowranges.ranges_of``."""
+        spans = [self.row_span(f) for f in (fields if fields is not None else self.field_offs)]
+        return (np.array([o for o, _ in spans], np.int64).reshape(-1),
+                np.array([w for _, w in spans], np.int64).reshape(-1))
+
+    def committed_in(self, image) -> np.ndarray:
+        """Which slots a byte image of a meta segment of this layout (a copy,
+        a file's bytes) lists as committed."""
+        return np.frombuffer(image, np.uint8, self.spec.capacity, self.state_off) == COMMITTED
 
 
 _PER_SLOT = (4, 8, 1, 4, 8, 4, 8, 8)  # bytes a slot in gens ... lease_start
@@ -326,6 +261,16 @@ class TableMap:
             rows.close()
             raise
 
+    def listed_in(self, image) -> np.ndarray | None:
+        """Which slots a byte image of this table's meta segment (its
+        metadata file's bytes) lists as committed; None if the image is not
+        of this incarnation of this table (another magic, layout version,
+        creation time or size)."""
+        h = meta_header(image)
+        if h is None or not same_table(h, self.header) or len(image) != self.layout.size:
+            return None
+        return self.layout.committed_in(image)
+
     def unlink(self) -> None:
         self.meta.unlink()
         self.rows.unlink()
@@ -348,23 +293,12 @@ def meta_mode(mode: int) -> int:
 def check_rows(rows: Segment, layout: TableLayout, created_ns: int) -> None:
     if rows.size != layout.rows_size:
         raise LayoutError(f"segment {rows.name} is {rows.size} bytes, layout says {layout.rows_size}")
-    r = np.ndarray((), ROWS_HEADER, buffer=rows.buf, offset=0)
-    if bytes(r["magic"]) != ROWS_MAGIC or int(r["layout_version"]) != LAYOUT_VERSION:
+    r = rows_header(rows.buf)
+    if r is None or int(r["layout_version"]) != LAYOUT_VERSION:
         raise LayoutError(f"segment {rows.name} is not a rows segment of layout {LAYOUT_VERSION}")
     if int(r["capacity"]) != layout.spec.capacity or int(r["created_ns"]) != created_ns:
         raise LayoutError(f"segment {rows.name} does not belong to its meta segment "
                           "(capacity or creation time differ)")
-
-
-def process_start(pid: int) -> int:
-    """The process's start time in clock ticks since boot (0 if it is gone):
-    with the pid it names one process even after the pid is reused."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read()
-        return int(stat[stat.rindex(b")") + 2:].split()[19])
-    except (OSError, ValueError, IndexError):
-        return 0
 
 
 def read_spec(seg: Segment) -> TableSpec:
@@ -377,14 +311,11 @@ def read_spec(seg: Segment) -> TableSpec:
         raise LayoutError(
             f"segment {seg.name} has layout version {int(h['layout_version'])}, "
             f"this build reads version {LAYOUT_VERSION}")
-    n = int(h["schema_len"])
-    if not 0 < n <= seg.size - SCHEMA_OFF:
-        raise LayoutError(f"segment {seg.name} has a corrupt schema length {n}")
-    try:
-        doc = msgpack.unpackb(bytes(seg.buf[SCHEMA_OFF:SCHEMA_OFF + n]), raw=False)
-        spec = spec_from_wire(doc["spec"])
-    except Exception as exc:  # any decoding failure means a corrupt header
-        raise LayoutError(f"segment {seg.name} has an unreadable schema: {exc}") from exc
+    span = schema_span(h, seg.size)
+    if span is None:
+        raise LayoutError(f"segment {seg.name} has a corrupt schema length {int(h['schema_len'])}")
+    off, n = span
+    spec, doc = decode_schema(seg.buf[off:off + n], f"segment {seg.name}")
     layout = TableLayout(spec)
     if layout.offsets != doc.get("offsets") or layout.rows_offsets != doc.get("rows"):
         raise LayoutError(f"segment {seg.name}: stored offsets disagree with its schema")

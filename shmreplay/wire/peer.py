@@ -1,4 +1,5 @@
-"""Who is on the other end of a Unix socket, as the kernel says.
+"""Who a peer process is, as the kernel says: its credentials on a Unix
+socket, its start time.
 
 ``SO_PEERCRED`` gives the pid, uid and gid of the process that connected
 (or, on the client's side, that listens), so no peer can claim to be
@@ -7,7 +8,11 @@ Both sides decode them here: the daemon to decide who may connect
 (``server/control/access.py``), the client to refuse a daemon of a
 stranger (``client/link.py``).
 
-Pure decoding around one ``getsockopt`` each; any thread.
+``process_start`` names a process across pid reuse: with its pid, the
+start time the kernel records in /proc tells the process that leased slots
+or serves a table from a later one that got the same pid.
+
+Pure decoding around one ``getsockopt`` or /proc read each; any thread.
 """
 
 from __future__ import annotations
@@ -32,3 +37,23 @@ def groups(sock: socket.socket, most: int = 1024) -> set[int]:
     raw = sock.getsockopt(socket.SOL_SOCKET, SO_PEERGROUPS, _GID * most)
     n = len(raw) // _GID
     return set(struct.unpack(f"{n}I", raw[:n * _GID]))
+
+
+def process_start(pid: int) -> int:
+    """The process's start time in clock ticks since boot (0 if it is gone):
+    with the pid it names one process even after the pid is reused."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+        return int(stat[stat.rindex(b")") + 2:].split()[19])
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+def process_alive(pid: int, start: int = 0) -> bool:
+    """Is ``pid`` a live process (and, when ``start`` is known, the same one
+    that had that start time)?"""
+    if pid <= 0:
+        return False
+    now = process_start(pid)
+    return now != 0 and (start == 0 or now == start)

@@ -161,41 +161,56 @@ class ControlConnection(asyncio.Protocol):
                 self.transport.write(frame)
 
     async def _dispatch(self, msg: dict) -> dict | None:
-        op, srv = msg["op"], self.srv
-        if op in ADMIN_OPS and not access.may_administer(srv.cfg, self.peer):
+        op = msg["op"]
+        if op in ADMIN_OPS and not access.may_administer(self.srv.cfg, self.peer):
             raise PermissionDenied(f"{op} is an admin operation: only the daemon's user, root or "
                                    f"the admin_group may run it (you are uid {self.peer.uid})")
-        if op == "hello":
-            return self._hello(msg["pid"], msg.get("resume", 0))
-        if op == "ready":
-            return await self._ready()
-        if op == "create_table":
-            return {"table": await srv.create_table(msg["spec"], msg["exist_ok"])}
-        if op == "open_table":
-            d = await srv.call(srv.engine.describe, check_table_name(msg["name"]))
-            if d is None:
-                raise UnknownTable(f"no table named {msg['name']!r}")
-            return {"table": d}
-        if op == "drop_table":
-            await srv.drop_table(msg["name"])
-            return None
-        if op == "list_tables":
-            return {"tables": await srv.call(srv.engine.describe)}
-        if op in ("stats", "status"):
-            return await srv.status()
-        if op == "checkpoint":
-            if not all(isinstance(n, str) for n in msg["tables"]):
-                raise ProtocolError("checkpoint: 'tables' must be a list of names")
-            return {"checkpoints": await srv.checkpoint(msg["tables"], msg["to"])}
-        if op == "sync":
-            if not all(isinstance(n, str) for n in msg["tables"]):
-                raise ProtocolError("sync: 'tables' must be a list of names")
-            return {"syncs": await srv.sync(msg["tables"])}
-        if op == "shutdown":
-            log.info("shutdown requested by pid %d (uid %d)", self.peer.pid, self.peer.uid)
-            srv.request_shutdown()
-            return None
-        raise ProtocolError(f"op {op!r} has no handler")
+        handler = self.HANDLERS.get(op)
+        if handler is None:
+            raise ProtocolError(f"op {op!r} has no handler")
+        return await handler(self, msg)
+
+    # ---- handlers: one per op ----
+    async def _on_hello(self, msg: dict) -> dict:
+        return self._hello(msg["pid"], msg.get("resume", 0))
+
+    async def _on_ready(self, msg: dict) -> None:
+        await self._ready()
+
+    async def _on_create_table(self, msg: dict) -> dict:
+        return {"table": await self.srv.create_table(msg["spec"], msg["exist_ok"])}
+
+    async def _on_open_table(self, msg: dict) -> dict:
+        srv = self.srv
+        d = await srv.call(srv.engine.describe, check_table_name(msg["name"]))
+        if d is None:
+            raise UnknownTable(f"no table named {msg['name']!r}")
+        return {"table": d}
+
+    async def _on_drop_table(self, msg: dict) -> None:
+        await self.srv.drop_table(msg["name"])
+
+    async def _on_list_tables(self, msg: dict) -> dict:
+        return {"tables": await self.srv.call(self.srv.engine.describe)}
+
+    async def _on_status(self, msg: dict) -> dict:
+        return await self.srv.status()
+
+    async def _on_checkpoint(self, msg: dict) -> dict:
+        return {"checkpoints": await self.srv.checkpoint(_names(msg, "checkpoint"), msg["to"])}
+
+    async def _on_sync(self, msg: dict) -> dict:
+        return {"syncs": await self.srv.sync(_names(msg, "sync"))}
+
+    async def _on_shutdown(self, msg: dict) -> None:
+        log.info("shutdown requested by pid %d (uid %d)", self.peer.pid, self.peer.uid)
+        self.srv.request_shutdown()
+
+    # every op of wire.control.REQUESTS, which checked the message's fields
+    HANDLERS = {"hello": _on_hello, "ready": _on_ready, "create_table": _on_create_table,
+                "open_table": _on_open_table, "drop_table": _on_drop_table,
+                "list_tables": _on_list_tables, "stats": _on_status, "status": _on_status,
+                "checkpoint": _on_checkpoint, "sync": _on_sync, "shutdown": _on_shutdown}
 
     def _hello(self, pid: int, resume) -> dict:
         """Make this client's channel and doorbells; they travel with the
@@ -260,3 +275,10 @@ class ControlConnection(asyncio.Protocol):
         # the cycle, so its channel is unmapped now, not at some later GC
         self.worker = self.channel = None
         log.debug("connection %d closed", self.cid)
+
+
+def _names(msg: dict, op: str) -> list:
+    if not all(isinstance(n, str) for n in msg["tables"]):
+        raise ProtocolError(f"{op}: 'tables' must be a list of names")
+    return msg["tables"]
+

@@ -38,7 +38,8 @@ import numpy as np
 
 from ...errors import ForeignObject, LayoutError, PermissionDenied, ReplayError
 from ...wire import names
-from ...wire.layout import COMMITTED, FREE, HELD, RESERVED, TableMap, process_start
+from ...wire.layout import COMMITTED, FREE, HELD, RESERVED, TableMap
+from ...wire.peer import process_alive, process_start
 from ...wire.segment import unlink_quiet
 from ..disk import checkpoint, durable, ownership, storage
 from ..tables.ledger import HOLD_TIMEOUT_S
@@ -74,7 +75,7 @@ def adopt(name: str, mode: int, gid: int, expected=None, storage_dirs=frozenset(
     try:
         h = tmap.header
         pid, start = int(h["owner_pid"]), int(h["owner_start"])
-        if pid != os.getpid() and ownership._alive(pid, start):
+        if pid != os.getpid() and process_alive(pid, start):
             raise ReplayError(f"segment {name} belongs to live process {pid}; not adopting it")
     except BaseException:
         tmap.release()

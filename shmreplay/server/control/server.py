@@ -76,10 +76,7 @@ class ControlServer:
             await asyncio.gather(*self.detaching, return_exceptions=True)
         await self.syncs.wait()
         if self.path:
-            try:
-                os.unlink(self.path)
-            except FileNotFoundError:
-                pass
+            unlink_file_quiet(self.path)
 
     # called from the engine thread
     def on_client_error(self, cid: int, exc: BaseException) -> None:

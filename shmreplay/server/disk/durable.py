@@ -41,7 +41,9 @@ import time
 import numpy as np
 
 from ...errors import ForeignObject, LayoutError
-from ...wire.layout import COMMITTED, HEADER, LAYOUT_VERSION, MAGIC, TableMap, meta_mode
+from ...wire import headers
+from ...wire.layout import TableMap, meta_mode
+from ...wire.rowfile import unlink_file_quiet
 from ...wire.segment import Segment
 from ..tables.barrier import ReuseBarrier
 
@@ -117,7 +119,7 @@ def take(table, copy: Copy) -> Copy:
     m = table.map
     copy.buf[:] = m.meta.buf
     copy.t_ns = time.time_ns()
-    copy.listed = _listed(copy.buf, m)
+    copy.listed = m.layout.committed_in(copy.buf)
     copy.items = int(np.count_nonzero(copy.listed))
     table.ledger.barrier.protect(copy.listed)
     table.durable.wanted = False
@@ -128,10 +130,7 @@ def write(copy: Copy, rows_fd: int, path: str) -> int:
     """Executor: step 2.  Returns the bytes written."""
     os.fdatasync(rows_fd)
     tmp = temp_file(path)
-    try:  # a dead daemon's half-written copy (the directory is ours alone: storage.py)
-        os.unlink(tmp)
-    except FileNotFoundError:
-        pass
+    unlink_file_quiet(tmp)  # a dead daemon's half-written copy (the directory is ours alone: storage.py)
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, FILE_MODE)
     try:
         view = memoryview(copy.buf)
@@ -218,16 +217,15 @@ def to_segment(name: str, data: bytes, mode: int, gid: int) -> None:
     """Copy a metadata file's bytes into a new meta segment ``name`` for
     ``recovery.adopt``, which checks every byte of it as it checks a meta
     segment a dead daemon left."""
-    if len(data) < 4096 or bytes(np.ndarray((), HEADER, buffer=data)["magic"]) != MAGIC:
+    if len(data) < headers.PAGE or headers.meta_header(data) is None:
         raise LayoutError(f"metadata file for {name} is not a shmreplay table")
     seg = Segment.create(name, len(data), 0o600, (-1, gid))
     try:
         seg.buf[:] = data
-        # no owner: the copy is this daemon's (it holds the instance lock);
-        # the old boot's pid and start time could name a process of this one
-        h = np.ndarray((), HEADER, buffer=seg.buf)
-        h["owner_pid"] = h["owner_start"] = 0
-        del h
+        # no owner: the copy is this daemon's (it holds the instance lock)
+        h = headers.meta_header(seg.buf)
+        headers.clear_owner(h)
+        del h  # a view of the mapping: the close below needs none left
         seg.set_mode(meta_mode(mode), gid)
     except BaseException:
         seg.unlink()  # our copy; the file on disk stays
@@ -247,15 +245,8 @@ def listed_on_disk(tmap: TableMap, path: str) -> np.ndarray | None:
         if os.path.lexists(path):
             log.error("table %s: %s", tmap.spec.name, exc)
         return None
-    h = np.ndarray((), HEADER, buffer=data) if len(data) >= HEADER.itemsize else None
-    if (h is None or bytes(h["magic"]) != MAGIC or int(h["layout_version"]) != LAYOUT_VERSION
-            or int(h["created_ns"]) != int(tmap.header["created_ns"]) or len(data) != tmap.layout.size):
+    listed = tmap.listed_in(data)
+    if listed is None:
         log.warning("table %s: metadata file %s is not this table's; replaced at the next sync",
                     tmap.spec.name, path)
-        return None
-    return _listed(data, tmap)
-
-
-def _listed(image, tmap: TableMap) -> np.ndarray:
-    """Which slots a meta segment image (a copy, a file's bytes) lists as committed."""
-    return np.frombuffer(image, np.uint8, tmap.spec.capacity, tmap.layout.state_off) == COMMITTED
+    return listed

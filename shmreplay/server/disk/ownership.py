@@ -22,20 +22,16 @@ instance's name is listed and left alone.
 
 from __future__ import annotations
 
-import errno
 import fcntl
 import os
 import stat
 import time
 from dataclasses import dataclass
 
-import msgpack
-import numpy as np
-
 from ...errors import ForeignObject, ReplayError
-from ...schema import spec_from_wire
-from ...wire.layout import HEADER, MAGIC, ROWS_HEADER, ROWS_MAGIC, SCHEMA_OFF, process_start
+from ...wire import headers
 from ...wire.names import SHM_DIR, instance_of, is_table, lock_path, pid_in_name, secure_dir
+from ...wire.peer import process_alive, process_start
 from ...wire.rowfile import RowFile, meta_name, rows_location, unlink_file_quiet
 from ...wire.segment import check_owned
 
@@ -74,7 +70,7 @@ class InstanceLock:
                 holder = _read_owner(fd)
                 os.close(fd)
                 # a cleanup briefly holds the lock of a dead instance: wait it out
-                if time.monotonic() < deadline and not _alive(*holder):
+                if time.monotonic() < deadline and not process_alive(*holder):
                     time.sleep(0.05)
                     continue
                 raise ReplayError(
@@ -95,10 +91,7 @@ class InstanceLock:
 
     def release(self) -> None:
         """Unlink, then unlock (by closing): nobody can find a file we no longer hold."""
-        try:
-            os.unlink(self.path)
-        except FileNotFoundError:
-            pass
+        unlink_file_quiet(self.path)
         os.close(self.fd)
 
 
@@ -108,14 +101,6 @@ def _read_owner(fd: int) -> tuple[int, int]:
         return int(pid), int(start)
     except (OSError, ValueError):
         return 0, 0
-
-
-def _alive(pid: int, start: int = 0) -> bool:
-    """Is ``pid`` a live process (and, when ``start`` is known, the same one)?"""
-    if pid <= 0:
-        return False
-    now = process_start(pid)
-    return now != 0 and (start == 0 or now == start)
 
 
 @dataclass
@@ -167,26 +152,23 @@ def _object_owner(name: str, shm_dir: str = SHM_DIR) -> tuple[int, int] | None:
     if not _mine(meta):
         return None
     try:
-        h = _read(meta, HEADER)
+        h = headers.meta_header(_pread(meta, 0, headers.HEADER.itemsize))
     except OSError:
         return None
-    if bytes(h["magic"]) != MAGIC:
-        return None
-    return int(h["owner_pid"]), int(h["owner_start"])
+    return None if h is None else headers.owner(h)
 
 
-def _read(path: str, dtype: np.dtype, offset: int = 0):
-    """The ``dtype`` record at ``offset`` of ``path`` (no link followed, no
-    FIFO waited on), as a 0-d view: not frombuffer()[0], whose S8 field
-    drops a magic's trailing NUL.  OSError if it cannot be read whole."""
+def _pread(path: str, offset: int, n: int) -> bytes:
+    """``n`` bytes at ``offset`` of ``path`` (no link followed, no FIFO
+    waited on).  OSError if they cannot be read whole."""
     fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     try:
-        raw = os.pread(fd, dtype.itemsize, offset)
+        raw = os.pread(fd, n, offset)
     finally:
         os.close(fd)
-    if len(raw) < dtype.itemsize:
+    if len(raw) < n:
         raise OSError(f"{path} is shorter than its header")
-    return np.ndarray((), dtype, buffer=raw)
+    return raw
 
 
 def _rows_file(meta_seg: str, shm_dir: str) -> list[str]:
@@ -197,20 +179,14 @@ def _rows_file(meta_seg: str, shm_dir: str) -> list[str]:
     cannot be read or does not match.  Never guess a path to remove."""
     try:
         meta = os.path.join(shm_dir, meta_seg)
-        h = _read(meta, HEADER)
-        n = int(h["schema_len"])
-        if bytes(h["magic"]) != MAGIC or not 0 < n < 1 << 20:
-            return []
-        doc = msgpack.unpackb(bytes(_read(meta, np.dtype((np.void, n)), SCHEMA_OFF)), raw=False)
-        kind, path = rows_location("/" + meta_seg, spec_from_wire(doc["spec"]))
+        h, spec = headers.stored_table(lambda off, n: _pread(meta, off, n), meta)
+        kind, path = rows_location("/" + meta_seg, spec)
         if kind is not RowFile or not _mine(path):
             return []
-        r = _read(path, ROWS_HEADER)
+        r = headers.rows_header(_pread(path, 0, headers.ROWS_HEADER.itemsize))
     except Exception:  # unreadable: not ours to interpret
         return []
-    same = (bytes(r["magic"]) == ROWS_MAGIC and r["capacity"] == h["capacity"]
-            and r["created_ns"] == h["created_ns"])
-    if not same:
+    if not headers.rows_belong(r, h):
         return []
     durable = os.path.join(os.path.dirname(path), meta_seg)  # its metadata file (server/disk/durable.py)
     return [path] + ([durable] if _mine(durable) else [])
@@ -279,7 +255,7 @@ def cleanup(dry_run: bool = False, keep_tables: bool = False, only: str | None =
                 # (a rows file without its meta segment names no owner: with
                 # no lock, no daemon of its instance is alive to adopt it)
                 owners = {n: (0, 0) if n.startswith("/") else _object_owner(n, shm_dir) for n in names}
-                stale = [n for n in names if owners[n] is not None and not _alive(*owners[n])]
+                stale = [n for n in names if owners[n] is not None and not process_alive(*owners[n])]
                 live = [n for n in names if owners[n] is not None and n not in stale]
                 unknown = [n for n in names if owners[n] is None]
                 if live:
@@ -292,11 +268,7 @@ def cleanup(dry_run: bool = False, keep_tables: bool = False, only: str | None =
                 reports.append(StaleReport(inst, None, stale))
             if not dry_run:
                 for n in stale:
-                    try:
-                        os.unlink(os.path.join(shm_dir, n))  # n itself when absolute
-                    except OSError as exc:
-                        if exc.errno != errno.ENOENT:
-                            raise
+                    unlink_file_quiet(os.path.join(shm_dir, n))  # n itself when absolute
                 if fd is not None:  # last, while we hold it
                     unlink_file_quiet(lock)
         finally:

@@ -60,7 +60,7 @@ import time
 import numpy as np
 
 from ...wire.records import key_slots
-from .rowranges import ranges_of
+from ...wire.rowranges import ranges_of
 
 log = logging.getLogger("shmreplayd.prefetch")
 
@@ -152,8 +152,8 @@ class Prefetcher:
     def add(self, table) -> None:
         """A table is served: prefetch its rows if they are in a file."""
         if self.nthreads and table.spec.file_backed and table.map.rows.fd is not None:
-            lo, c = table.map.layout, table.spec.capacity
-            fields = [(lo.field_offs[f.name], f.item_bytes) for f in table.spec.fields]
+            offs, widths = table.map.layout.row_spans()
+            fields, c = list(zip(offs.tolist(), widths.tolist())), table.spec.capacity
             # a small field (actions, rewards: a few MB for the whole table)
             # stays in the page cache by use alone; reading it ahead would
             # only add a call per row, which a warm learner pays for

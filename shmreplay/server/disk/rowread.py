@@ -25,19 +25,19 @@ class RowSource:
     def __init__(self, tmap):
         self.name = tmap.rows.name
         self.fd = os.dup(tmap.rows.fd)
-        self.offsets = dict(tmap.layout.field_offs)
+        self.layout = tmap.layout
 
     def take(self, field, slots: np.ndarray) -> np.ndarray:
         """``field``'s rows of ``slots``, in that order.  Slots next to each
         other are read in one call (a FIFO table's oldest items usually are)."""
-        n, ib = slots.shape[0], field.item_bytes
+        n = slots.shape[0]
+        base, ib = self.layout.row_span(field.name)
         order = np.argsort(slots, kind="stable")
         s = slots[order]
         raw = np.empty((n, ib), np.uint8)
         starts = np.flatnonzero(np.diff(s, prepend=-2) != 1)
         ends = np.append(starts[1:], n)
         flat = memoryview(raw.reshape(-1))
-        base = self.offsets[field.name]
         for a, b in zip(starts.tolist(), ends.tolist()):
             self._read(flat[a * ib:b * ib], base + int(s[a]) * ib)
         out = np.empty_like(raw)

@@ -17,7 +17,7 @@ import collections
 from ...errors import ProtocolError
 from ...wire.channel import Channel
 from ...wire.channel import ring as ring_bell
-from ...wire.layout import process_start
+from ...wire.peer import process_start
 from ...wire.records import Reply, put_reply
 
 MAX_OUTBOX = 1024  # replies a client may leave unread before it is cut off

@@ -15,7 +15,7 @@ from __future__ import annotations
 from ... import ratelimiter  # the shared predicates
 from ...errors import CapacityError, EmptyTable, RateLimited, ReplayError
 from ...schema import TableSpec
-from ...wire.layout import LiveWords
+from ...wire.livewords import LiveWords
 
 
 class LimiterCounters:

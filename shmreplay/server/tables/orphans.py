@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ...wire.layout import process_start
+from ...wire.peer import process_alive
 
 CHECK_S = 0.25  # how often the holders' liveness is read from /proc
 
@@ -47,7 +47,9 @@ class OrphanLeases:
         if not self.by_holder or now < self.next_check:
             return _NONE
         self.next_check = now + CHECK_S
-        dead = [k for k in self.by_holder if not _alive(k[0], k[1])]
+        # a pid of 0 names no known process (a lease recorded by no client):
+        # treated as alive, never freed by this path
+        dead = [k for k in self.by_holder if k[0] and not process_alive(k[0], k[1])]
         return self._take(dead)
 
     def resumed(self, pid: int, start: int, owner: int) -> np.ndarray:
@@ -65,13 +67,6 @@ class OrphanLeases:
 
     def holders(self) -> list[dict]:
         return [{"pid": k[0], "slots": int(v.shape[0])} for k, v in self.by_holder.items()]
-
-
-def _alive(pid: int, start: int) -> bool:
-    """Is the process (pid, start) still there?  A pid of 0 names no known
-    process (a lease recorded by no client): treated as alive, never freed
-    by this path."""
-    return pid == 0 or process_start(pid) == start
 
 
 _NONE = np.zeros(0, dtype=np.int64)

@@ -3,11 +3,13 @@ table has no free one (Reverb's remover selector).
 
 Each implements ``selectors.Selector``; ``pick(n, rng)`` returns n distinct
 victims, which the table then removes through its one removal path.
-Priorities do not matter to any of them.
+Priorities do not matter to any of them (``samplers.unweighted``).
 
 * ``fifo`` (default): oldest first, the replay buffer everyone expects;
 * ``lifo``: newest first (keeps the initial data, e.g. demonstrations);
 * ``uniform``: a random item, Reverb's "reservoir-like" choice.
+
+Engine thread only, like every selector.
 """
 
 from __future__ import annotations
@@ -15,54 +17,29 @@ from __future__ import annotations
 import numpy as np
 
 from ...wire.records import key_slots
-from .samplers import UniformSampler
+from .samplers import OrderCount, UniformSampler, unweighted
 
 
-class _Remover:
-    """What removers share: priorities and probabilities do not matter."""
+class OrderRemover(OrderCount):
+    ordered = False  # picks whole items: a reuse limit does not apply
+
+    def pick(self, n: int, rng=None, beta: float = 0.0, uses_left=None):
+        return unweighted(key_slots(self.order.pop(n, self.back)))
+
+
+class UniformRemover:
+    """A uniform sampler's dense members, drawn without replacement."""
 
     ordered = False
 
-    def set(self, slots: np.ndarray, priorities) -> None:
-        pass
-
-    def check(self) -> bool:
-        return True
-
-    def _picked(self, slots: np.ndarray):
-        n = slots.shape[0]
-        return slots, np.ones(n), np.ones(n)
-
-
-class OrderRemover(_Remover):
-    def __init__(self, order, back: bool):
-        self.order = order
-        self.back = back
-        self.count = 0
-
-    def add(self, slots: np.ndarray, priorities=None) -> None:
-        self.count += slots.shape[0]  # the table pushes commits onto the order itself
-
-    def remove(self, slots: np.ndarray) -> None:
-        self.count -= slots.shape[0]  # order entries die lazily
-
-    @property
-    def mass(self) -> float:
-        return float(self.count)
-
-    def pick(self, n: int, rng=None, beta: float = 0.0, uses_left=None):
-        return self._picked(key_slots(self.order.pop(n, self.back)))
-
-    def rebuild(self, slots: np.ndarray, priorities=None) -> None:
-        self.count = slots.shape[0]
-
-
-class UniformRemover(_Remover):
     def __init__(self, capacity: int):
         self.members = UniformSampler(capacity)
 
     def add(self, slots: np.ndarray, priorities=None) -> None:
         self.members.add(slots, None)
+
+    def set(self, slots: np.ndarray, priorities=None) -> None:
+        pass
 
     def remove(self, slots: np.ndarray) -> None:
         self.members.remove(slots)
@@ -72,7 +49,10 @@ class UniformRemover(_Remover):
         return self.members.mass
 
     def pick(self, n: int, rng=None, beta: float = 0.0, uses_left=None):
-        return self._picked(self.members.distinct(n, rng))
+        return unweighted(self.members.distinct(n, rng))
+
+    def check(self) -> bool:
+        return True
 
     def rebuild(self, slots: np.ndarray, priorities=None) -> None:
         self.members.rebuild(slots, priorities)

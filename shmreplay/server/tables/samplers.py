@@ -137,35 +137,56 @@ class UniformSampler:
         return self.members[rng.choice(self.count, size=n, replace=False)].copy()
 
 
-class OrderSampler:
-    """fifo: the oldest committed item; lifo: the newest (Reverb's Fifo/Lifo).
+def unweighted(slots: np.ndarray):
+    """(slots, probabilities, importance weights) of picks for which the
+    probability does not matter (order samplers, every remover): all 1."""
+    n = slots.shape[0]
+    return slots, np.ones(n), np.ones(n)
 
-    Reads the table's ``CommitOrder``; probabilities and weights are 1."""
 
-    ordered = True
+class OrderCount:
+    """What the order selectors (fifo and lifo, samplers and removers)
+    share: they pick from one end of the table's ``CommitOrder``, which
+    the table keeps itself, so they only count their items; the entries of
+    items that left die lazily in the order.  Priorities do not matter."""
 
     def __init__(self, order, back: bool):
         self.order = order
-        self.back = back
-        self.name = "lifo" if back else "fifo"
+        self.back = back  # the newest end (lifo)
         self.count = 0
 
-    def add(self, slots: np.ndarray, priorities: np.ndarray) -> None:
+    def add(self, slots: np.ndarray, priorities=None) -> None:
         self.count += slots.shape[0]
 
-    def set(self, slots: np.ndarray, priorities: np.ndarray) -> None:
-        pass  # order does not depend on priority
+    def set(self, slots: np.ndarray, priorities=None) -> None:
+        pass
 
     def remove(self, slots: np.ndarray) -> None:
-        self.count -= slots.shape[0]  # the order entries die lazily
+        self.count -= slots.shape[0]
 
     @property
     def mass(self) -> float:
         return float(self.count)
 
+    def check(self) -> bool:
+        return True
+
+    def rebuild(self, slots: np.ndarray, priorities=None) -> None:
+        self.count = slots.shape[0]
+
+
+class OrderSampler(OrderCount):
+    """fifo: the oldest committed item; lifo: the newest (Reverb's Fifo/Lifo).
+    Probabilities and weights are 1."""
+
+    ordered = True
+
+    def __init__(self, order, back: bool):
+        super().__init__(order, back)
+        self.name = "lifo" if back else "fifo"
+
     def pick(self, n: int, rng=None, beta: float = 0.0, uses_left=None):
-        slots = self.draw(n, uses_left)
-        return slots, np.ones(n), np.ones(n)
+        return unweighted(self.draw(n, uses_left))
 
     def draw(self, n: int, uses_left) -> np.ndarray:
         """Slots of n successive draws.  ``uses_left(slots)`` gives how many
@@ -180,10 +201,3 @@ class OrderSampler:
         reps = quota[:k + 1].copy()
         reps[-1] -= int(quota[:k + 1].sum()) - n
         return np.repeat(slots[:k + 1], reps)
-
-    def check(self) -> bool:
-        return True
-
-    def rebuild(self, slots: np.ndarray, priorities: np.ndarray) -> None:
-        self.count = slots.shape[0]
-

@@ -1,9 +1,10 @@
-"""Where a table's rows lie in its rows file: the byte ranges of a set of
-slots, for reading them ahead or writing them back (``prefetch.py``).
+"""Where rows lie in a rows segment or file: the byte ranges of a set of
+slots, for reading them ahead (``server/disk/prefetch.py``).
 
-Rows are stored field by field (``wire/layout.py``: field f's row of slot
-s at ``offs[f] + s * widths[f]``), so one slot's row is one range per
-field.  Pure functions; any thread (the kernel releases the GIL).
+Rows are stored field by field: field f's row of slot s lies at
+``offs[f] + s * widths[f]``, the spans ``layout.TableLayout.row_spans``
+gives; so one slot's row is one range per field.  Pure functions; any
+thread (the kernel releases the GIL).
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from __future__ import annotations
 import numba
 import numpy as np
 
-from ...numbaconf import JIT
+from ..numbaconf import JIT
 
 PAGE = 4096
 MAX_RANGE = 1 << 20  # longer ranges are split, so that several readers can share one

@@ -1,7 +1,7 @@
 """``shmreplayd``: the daemon process, its startup and its shutdown.
 
 Runs on the process's main thread, inside the uvloop event loop that also
-runs the control plane (``control.py``); the engine (``engine.py``) has its
+runs the control plane (``control/server.py``); the engine (``engine/engine.py``) has its
 own thread.  Signals are handled here and nowhere else.
 
 Startup, in order (nothing is served until all of it succeeded):
@@ -11,7 +11,7 @@ Startup, in order (nothing is served until all of it succeeded):
      this instance: refuse to start); remove channels dead daemons of older
      builds left in /dev/shm (this build's channels have no names)
   4. start the engine thread
-  5. bring up the tables (recovery.py): adopt the segments a dead daemon
+  5. bring up the tables (control/recovery.py): adopt the segments a dead daemon
      left, else restore the newest checkpoint, else create them
   6. listen on the control socket; start periodic checkpoints and syncs;
      tell systemd READY=1
@@ -25,11 +25,11 @@ one event in ``Daemon.run``), in order:
   3. drop every table through the engine: unmap its segments, and unlink
      them unless ``retain_tables`` (then the next daemon adopts them).
      A durable file-backed table is synced a last time and keeps its rows
-     and metadata files either way (durable.py).
+     and metadata files either way (disk/durable.py).
      After an engine failure steps 2 and 3 touch nothing: every table
      stays for the next daemon, exactly as after a SIGKILL, and the exit
      code is 1
-  4. stop the engine thread, then the prefetch readers (prefetch.py),
+  4. stop the engine thread, then the prefetch readers (disk/prefetch.py),
      joining them and closing their descriptors
   5. release the instance lock
 """
@@ -170,7 +170,7 @@ class Daemon:
         while True:
             await asyncio.sleep(self.cfg.sync_interval_s)
             for name in sorted(self.control.syncs.locks):
-                try:  # a stop cancels this wait, never the sync (syncs.py)
+                try:  # a stop cancels this wait, never the sync (control/syncs.py)
                     await self.control.syncs.sync([name])
                 except ReplayError:  # logged; the next one tries again
                     pass

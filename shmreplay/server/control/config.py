@@ -48,7 +48,7 @@ class DaemonConfig:
     checkpoint_dir: str = ""          # periodic checkpoints go here; restored at start
     checkpoint_interval_s: float = 0.0  # 0: no periodic checkpoints
     checkpoint_keep: int = 2
-    checkpoint_buffer_mb: float = 1024.0  # rows gathered ahead of the disk (checkpoint.py)
+    checkpoint_buffer_mb: float = 1024.0  # rows gathered ahead of the disk (disk/checkpoint.py)
     # access control: the socket and every segment are owned by ``gid`` with
     # segment_mode; connections are checked with SO_PEERCRED (server.py)
     gid: int = -1                     # -1: the daemon's own group (chown's "unchanged")
@@ -65,7 +65,7 @@ class DaemonConfig:
     storage_dir: str = ""
     storage_dirs: set = field(default_factory=set)
     # a file-backed table's metadata is synced to a file beside its rows
-    # (durable.py) every sync_interval_s (0: only when a full table needs
+    # (disk/durable.py) every sync_interval_s (0: only when a full table needs
     # its retired slots, at a clean stop and on `shmreplay sync`), so it
     # survives a reboot; off: it lives and dies with /dev/shm like the rest
     durable_file_tables: bool = True

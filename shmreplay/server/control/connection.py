@@ -7,7 +7,7 @@ client's channel (a sealed memfd) and doorbells (eventfds) and passes them
 with the reply (SCM_RIGHTS), so they never have a name; at ``ready``
 hands the client to the engine; and when the connection closes, for any
 reason, ends the client's lease.  Table and admin work goes to the
-``ControlServer`` (control.py).
+``ControlServer`` (server.py).
 """
 
 from __future__ import annotations

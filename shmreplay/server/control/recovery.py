@@ -1,8 +1,8 @@
 """Startup of a daemon's tables: adopt what a dead daemon left, else restore
 a checkpoint, else create.
 
-Daemon startup only (step 4 in daemon.py), with the instance lock held, so
-no live daemon can own any of the segments found (ownership.py).
+Daemon startup only (step 5 in server/daemon.py), with the instance lock held, so
+no live daemon can own any of the segments found (disk/ownership.py).
 
 For each table segment of the instance in /dev/shm (a table survives its
 daemon: SIGKILL, OOM kill, or a shutdown with ``retain_tables``):
@@ -21,7 +21,7 @@ daemon: SIGKILL, OOM kill, or a shutdown with ``retain_tables``):
 then the ``Table`` is rebuilt from it (``rebuild``): every committed item
 stays, with its priority, times sampled and commit order; slots that were
 held are freed, and slots that were reserved come back only once their
-writer provably cannot write them (orphans.py).  Tables the config
+writer provably cannot write them (tables/orphans.py).  Tables the config
 declares that were not adopted are restored from the newest complete
 checkpoint in the restore directory, and the rest are created empty.
 Checkpointed tables that the config does not declare are restored too.
@@ -90,7 +90,7 @@ def rebuild(table_id: int, spec, tmap: TableMap, seed=None,
     commit number) are the truth; everything else is derived.  Slots a
     learner held under the dead daemon are freed; slots a writer had
     reserved stay out of use until that writer provably cannot write them
-    (orphans.py).  Both get their stamps bumped, so no key a client kept
+    (tables/orphans.py).  Both get their stamps bumped, so no key a client kept
     for them matches.  Engine thread, or before the table is served."""
     t = Table(table_id, spec, tmap, seed, fresh=False, hold_timeout_s=hold_timeout_s)
     m = tmap

@@ -1,11 +1,11 @@
-"""When the syncs of durable file-backed tables run (``durable.py`` says what one does).
+"""When the syncs of durable file-backed tables run (``disk/durable.py`` says what one does).
 
 Event-loop thread, owned by the ``ControlServer``.  Syncs of one table run
 one at a time, each as a task this object owns, under that table's lock:
 a caller that is cancelled (a client that hung up, a stop) stops waiting,
 never the sync, so no write outlives its lock, races the next sync, or
 lands after its table was dropped.  Syncs come from ``shmreplay sync``, the
-periodic timer (daemon.py), a full table that needs its retired slots
+periodic timer (server/daemon.py), a full table that needs its retired slots
 (``Table`` -> ``Durability.want`` on the engine thread -> ``soon``), the
 first moments of a table, and the clean stop.
 """

@@ -11,13 +11,13 @@ A file-backed table keeps two files in its ``storage_dir``::
 The meta segment in /dev/shm stays the live truth (a SIGKILLed daemon's
 successor adopts it and loses nothing committed); the file is what is left
 when /dev/shm is not: after a reboot, the next start copies it into a new
-meta segment and adopts that (recovery.py), with every item committed
+meta segment and adopts that (control/recovery.py), with every item committed
 before the sync, bit-exact.
 
 A sync of one table, in order:
 
 1. engine thread (``take``): copy the meta segment; the reuse barrier
-   (barrier.py) now also protects the items the copy lists;
+   (tables/barrier.py) now also protects the items the copy lists;
 2. executor (``write``): ``fdatasync`` the rows, so every row of every
    item in the copy is on disk; write the copy to a temporary file, fsync,
    rename it over the old one, fsync the directory;
@@ -130,7 +130,7 @@ def write(copy: Copy, rows_fd: int, path: str) -> int:
     """Executor: step 2.  Returns the bytes written."""
     os.fdatasync(rows_fd)
     tmp = temp_file(path)
-    unlink_file_quiet(tmp)  # a dead daemon's half-written copy (the directory is ours alone: storage.py)
+    unlink_file_quiet(tmp)  # a dead daemon's half-written copy (the directory is ours alone: storage.py checks it)
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, FILE_MODE)
     try:
         view = memoryview(copy.buf)

@@ -8,7 +8,7 @@ page of a rows file that is not in the page cache costs whoever touches it
 through the mapping a synchronous read, one fault at a time (FACTS.md:
 random 28 KB rows come off this disk 3x faster 16 at a time than one at a
 time).  So after each draw and reservation of a file-backed table the
-engine hands the slots to the ``Prefetcher`` (``parking.run``), and a pool
+engine hands the slots to the ``Prefetcher`` (``engine/commands.py``), and a pool
 of reader threads has their byte ranges read.  Slots that follow each other
 merge into one range, and each field's ranges are read whole pages at a time.
 Two ways (docs/performance.md, "Beyond RAM", cold dqn-atari rows):

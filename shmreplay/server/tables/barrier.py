@@ -2,7 +2,7 @@
 metadata file on disk lists is written until a newer file has landed.
 
 Why: after a reboot the daemon adopts the table from the metadata file of
-its last sync (``durable.py``) and the rows file.  If a slot listed there
+its last sync (``server/disk/durable.py``) and the rows file.  If a slot listed there
 were reused after that sync, the rows file would hold the new writer's
 bytes under the old item's stamp and priority: a torn item, silently.  So
 a slot freed (evicted, released after its last sample, aborted, orphaned)

@@ -15,7 +15,7 @@ table).  An item sampled for the ``max_times_sampled``-th time leaves the
 table at once; its slot is held for the learner that drew it, at most
 ``hold_timeout_s`` (``expire_holds``, which the engine calls every pass).
 Requests that cannot run now raise ``counters.Blocked``; the engine
-parks them (``parking.py``), so a waiting request never blocks the engine or
+parks them (``engine/parking.py``), so a waiting request never blocks the engine or
 another table.  ``recovery.rebuild`` makes a table from a segment that a
 dead daemon or a checkpoint left.
 
@@ -63,7 +63,7 @@ class Table:
         self.rng = np.random.default_rng(seed)
         self.updates_since_check = 0
         self.seqno = 0  # commit number of the newest item
-        self.durable = None  # a durable file-backed table's sync state (durable.py)
+        self.durable = None  # a durable file-backed table's sync state (server/disk/durable.py)
         self.stats = tablestats.new_stats()
         if fresh:
             self.ledger.free.push(np.arange(c, dtype=np.int64))

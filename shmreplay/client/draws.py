@@ -81,7 +81,8 @@ def draw_batch(pipe, table_id: int, views: dict, fields, gens: np.ndarray, ticke
             if time.monotonic() > deadline:
                 raise ReplayTimeout(f"could not draw {n} stable rows within {timeout} s")
             out.redraws += k
-            hid = receive_draw(pipe, send_draw(pipe, table_id, k, beta, wait_s), k, rows, out, wait_s)
+            seq = send_draw(pipe, table_id, k, beta, wait_s)
+            hid = receive_draw(pipe, seq, k, rows, out, wait_s)
             if hid:
                 holds.append(hid)
             take_rows(views, fields, out, rows)

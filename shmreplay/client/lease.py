@@ -28,7 +28,11 @@ binds it to the table as mapped now (``bind``: the daemon's id for the
 table, the field views, the counters whose epoch it checks), again after
 every reconnect, and voids it (``void``) when the connection goes.
 
-Same threading rule as the table handle: one thread at a time.
+Who calls it: its table handle (``bind``, ``void``; ``write`` for
+``insert``/``insert_batch``; ``release`` at the client's flush) and its
+writer (``begin``, ``check``, ``take``, ``commit``, ``release``, ``run``,
+``views``, ``renewed``).  Same threading rule as the table handle: one
+thread at a time, the client's.
 """
 
 from __future__ import annotations
@@ -39,6 +43,8 @@ from .pipe import in_slices
 
 
 class SlotLease:
+    """Slots of one table reserved for one writer (see the module docstring)."""
+
     def __init__(self, size: int, table_name: str, session, priorities):
         """``session``: the client's ``session.Session``; ``priorities(values,
         n, what)``: the table's priority check (``Table._priorities``)."""

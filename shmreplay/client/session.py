@@ -39,6 +39,9 @@ from .pipe import CommandPipe
 
 
 class Session:
+    """One client's connection across forks and restarts; made by its
+    ``Client`` (see the module docstring for who may call what)."""
+
     def __init__(self, path: str, timeout: float, reconnect: bool, reconnect_timeout: float,
                  handles: dict):
         self.path = path

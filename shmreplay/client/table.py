@@ -42,6 +42,9 @@ from .rows import check_rows
 
 
 class Table:
+    """A client's handle on one table; made by its ``Client`` (see the
+    module docstring for who may call what).  One thread at a time."""
+
     def __init__(self, client, session, desc: dict):
         self._client = client
         self._session = session
@@ -69,6 +72,7 @@ class Table:
         self._views = self._map.fields
         self._view_list = [self._views[f.name] for f in self._fields]
         self._words = self._map.words
+        self._gens = self._map.gens
         self._epoch = self._words.epoch  # leases are valid while this stays (lease.py)
         for lease in list(self._leases):
             self._bind_lease(lease)
@@ -252,7 +256,7 @@ class Table:
                       wait_s: float) -> SampleBatch:
         """Gather the batch a ``begin_sample`` ticket drew (None: draw now):
         rows whose slot was overwritten during the gather are drawn again."""
-        return draw_batch(self._session.pipe, self.id, self._views, self._fields, self._map.gens,
+        return draw_batch(self._session.pipe, self.id, self._views, self._fields, self._gens,
                           ticket, n, beta, out, wait_s)
 
     @retried

@@ -1,11 +1,14 @@
 """The client wing: what actor and learner processes import.
 
-``client.py`` (``connect``, ``Client``: the lease and its life cycle),
-``link.py`` (control socket), ``pipe.py`` (command channel), ``table.py``
-(the table handle), ``lease.py`` (slot leases for every writer),
-``gather.py`` (rows out of the segment), ``iterator.py`` (prefetching
-learner loop), ``writers.py`` (sequence and n-step writers), ``retry.py``
-(riding out a daemon restart).  Imports ``wire`` and the shared root
+``client.py`` (``connect``, ``Client``: the public API), ``session.py``
+(the connection's life across forks and daemon restarts: opening,
+reconnecting, the "may be lost" notice), ``link.py`` (control socket),
+``pipe.py`` (command channel), ``table.py`` (the table handle),
+``lease.py`` (slot leases for every writer), ``draws.py`` (SAMPLE and the
+one draw-gather-redraw loop), ``gather.py`` (rows out of the segment:
+functions over arrays), ``iterator.py`` (prefetching learner loop),
+``writers.py`` (sequence and n-step writers), ``retry.py`` (the calls that
+run again after a reconnect).  Imports ``wire`` and the shared root
 modules, never ``server``.
 """
 

@@ -1,8 +1,10 @@
 """The ``Client``: one process's lease with the daemon, and its life cycle.
 
-A ``Client`` holds a control link (``link.py``: the socket, which is the
-lease) and a command pipe (``pipe.py``: the channel the data plane uses),
-and caches one ``Table`` handle per table.  It is not thread-safe: use it
+A ``Client`` holds a session (``session.py``: the control link, which is
+the lease, and the command pipe the data plane uses, across forks and
+daemon restarts), and caches one ``Table`` handle per table.  It keeps the
+public API and delegates the connection's life to the session.  It is not
+thread-safe: use it
 from one thread at a time (give each thread its own ``connect()`` or
 ``clone()``).  After ``fork`` the child's first call opens a fresh link and
 pipe; a ``Client`` or ``Table`` can be pickled into a ``spawn``ed process,
@@ -14,7 +16,8 @@ calls raise ``DaemonUnavailable`` within ~50 ms (waits poll the socket), and
 a writer never copies into slots leased from a dead daemon (``lease.py``).
 With ``connect(..., reconnect=True)`` a call that finds the daemon gone
 waits up to ``reconnect_timeout`` s for it to come back, reopens every
-table, voids every lease, and runs again once (``retry.py``); the first
+table, voids every lease, and runs again once (``retry.py``,
+``session.py``); the first
 ``flush()`` after that raises ``DaemonUnavailable`` if inserts or a
 writer's open items from before the restart may be lost, however the
 restart was noticed.  ``close()`` raises it too, once everything is closed,
@@ -31,15 +34,13 @@ happens in the daemon, so it costs no CPU here (``pipe.in_slices``).
 
 from __future__ import annotations
 
-import os
-
 from ..errors import DaemonUnavailable, ReplayError
 from ..schema import make_spec
-from ..wire import records as R
 from ..wire.names import client_socket_path
-from .link import ControlLink
-from .pipe import CommandPipe, deadline_of, in_slices
-from .retry import report_loss, retried, with_retries
+from .draws import drop_draw
+from .pipe import deadline_of, in_slices
+from .retry import retried, with_retries
+from .session import Session
 from .table import ReconnectingTable, Table
 
 DEFAULT_TIMEOUT = 30.0
@@ -69,12 +70,9 @@ class Client:
         self.timeout = float(timeout)
         self.reconnect = bool(reconnect)
         self.reconnect_timeout = float(reconnect_timeout)
-        self.reconnects = 0
-        self._lost = False  # inserts were unflushed when a daemon died (flush says so)
         self._tables: dict[str, Table] = {}
-        self._link = self._pipe = None
-        self._pid, self._lease_key = 0, 0  # this process's lease at its daemon (records.owner_key)
-        self._open()
+        self._session = Session(path, self.timeout, self.reconnect, self.reconnect_timeout,
+                                self._tables)
 
     # ---- pickling / fork ----
     def __reduce__(self):
@@ -85,63 +83,50 @@ class Client:
         another thread (a ``Client`` is for one thread at a time)."""
         return Client(self.path, self.timeout, reconnect, self.reconnect_timeout)
 
-    def _check_fork(self) -> None:
-        if self._pid != os.getpid():
-            # the parent's link and pipe belong to the parent's lease
-            self._link = self._pipe = None
-            self._open()
+    # ---- the connection (the session's) ----
+    @property
+    def reconnects(self) -> int:
+        """How many times this client reconnected after its daemon went away."""
+        return self._session.reconnects
 
-    # ---- the lease ----
-    def _open(self) -> None:
-        # the lease this process held at its last daemon: the leases were
-        # voided just below, so if that daemon died, the next may reuse the
-        # slots it gave us (server/tables/orphans.py)
-        resume = self._lease_key if self._pid == os.getpid() else 0
-        self._pid = os.getpid()
-        self._closed = False
-        self._dirty = False  # commits sent since the last flush
-        for t in self._tables.values():  # leases belonged to the old connection
-            t._forget_connection()
-        link = ControlLink(self.path, self.timeout)
-        try:
-            hello, fds = link.hello(os.getpid(), resume)
-            self.daemon_pid = hello["daemon_pid"]
-            self._lease_key = R.owner_key(self.daemon_pid, hello["client_id"])
-            self.max_batch = int(hello["max_batch"])
-            pipe = CommandPipe(link, fds)
-            try:
-                link.ready()
-            except BaseException:
-                pipe.close()
-                raise
-        except BaseException:
-            link.close()
-            raise
-        self._link, self._pipe = link, pipe
+    @property
+    def daemon_pid(self) -> int:
+        return self._session.daemon_pid
+
+    @property
+    def max_batch(self) -> int:
+        """The most items one command may carry (the daemon's hello says)."""
+        return self._session.max_batch
+
+    # the connection's parts, as the test suite's fault injection drives them
+    @property
+    def _link(self):
+        return self._session.link
+
+    @property
+    def _pipe(self):
+        return self._session.pipe
+
+    @property
+    def _pid(self) -> int:
+        return self._session.pid
+
+    @property
+    def _closed(self) -> bool:
+        return self._session.closed
 
     def _abandon(self) -> None:
         """Drop the link and pipe of a lease that is over (no flush)."""
-        if self._link is not None:
-            self._link.close()
-            self._pipe.close()
-            self._link = self._pipe = None
+        self._session.abandon()
+
+    def _request(self, op: str, **args) -> dict:
+        return self._session.request(op, **args)
 
     def close(self) -> None:
         """Wait until my inserts are applied (bounded), then end the lease;
         then, like ``flush()``, raise DaemonUnavailable if inserts made before
         a daemon restart may be lost (no other error of that flush is raised)."""
-        if self._closed or self._link is None or self._pid != os.getpid():
-            self._closed = True
-            return
-        failed = None
-        try:
-            self._flush()
-        except ReplayError as exc:
-            failed = exc
-        finally:
-            self._closed = True
-            self._abandon()
-        report_loss(self, failed)  # a quiet close would vouch for them
+        self._session.close(self._flush)
 
     def __enter__(self) -> "Client":
         return self
@@ -152,25 +137,6 @@ class Client:
         except DaemonUnavailable:
             if exc_type is None:  # else the block's own error goes on: it vouched for nothing
                 raise
-
-    def _begin(self) -> None:
-        """Prologue of data calls: fork check, replies that arrived, deferred errors."""
-        if self._closed:
-            raise ReplayError("client is closed")
-        self._check_fork()
-        pipe = self._pipe
-        if pipe is None:
-            raise DaemonUnavailable(f"no connection to the daemon at {self.path} (a reconnect failed)")
-        if pipe.resp.has_pending():  # cheaper than drain() when, as usually, nothing came
-            pipe.drain()
-        if pipe.deferred is not None:
-            pipe.raise_deferred()
-
-    def _request(self, op: str, **args) -> dict:
-        self._check_fork()
-        if self._link is None:
-            raise DaemonUnavailable(f"no connection to the daemon at {self.path} (a reconnect failed)")
-        return self._link.request(op, **args)
 
     # ---- tables ----
     @retried
@@ -199,7 +165,7 @@ class Client:
     @retried
     def table(self, name: str) -> Table:
         """Attach to an existing table (UnknownTable if there is none)."""
-        self._check_fork()
+        self._session.check_fork()
         t = self._tables.get(name)
         if t is not None:
             return t
@@ -209,7 +175,7 @@ class Client:
         t = self._tables.get(desc["spec"]["name"])
         if t is not None and t.id == desc["id"]:
             return t
-        t = (ReconnectingTable if self.reconnect else Table)(self, desc)
+        t = (ReconnectingTable if self.reconnect else Table)(self, self._session, desc)
         self._tables[t.name] = t
         return t
 
@@ -226,7 +192,7 @@ class Client:
         """Sample several tables at once: ``{table or name: batch_size}`` ->
         ``{name: SampleBatch}``.  Every SAMPLE is sent before the first reply
         is awaited, so the tables draw while this process gathers."""
-        self._check_fork()
+        self._session.check_fork()
         tables = [(t if isinstance(t, Table) else self.table(t), n) for t, n in requests.items()]
         for t, _ in tables:
             if t.client is not self:
@@ -239,20 +205,13 @@ class Client:
                 try:
                     out[t.name] = t.finish_sample(ticket, n, beta, None, w)
                 except BaseException:
+                    pipe = self._session.pipe
                     for (t2, _), ticket2 in zip(tables[i + 1:], tickets[i + 1:]):
-                        self._drop_reply(t2, ticket2, w)  # drain the rest, hand back holds
+                        drop_draw(pipe, t2.id, ticket2, w)  # drain the rest, hand back holds
                     raise
             return out
 
         return in_slices(deadline_of(timeout), attempt)
-
-    def _drop_reply(self, t: Table, seq: int, wait: float) -> None:
-        try:
-            hid = self._pipe.wait(seq, lambda rec, pay: R.read_hold(rec), wait)
-        except ReplayError:
-            return
-        if hid:
-            self._pipe.send(R.put_release, t.id, hid)
 
     # ---- admin and stats ----
     def checkpoint(self, to: str, tables=None) -> list[dict]:
@@ -290,17 +249,14 @@ class Client:
         counts.  After a daemon restart, raises DaemonUnavailable once if
         inserts made before it may be lost."""
         self._flush()
-        report_loss(self)  # outside the retried call: a second reconnect cannot hide it
+        self._session.report_loss()  # outside the retried call: a second reconnect cannot hide it
 
     @retried
     def _flush(self) -> None:
-        self._begin()
+        self._session.begin()
         for t in self._tables.values():
-            t._lease.release()
-            t.release()
-        self._pipe.wait(self._pipe.send(R.put_flush), lambda rec, pay: None)
-        self._dirty = False
-        self._pipe.raise_deferred()
+            t.hand_back()
+        self._session.flush()
 
 
 ReconnectingClient = with_retries(Client)

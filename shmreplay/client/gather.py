@@ -1,11 +1,13 @@
-"""Gathering sampled rows out of a table segment, and the batch they land in.
+"""Gathering sampled rows out of a table segment, and the batch they land in:
+plain functions over arrays, no pipe and no clock.
 
 The daemon hands out keys, never rows: a learner copies the rows of the
 sampled slots itself (``take_rows``), then re-reads each slot's generation
 stamp (``stale_rows``).  A slot whose stamp moved was reserved by a writer
 while the rows were being copied, so its row may be torn; the caller draws
-those rows again.  Stamps are read only after the rows: a writer's
-reservation bumps the stamp before the writer learns the slot.
+those rows again (``draws.draw_batch`` is the one loop that does).  Stamps
+are read only after the rows: a writer's reservation bumps the stamp before
+the writer learns the slot.
 
 Called from the thread that owns the table handle (and, for large rows,
 one helper thread that copies half of them).
@@ -14,13 +16,11 @@ one helper thread that copies half of them).
 from __future__ import annotations
 
 import os
-import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
 
-from ..errors import ReplayTimeout
 from ..wire.records import key_slots, stale
 
 
@@ -43,31 +43,9 @@ class SampleBatch:
 
 
 def new_batch(fields, n: int) -> SampleBatch:
+    """An empty batch of n rows of ``fields`` (none: keys, probabilities and weights only)."""
     return SampleBatch({f.name: np.empty((n, *f.shape), f.dtype) for f in fields},
                        np.empty(n, np.uint64), np.empty(n), np.empty(n))
-
-
-def gather_batch(draw, ticket, views: dict, fields, gens: np.ndarray, out: SampleBatch,
-                 timeout: float) -> SampleBatch:
-    """Fill ``out``: ``draw(rows, ticket)`` puts keys, probabilities and
-    weights of a SAMPLE (the one ``ticket`` sent, or a new one for None)
-    into ``out`` at ``rows``; then copy the rows, re-read the stamps, and
-    draw again the rows whose slot was reserved meanwhile, until none is."""
-    n = len(out)
-    every = np.arange(n)
-    draw(every, ticket)
-    take_rows(views, fields, out, every)
-    out.redraws = 0
-    deadline = time.monotonic() + timeout
-    while True:
-        bad = stale_rows(gens, out)
-        if bad.shape[0] == 0:
-            return out
-        if time.monotonic() > deadline:
-            raise ReplayTimeout(f"could not draw {n} stable rows within {timeout} s")
-        out.redraws += bad.shape[0]
-        draw(bad, None)
-        take_rows(views, fields, out, bad)
 
 
 def take_rows(views: dict, fields, out: SampleBatch, rows: np.ndarray) -> None:

@@ -12,8 +12,6 @@ has one of its own (its items stay open across calls).  A lease
   (the daemon refuses a commit out of order);
 * checks the table's epoch before every copy into a slot: a restarted
   daemon bumps it, and the slots leased from the dead one are void;
-* resolves field views through the table handle, which rebinds them after
-  a reconnect;
 * is voided when its client reconnects or forks (no reservation id of the
   old connection is ever sent again): its writer is told (``renewed``), and
   slots it had handed out and not committed count as possibly lost, so the
@@ -22,7 +20,19 @@ has one of its own (its items stay open across calls).  A lease
   a writer's at its ``close()``);
 * raises the client's deferred errors (``begin``).
 
-Same threading rule as the table handle: one thread at a time.
+A lease is built from what it uses, never from the table handle: the
+client's session (``session.Session``: the command pipe now, ``max_batch``,
+the ``dirty`` mark, and ``begin``/``check_fork``/``recover``) and the
+table's priority check; its table handle makes it (``Table.lease``) and
+binds it to the table as mapped now (``bind``: the daemon's id for the
+table, the field views, the counters whose epoch it checks), again after
+every reconnect, and voids it (``void``) when the connection goes.
+
+Who calls it: its table handle (``bind``, ``void``; ``write`` for
+``insert``/``insert_batch``; ``release`` at the client's flush) and its
+writer (``begin``, ``check``, ``take``, ``commit``, ``release``, ``run``,
+``views``, ``renewed``).  Same threading rule as the table handle: one
+thread at a time, the client's.
 """
 
 from __future__ import annotations
@@ -30,34 +40,46 @@ from __future__ import annotations
 from ..errors import DaemonUnavailable, RateLimited, ReplayError
 from ..wire import records as R
 from .pipe import in_slices
-from .retry import reconnect
 
 
 class SlotLease:
-    def __init__(self, table, size: int):
-        self.table = table
+    """Slots of one table reserved for one writer (see the module docstring)."""
+
+    def __init__(self, size: int, table_name: str, session, priorities):
+        """``session``: the client's ``session.Session``; ``priorities(values,
+        n, what)``: the table's priority check (``Table._priorities``)."""
         self.size = size
         self.cur: list | None = None    # [rid, slots, next position, contiguous]
         self.ahead: int | None = None   # seq of a RESERVE sent for the next reservation
         self.taken = 0                  # slots handed to a writer, not committed or abandoned
         self.renewed = False            # voided since the writer last looked
-        table._leases.add(self)
+        self.views: dict = {}           # the table's field arrays, as mapped now (bind)
+        self._name = table_name
+        self._session = session
+        self._priorities = priorities
+        self._table_id = 0
+        self._view_list: list = []
+        self._words = self._epoch = None
 
     # ---- state ----
-    @property
-    def views(self) -> dict:
-        """The table's field arrays, as mapped now (after any reconnect)."""
-        return self.table._views
+    def bind(self, table_id: int, views: dict, view_list: list, words, epoch: int) -> None:
+        """The table as mapped now (called by its handle, again after a
+        reconnect): the daemon's id for it, its field views (a dict, and a
+        list in field order), and its counters with the epoch they must
+        still show for this lease's slots to be ours."""
+        self._table_id = table_id
+        self.views = views
+        self._view_list = view_list
+        self._words, self._epoch = words, epoch
 
     def begin(self) -> None:
         """Prologue of a writer's call: fork check, deferred errors."""
-        self.table._client._begin()
+        self._session.begin()
 
     def check(self) -> None:
         """Before a copy into leased slots: are they still ours?"""
-        t = self.table
-        if t._words.epoch != t._epoch:
-            raise DaemonUnavailable(f"table {t.name!r} was taken over by a restarted daemon; "
+        if self._words.epoch != self._epoch:
+            raise DaemonUnavailable(f"table {self._name!r} was taken over by a restarted daemon; "
                                     "this client's slot leases died with the old one")
 
     def void(self) -> bool:
@@ -75,16 +97,14 @@ class SlotLease:
         try:
             return fn(*args)
         except DaemonUnavailable:
-            cl = self.table._client
-            if not cl.reconnect or cl._closed:
+            if not self._session.recover():
                 raise
-            reconnect(cl)
             return fn(*args)
 
     # ---- reserving ----
     def _reserve(self, n: int, deadline: float | None) -> list:
-        t = self.table
-        pipe = t._client._pipe
+        pipe = self._session.pipe
+        table_id = self._table_id
         got = None
         if self.ahead is not None:
             seq, self.ahead = self.ahead, None
@@ -94,7 +114,7 @@ class SlotLease:
                 pass  # no room when it was asked: ask again, waiting as this call may
         if got is None:
             def attempt(w):
-                return pipe.wait(pipe.send(R.put_reserve, t.id, n, R.timeout_us(w)),
+                return pipe.wait(pipe.send(R.put_reserve, table_id, n, R.timeout_us(w)),
                                  R.read_reserve_reply, w)
             got = in_slices(deadline, attempt)
         rid, contiguous, slots = got
@@ -108,8 +128,8 @@ class SlotLease:
         cur = self.cur
         if (self.ahead is None and 0 < n <= self.size
                 and cur[1].shape[0] - cur[2] < max(n, self.size // 2)):
-            pipe = self.table._client._pipe
-            self.ahead = pipe.send(R.put_reserve, self.table.id, self.size, R.timeout_us(0.0))
+            pipe = self._session.pipe
+            self.ahead = pipe.send(R.put_reserve, self._table_id, self.size, R.timeout_us(0.0))
             pipe.expect(self.ahead)
 
     # ---- inserts: copy and commit in one call ----
@@ -117,14 +137,14 @@ class SlotLease:
         """Copy n rows (``arrays`` in field order; ``single``: one item,
         unbatched) into leased slots and commit them with ``prios``."""
         self.check()
-        t = self.table
-        cl = t._client
-        views = t._view_list
+        session = self._session
+        table_id = self._table_id
+        views = self._view_list
         lo = 0
         while lo < n:
             cur = self.cur
             if cur is None or cur[2] == cur[1].shape[0]:
-                cur = self._reserve(min(max(n - lo, self.size), cl.max_batch), deadline)
+                cur = self._reserve(min(max(n - lo, self.size), session.max_batch), deadline)
                 self.check()
             rid, slots, pos, contiguous = cur
             k = min(n - lo, slots.shape[0] - pos)
@@ -145,9 +165,9 @@ class SlotLease:
                 self.release()  # the rows of this part may be half written
                 raise
             cur[2] = pos + k
-            cl._dirty = True
-            cl._pipe.send(R.put_commit, t.id, rid, k, pos,
-                          None if prios is None else (prios if whole else prios[lo:lo + k]))
+            session.dirty = True
+            session.pipe.send(R.put_commit, table_id, rid, k, pos,
+                              None if prios is None else (prios if whole else prios[lo:lo + k]))
             lo += k
         self._ask_ahead(n)
 
@@ -166,19 +186,18 @@ class SlotLease:
         return cur[0], pos, int(cur[1][pos])
 
     def commit(self, rid: int, pos: int, priority: float | None) -> None:
-        t = self.table
-        prio = None if priority is None else t._priorities([priority], 1, "commit")
-        cl = t._client
-        cl._dirty = True
-        cl._pipe.send(R.put_commit, t.id, rid, 1, pos, prio)
+        prio = None if priority is None else self._priorities([priority], 1, "commit")
+        session = self._session
+        session.dirty = True
+        session.pipe.send(R.put_commit, self._table_id, rid, 1, pos, prio)
         self.taken -= 1
 
     def release(self, abandoned=()) -> None:
         """Hand back the slots not handed out, and those of ``abandoned``
         items ((rid, pos, slot) taken but never to be committed; none may
         precede a committed one in its reservation)."""
-        cl = self.table._client
-        cl._check_fork()  # a forked child must not send its parent's ids on its parent's channel
+        session = self._session
+        session.check_fork()  # a forked child must not send its parent's ids on its parent's channel
         if self.renewed:  # voided (reconnect, fork): the abandoned items' ids are dead
             abandoned = ()
         rids = {rid for rid, _, _ in abandoned}
@@ -186,12 +205,12 @@ class SlotLease:
         if self.ahead is not None:
             seq, self.ahead = self.ahead, None
             try:
-                rids.add(cl._pipe.wait(seq, R.read_reserve_reply, cl._pipe.timeout)[0])
+                rids.add(session.pipe.wait(seq, R.read_reserve_reply, session.pipe.timeout)[0])
             except ReplayError:
                 pass  # the RESERVE failed: nothing to hand back
         cur, self.cur = self.cur, None
         if cur is not None and cur[2] < cur[1].shape[0]:
             rids.add(cur[0])
         for rid in sorted(rids):
-            cl._pipe.send(R.put_abort, self.table.id, rid)
+            session.pipe.send(R.put_abort, self._table_id, rid)
 

@@ -3,8 +3,15 @@
 Cheap, cached per client (``Client.table``); same threading rule as its
 ``Client``: one thread at a time.  Inserts go through a ``SlotLease``
 (``lease.py``); samples draw in the daemon (keys, probabilities, weights)
-and gather rows here (``gather.py``).  The rate-limiter probes read the
-counters the daemon mirrors into the segment, with no round trip.
+and gather rows here (``draws.draw_batch``).  The rate-limiter probes read
+the counters the daemon mirrors into the segment, with no round trip.
+
+A handle is made by its ``Client``, with the client's ``session.Session``,
+whose connection it uses (``pipe``, ``begin``...).  Besides its public API
+it answers the session (``forget_connection``, ``rebind``, ``retire``: the
+connection went, came back, or came back without this table) and the
+client's flush (``hand_back``).  It owns its table's mapping and binds its
+slot leases to it (``SlotLease.bind``), again after every reconnect.
 
 Handles of a client made with ``reconnect=True`` are ``ReconnectingTable``:
 every call marked ``@retried`` runs again, once, after a reconnect, if the
@@ -25,7 +32,8 @@ from ..priorities import as_priorities
 from ..schema import spec_from_wire
 from ..wire import records as R
 from ..wire.layout import TableMap
-from .gather import SampleBatch, gather_batch, new_batch
+from .draws import draw_batch, receive_draw, send_draw
+from .gather import SampleBatch, new_batch
 from .iterator import BatchIterator
 from .lease import SlotLease
 from .pipe import deadline_of, in_slices
@@ -34,8 +42,13 @@ from .rows import check_rows
 
 
 class Table:
-    def __init__(self, client, desc: dict):
+    """A client's handle on one table; made by its ``Client`` (see the
+    module docstring for who may call what).  One thread at a time."""
+
+    def __init__(self, client, session, desc: dict):
         self._client = client
+        self._session = session
+        self._begin = session.begin  # bound once: the prologue of every data call
         self.spec = spec_from_wire(desc["spec"])
         self.name = self.spec.name
         self._fields = self.spec.fields
@@ -48,8 +61,8 @@ class Table:
         # leases of capacity/256 slots each, i.e. < 1% of the table withheld
         # from sampling per writer (0: reserve per call)
         self.lease_size = 0 if self.spec.rate_limited else min(
-            4096, self.spec.capacity // 256, client.max_batch)
-        self._lease = SlotLease(self, self.lease_size)
+            4096, self.spec.capacity // 256, session.max_batch)
+        self._lease = self.lease()
 
     def _bind(self, desc: dict) -> None:
         self.id = int(desc["id"])
@@ -59,9 +72,16 @@ class Table:
         self._views = self._map.fields
         self._view_list = [self._views[f.name] for f in self._fields]
         self._words = self._map.words
+        self._gens = self._map.gens
         self._epoch = self._words.epoch  # leases are valid while this stays (lease.py)
+        for lease in list(self._leases):
+            self._bind_lease(lease)
 
-    def _rebind(self, desc: dict) -> None:
+    def _bind_lease(self, lease: SlotLease) -> None:
+        lease.bind(self.id, self._views, self._view_list, self._words, self._epoch)
+
+    # ---- called by the session (connection gone, back) and the client's flush ----
+    def rebind(self, desc: dict) -> None:
         """After a reconnect: the daemon's table of this name, every lease void."""
         spec = spec_from_wire(desc["spec"])
         if spec != self.spec:
@@ -71,12 +91,25 @@ class Table:
             self.spec = spec
         self._bind(desc)
 
-    def _forget_connection(self) -> bool:
+    def retire(self) -> None:
+        """After a reconnect the daemon serves no table of this name: no
+        table has id 0, so every later call raises UnknownTable."""
+        self.id = 0
+        for lease in list(self._leases):
+            self._bind_lease(lease)
+
+    def forget_connection(self) -> bool:
         """The connection this handle's leases and holds were made on is
         gone (reconnect, fork); True if a writer had items open in a lease
         (possibly lost)."""
         self._held = []
         return any([lease.void() for lease in list(self._leases)])
+
+    def hand_back(self) -> None:
+        """Hand back unused slots of this handle's lease and the slots
+        ``sample_indices`` holds (the client's flush)."""
+        self._lease.release()
+        self.release()
 
     def __reduce__(self):
         return (_reopen, (self._client, self.name))
@@ -123,7 +156,7 @@ class Table:
         far.  Waits up to ``timeout`` s (None: no limit) for the rate limiter."""
         arrays, _ = check_rows(self.spec, self._names, fields, batch=False)
         prios = None if priority is None else self._priorities([priority], 1, "insert")
-        self._client._begin()
+        self._begin()
         self._lease.write(arrays, 1, prios, True, deadline_of(timeout))
 
     @retried
@@ -135,8 +168,8 @@ class Table:
         prios = None if priorities is None else self._priorities(priorities, n, "insert_batch")
         if n == 0:
             return
-        self._client._begin()
-        step = self._client.max_batch
+        self._begin()
+        step = self._session.max_batch
         deadline = deadline_of(timeout)
         for lo in range(0, n, step):
             hi = min(n, lo + step)
@@ -146,7 +179,10 @@ class Table:
     def lease(self) -> SlotLease:
         """A slot lease of this table's lease size, for a writer whose items
         stay open across calls (``writers.py``)."""
-        return SlotLease(self, self.lease_size)
+        lease = SlotLease(self.lease_size, self.name, self._session, self._priorities)
+        self._bind_lease(lease)
+        self._leases.add(lease)
+        return lease
 
     def flush(self) -> None:
         """Return when all my inserts (on any table of this client) are sampleable."""
@@ -166,8 +202,8 @@ class Table:
         return BatchIterator(self, batch_size, beta, prefetch, timeout)
 
     def _check_draw(self, batch_size, beta) -> tuple[int, float]:
-        n, beta = R.check_draw(batch_size, beta, "batch_size {n}", self._client.max_batch)
-        self._client._begin()
+        n, beta = R.check_draw(batch_size, beta, "batch_size {n}", self._session.max_batch)
+        self._begin()
         return n, beta
 
     @retried
@@ -182,17 +218,18 @@ class Table:
         n, beta = self._check_draw(batch_size, beta)
         self.release()
         b = new_batch((), n)
-        hid = in_slices(deadline_of(timeout),
-                        lambda w: self._receive_draw(self._send_draw(n, beta, w), b, slice(None), w))
+        pipe = self._session.pipe
+        hid = in_slices(deadline_of(timeout), lambda w: receive_draw(
+            pipe, send_draw(pipe, self.id, n, beta, w), n, slice(None), b, w))
         if hid:
             self._held.append(hid)
         return b.keys, b.probabilities, b.weights
 
     def release(self) -> None:
         """Hand back the slots ``sample_indices`` held for reading (see there)."""
-        self._client._check_fork()  # a forked child holds none of its parent's holds
+        self._session.check_fork()  # a forked child holds none of its parent's holds
         held, self._held = self._held, []
-        pipe = self._client._pipe
+        pipe = self._session.pipe
         for hid in held:
             pipe.send(R.put_release, self.id, hid)
 
@@ -210,45 +247,17 @@ class Table:
         """Send a SAMPLE now and collect it later with ``finish_sample``;
         returns its ticket.  The daemon may hold it ``wait_s`` for the limits."""
         n, beta = self._check_draw(n, beta)
-        seq = self._send_draw(n, beta, wait_s)
-        self._client._pipe.expect(seq)
+        pipe = self._session.pipe
+        seq = send_draw(pipe, self.id, n, beta, wait_s)
+        pipe.expect(seq)
         return seq
 
     def finish_sample(self, ticket: int | None, n: int, beta: float, out: SampleBatch | None,
                       wait_s: float) -> SampleBatch:
         """Gather the batch a ``begin_sample`` ticket drew (None: draw now):
         rows whose slot was overwritten during the gather are drawn again."""
-        pipe = self._client._pipe
-        if out is None:
-            out = new_batch(self._fields, n)
-        elif len(out) != n:
-            raise ReplayError(f"out= holds {len(out)} rows, batch_size is {n}")
-        holds = []
-
-        def draw(rows: np.ndarray, seq: int | None) -> None:
-            if seq is None:
-                seq = self._send_draw(rows.shape[0], beta, wait_s)
-            hid = self._receive_draw(seq, out, rows, wait_s)
-            if hid:
-                holds.append(hid)
-
-        try:
-            return gather_batch(draw, ticket, self._views, self._fields, self._map.gens, out,
-                                pipe.timeout)
-        finally:
-            for hid in holds:  # the rows are copied out: the slots may be reused
-                pipe.send(R.put_release, self.id, hid)
-
-    def _send_draw(self, k: int, beta: float, wait_s: float) -> int:
-        return self._client._pipe.send(R.put_sample, self.id, k, R.timeout_us(wait_s), beta)
-
-    def _receive_draw(self, seq: int, out: SampleBatch, rows, wait_s: float) -> int:
-        """Wait for the SAMPLE reply ``seq`` into ``out``'s keys/probabilities/
-        weights at ``rows``; returns the hold id (0: none)."""
-        k = out.keys[rows].shape[0]
-        return self._client._pipe.wait(
-            seq, lambda rec, pay: R.read_sample_reply(rec, pay, k, rows, out.keys,
-                                                      out.probabilities, out.weights), wait_s)
+        return draw_batch(self._session.pipe, self.id, self._views, self._fields, self._gens,
+                          ticket, n, beta, out, wait_s)
 
     @retried
     def update_priorities(self, keys, priorities) -> None:
@@ -259,13 +268,14 @@ class Table:
             raise PriorityError(f"keys must be 1-D, got shape {keys.shape}")
         n = keys.shape[0]
         prios = self._priorities(priorities, n, "update_priorities")
-        cl = self._client
-        cl._begin()
-        cl._link.live()
-        step = cl.max_batch
+        self._begin()
+        session = self._session
+        session.link.live()
+        step = session.max_batch
+        pipe = session.pipe
         for lo in range(0, n, step):
             hi = min(n, lo + step)
-            cl._pipe.send(R.put_update, self.id, keys[lo:hi], prios[lo:hi])
+            pipe.send(R.put_update, self.id, keys[lo:hi], prios[lo:hi])
 
 
 ReconnectingTable = with_retries(Table)

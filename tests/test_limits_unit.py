@@ -11,6 +11,7 @@ import pytest
 from shmreplay import ratelimiter
 from shmreplay.errors import CapacityError, EmptyTable, ProtocolError, RateLimited, SchemaError
 from shmreplay.wire.layout import COMMITTED, FREE, HELD, TableMap
+from shmreplay.wire.records import key_slots
 from shmreplay.server.tables.order import CommitOrder
 from shmreplay.schema import make_spec
 from shmreplay.server.tables.counters import Blocked
@@ -133,7 +134,7 @@ def fill(t, n, owner=1):
 
 
 def values(t, keys):
-    return t.map.fields["x"][(keys & np.uint64(0xFFFFFFFF)).astype(np.int64)].tolist()
+    return t.map.fields["x"][key_slots(keys)].tolist()
 
 
 def test_fifo_draws_repeat_each_item_max_times_then_move_on(make_table):
@@ -150,7 +151,7 @@ def test_items_sampled_for_the_last_time_are_held_until_released(make_table):
     t = make_table(capacity=4, sampler="uniform", max_times_sampled=1)
     fill(t, 4)
     keys, _, _, hid = t.sample(7, 4, 0.4)
-    slots = (keys & np.uint64(0xFFFFFFFF)).astype(np.int64)
+    slots = key_slots(keys)
     assert sorted(values(t, keys)) == [1, 2, 3, 4], "each item once: no repeats past the limit"
     assert np.all(t.map.state[slots] == HELD) and t.size == 0
     with pytest.raises(Blocked) as info:     # no slot is free: they are held, not reusable
@@ -199,7 +200,7 @@ def test_a_blocked_sample_takes_nothing(make_table):
     t = make_table(capacity=8, sampler="prioritized", alpha=1.0, max_times_sampled=1)
     fill(t, 4)
     keys, *_ = t.sample(1, 1, 0.4)
-    (gone,) = (keys & np.uint64(0xFFFFFFFF)).astype(np.int64)
+    (gone,) = key_slots(keys)
     live = np.flatnonzero(t.map.state == COMMITTED)
     assert live.shape[0] == 3 and gone not in live
     # the three left have zero priority: uses remain, but nothing can be drawn
@@ -218,7 +219,7 @@ def test_a_blocked_sample_takes_nothing(make_table):
     assert_untouched(t, before)
     # put back as it was: the item is drawn next, with all of the mass
     keys, probs, _, hid = t.sample(1, 1, 0.4)
-    assert (keys & np.uint64(0xFFFFFFFF)).tolist() == [live[0]] and probs.tolist() == [1.0] and hid
+    assert key_slots(keys).tolist() == [live[0]] and probs.tolist() == [1.0] and hid
 
 
 def test_rate_limited_reserve_grants_only_what_the_ratio_allows(make_table):

@@ -19,6 +19,7 @@ import numpy as np
 import shmreplay
 from waiting import HANG_S, reap, wait_for  # noqa: F401  (the fault tests take them from here)
 from shmreplay.wire.layout import COMMITTED, HELD, RESERVED, TableMap
+from shmreplay.wire.records import key_slots
 
 FIELDS = {"obs": ("uint8", (64,)), "id": ("int64", ())}
 
@@ -164,7 +165,7 @@ def victim(sock, step, first_id, ready):
     elif step == "learner_mid_gather":
         t = c.table("once")
         keys, _, _ = t.sample_indices(4)
-        half = (keys[:2] & np.uint64(0xFFFFFFFF)).astype(np.int64)
+        half = key_slots(keys[:2])
         np.take(t._views["obs"], half, axis=0)
         ready.set()
     time.sleep(600)

@@ -25,6 +25,7 @@ import shmreplay
 from faults import FIELDS, committed_ids, reap, rows, torn, wait_for
 from shmreplay.client import gather
 from shmreplay.wire.layout import HELD, TableMap
+from shmreplay.wire.records import key_slots
 
 CTX = mp.get_context("fork")
 
@@ -201,7 +202,7 @@ def test_holds_expire_and_a_late_gather_redraws_the_reused_rows(start_daemon):
             _, keys, data, redraws = got
             assert redraws == 32, (how, redraws)
             assert torn(data) == 0
-            slots = (keys & np.uint64(0xFFFFFFFF)).astype(np.int64)
+            slots = key_slots(keys)
             # every row is exactly the item its key names (no writer runs now)
             assert np.array_equal((keys >> np.uint64(32)).astype(np.uint32), tm.gens[slots])
             assert np.array_equal(data["id"], tm.fields["id"][slots])

@@ -3,11 +3,12 @@
 Slots of items sampled for their last time (``max_times_sampled``) are held
 until the learner that drew them has copied the rows.  A learner that
 stops (SIGSTOP, a debugger, a swapped-out box) before it releases them must
-cost the writers nothing: a full table evicts around the held slots, holds
-expire after ``hold_timeout_s`` (a writer with no timeout waits that out,
-one with a timeout raises), and the daemon's stats name the holder.  That
-the resumed learner's late gather redraws the rows whose slots were reused
-is test_redraw.py's.
+cost the writers nothing: a full table evicts around the held slots, a
+writer with no timeout waits until held slots come back while one with a
+timeout raises, holds expire after the config's ``hold_timeout_s``, and the
+daemon's stats name the holder.  The expiry itself, and the resumed
+learner's late gather that redraws the rows whose slots were reused, are
+checked in test_redraw.py.
 
 Each learner here stops itself at a chosen point of its draw (``hung.py``),
 so every state is arranged, never waited out by the clock."""

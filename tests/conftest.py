@@ -1,4 +1,5 @@
-"""Fixtures: real daemons in subprocesses, and the leak checks.
+"""Fixtures: real daemons in subprocesses, and the leak checks; and
+in-process tables over a real segment (``make_table``).
 
 Every daemon a test starts gets its own socket and an instance name
 beginning with ``test``, so every shared-memory object it makes is named
@@ -264,3 +265,25 @@ def client(daemon):
         if os.environ.get("SHMREPLAY_TEST_ROWS") == "file" and not c._closed:
             tables = c.stats()["tables"]
             assert all(t["file_backed"] for t in tables.values()), "a table in /dev/shm in file mode"
+
+
+@pytest.fixture
+def make_table():
+    """An in-process daemon-side ``Table`` over a real segment (unlinked at
+    teardown): ``make_table(capacity=8, **limits)``, one field ``x``."""
+    from shmreplay.schema import make_spec
+    from shmreplay.server.tables.table import Table
+    from shmreplay.wire.layout import TableMap
+    made = []
+
+    def make(capacity=8, **limits):
+        spec = make_spec("unit", capacity, {"x": ("int64", ())}, **limits)
+        tm = TableMap.create(f"/shmreplay.test{os.getpid()}.lim{len(made)}", spec)
+        t = Table(1, spec, tm, seed=0)
+        made.append(tm)
+        return t
+
+    yield make
+    for tm in made:
+        tm.unlink()
+        tm.release()

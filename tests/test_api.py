@@ -1,10 +1,13 @@
-"""The client API against a real daemon: tables, insert, sample, priorities."""
+"""The client API against a real daemon: tables, insert, sample (one
+table or several at once), priorities, stats."""
 
 import numpy as np
 import pytest
 
 import shmreplay
+from shmreplay.wire.records import key_slots
 from conftest import SMALL_FIELDS
+from items import F, ids, insert_ids
 from readback import committed
 
 
@@ -35,7 +38,7 @@ def test_create_insert_flush_sample_round_trip(client):
     assert b.keys.dtype == np.uint64 and b.weights.shape == (256,) and b.probabilities.shape == (256,)
     assert_rows_consistent(b.data)  # the single insert fits the pattern too: 300 % 256 == 44
     assert set(b.data["action"].tolist()) <= set(range(301))
-    np.testing.assert_array_equal(b.indices, b.keys & 0xFFFFFFFF)
+    np.testing.assert_array_equal(b.indices, key_slots(b.keys))
     # every item, batch and single insert alike, stored whole, in order
     got, _ = committed(t)
     np.testing.assert_array_equal(got["action"], np.arange(301))
@@ -84,6 +87,21 @@ def test_several_tables_per_daemon(client):
     assert (len(a), len(b)) == (5, 7)
     np.testing.assert_array_equal(b.sample(4).data["x"], np.ones((4, 3)))
     assert sorted(client.list_tables()) == ["a", "b"]
+
+
+def test_a_learner_samples_several_tables_at_once(client):
+    x = client.create_table("x", 100, F)
+    y = client.create_table("y", 100, {"w": ("float32", (3,))}, sampler="uniform")
+    insert_ids(x, 0, 10)
+    y.insert_batch({"w": np.ones((5, 3), np.float32)})
+    y.flush()
+    out = client.sample_many({"x": 16, y: 8})
+    assert set(out) == {"x", "y"} and len(out["x"]) == 16 and out["y"].data["w"].shape == (8, 3)
+    assert set(ids(out["x"])) <= set(range(10))
+    with pytest.raises(shmreplay.EmptyTable):
+        client.create_table("z", 10, F)
+        client.sample_many({"x": 4, "z": 4}, timeout=0)
+    assert len(client.sample_many({"x": 4})["x"]) == 4, "the client is still usable"
 
 
 def test_drop_table_makes_it_unknown(client):

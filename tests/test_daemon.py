@@ -1,27 +1,21 @@
-"""The daemon process: config, shutdown, idle cost, timeouts, fork and spawn."""
+"""The daemon process: its config (tables, every limit), start and
+shutdown as a client sees them (none there, stopping), idle cost, timeouts
+when it hangs, a second daemon refused, systemd, fork and spawn."""
 
 import multiprocessing as mp
 import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 
-import numpy as np
 import pytest
 
 import shmreplay
 from conftest import SMALL_FIELDS, shm_entries, write_config
-from waiting import HANG_S, wait_for
+from items import TABLE, good_row, ids, insert_ids
+from waiting import HANG_S, all_threads_stopped, wait_for
 from shmreplay.wire.names import lock_path
-
-TABLE = {"name": "cfg", "capacity": 100, "sampler": "uniform", "alpha": 0.6,
-         "fields": {"obs": ("uint8", (4, 8, 8)), "action": ("int64", ()), "reward": ("float32", ())}}
-
-
-def row(i):
-    return {"obs": np.full((4, 8, 8), i % 256, np.uint8), "action": i, "reward": float(i)}
 
 
 def cpu_seconds(pid: int) -> float:
@@ -38,10 +32,30 @@ def test_tables_from_config_exist_at_start(start_daemon):
         assert t.spec.field("obs").shape == (4, 8, 8)
 
 
+def test_every_limit_is_settable_in_the_daemon_config(start_daemon):
+    tables = [
+        {"name": "impala", "capacity": 64, "sampler": "fifo", "remover": "fifo",
+         "max_times_sampled": 1, "samples_per_insert": 1.0, "error_buffer": [0.0, 64.0],
+         "fields": {"v": ("int64", ())}},
+        {"name": "apex", "capacity": 100, "sampler": "prioritized", "alpha": 0.9,
+         "remover": "lifo", "min_size_to_sample": 10, "samples_per_insert": 8.0,
+         "error_buffer": 40.0, "fields": {"v": ("int64", ())}},
+    ]
+    d = start_daemon(tables=tables)
+    with d.connect() as c:
+        q, a = c.table("impala"), c.table("apex")
+        assert (q.spec.sampler, q.spec.max_times_sampled, q.spec.diff_bounds) == ("fifo", 1, (0.0, 64.0))
+        assert (a.spec.remover, a.spec.min_size_to_sample, a.spec.diff_bounds) == ("lifo", 10, (40.0, 120.0))
+        insert_ids(q, 0, 3)
+        assert ids(q.sample(3)) == [0, 1, 2] and len(q) == 0
+        with pytest.raises(shmreplay.RateLimited, match="min_size_to_sample 10"):
+            a.sample(1, timeout=0)
+
+
 def test_sigterm_unlinks_every_segment_and_semaphore(start_daemon):
     d = start_daemon(tables=[TABLE])
     c = d.connect()
-    c.table("cfg").insert(**row(1))
+    c.table("cfg").insert(**good_row(1))
     c.create_table("extra", capacity=10, fields=SMALL_FIELDS)
     mine = shm_entries(f"shmreplay.{d.instance}.")
     assert any(".t.cfg" in n for n in mine) and any(".r.extra" in n for n in mine)
@@ -50,6 +64,21 @@ def test_sigterm_unlinks_every_segment_and_semaphore(start_daemon):
     assert not os.path.exists(d.socket) and not os.path.exists(lock_path(d.instance))
     assert "signal received; shutting down" in d.log()
     c.close()
+
+
+def test_stopped_daemon_says_it_is_shutting_down(start_daemon):
+    d = start_daemon()
+    c = d.connect()
+    t = c.create_table("t", capacity=10, fields=SMALL_FIELDS)
+    assert d.stop() == 0
+    with pytest.raises(shmreplay.DaemonUnavailable, match="shutting down|closed the connection"):
+        t.insert(**good_row())
+    c.close()
+
+
+def test_no_daemon_is_daemon_unavailable(tmp_path):
+    with pytest.raises(shmreplay.DaemonUnavailable, match="no shmreplay daemon at"):
+        shmreplay.connect(str(tmp_path / "nothing.sock"))
 
 
 def test_channel_names_are_unlinked_once_the_client_attached(start_daemon):
@@ -62,7 +91,7 @@ def test_channel_names_are_unlinked_once_the_client_attached(start_daemon):
 def test_idle_daemon_uses_almost_no_cpu(start_daemon):
     d = start_daemon(tables=[TABLE])
     with d.connect() as c:  # an attached, idle client: the engine must still sleep
-        c.table("cfg").insert(**row(1))
+        c.table("cfg").insert(**good_row(1))
         c.flush()
         time.sleep(0.5)
         before = cpu_seconds(d.pid)
@@ -71,22 +100,11 @@ def test_idle_daemon_uses_almost_no_cpu(start_daemon):
     assert used < 0.15, f"idle daemon used {used:.2f} s of CPU in 3 s"
 
 
-def all_threads_stopped(pid: int) -> bool:
-    states = []
-    for tid in os.listdir(f"/proc/{pid}/task"):
-        try:
-            with open(f"/proc/{pid}/task/{tid}/stat") as f:
-                states.append(f.read().rsplit(")", 1)[1].split()[0])
-        except OSError:
-            pass
-    return bool(states) and all(st in ("T", "t") for st in states)
-
-
 def test_every_wait_has_a_timeout(start_daemon):
     d = start_daemon(tables=[TABLE])
     c = d.connect(timeout=1.0)
     t = c.table("cfg")
-    t.insert(**row(1))
+    t.insert(**good_row(1))
     c.flush()
     os.kill(d.pid, signal.SIGSTOP)
     try:
@@ -101,40 +119,6 @@ def test_every_wait_has_a_timeout(start_daemon):
             c.stats()
     finally:
         os.kill(d.pid, signal.SIGCONT)
-    c.close()
-
-
-def test_a_parked_wait_notices_a_stopped_daemon_at_its_next_re_ask(start_daemon):
-    """A sample parked with no timeout of its own asks the daemon for at
-    most 1 s at a time and re-asks; a daemon that stops answering (SIGSTOP:
-    its socket stays open, so only the missing answer can tell) is reported
-    after that slice plus the client's timeout, instead of a hang."""
-    d = start_daemon(tables=[TABLE])  # empty: the sample parks
-    c = d.connect(timeout=1.0)
-    t = c.table("cfg")
-    out = {}
-
-    def learner():
-        try:
-            t.sample(1, timeout=None)
-        except BaseException as exc:  # handed to the test's thread
-            out["error"] = exc
-
-    th = threading.Thread(target=learner)
-    th.start()
-    try:
-        with d.connect() as admin:
-            wait_for(lambda: admin.stats()["tables"]["cfg"]["limiter"]["waiting_samples"] == 1,
-                     "the sample to park")
-        os.kill(d.pid, signal.SIGSTOP)
-        wait_for(lambda: all_threads_stopped(d.pid), "the daemon to stop")
-        th.join(HANG_S)
-        assert not th.is_alive(), "the parked wait hung on a stopped daemon"
-    finally:
-        os.kill(d.pid, signal.SIGCONT)
-        th.join(HANG_S)
-    assert isinstance(out.get("error"), shmreplay.ReplayTimeout), out
-    assert "did not answer within 1.0 s" in str(out["error"])
     c.close()
 
 
@@ -163,14 +147,14 @@ def test_client_reattaches_after_fork(start_daemon):
     d = start_daemon(tables=[TABLE])
     c = d.connect()
     t = c.table("cfg")
-    t.insert(**row(1))
+    t.insert(**good_row(1))
     c.flush()
     r, w = os.pipe()
     pid = os.fork()
     if pid == 0:  # child: same objects, new lease
         code = 1
         try:
-            t.insert(**row(2))
+            t.insert(**good_row(2))
             t.flush()
             code = 0 if len(t) == 2 and c._pid == os.getpid() else 3
         finally:
@@ -179,7 +163,7 @@ def test_client_reattaches_after_fork(start_daemon):
     os.close(w)
     assert os.read(r, 1) == b"\x00"
     os.waitpid(pid, 0)
-    t.insert(**row(3))  # the parent's lease is untouched
+    t.insert(**good_row(3))  # the parent's lease is untouched
     c.flush()
     assert len(t) == 3
     c.close()
@@ -187,7 +171,7 @@ def test_client_reattaches_after_fork(start_daemon):
 
 def spawned_writer(table, n):
     for i in range(n):
-        table.insert(**row(100 + i))
+        table.insert(**good_row(100 + i))
     table.flush()
 
 

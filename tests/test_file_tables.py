@@ -215,12 +215,14 @@ def test_the_api_writer_and_semantics_tests_pass_on_file_backed_tables():
     fixture checks each table really was file-backed)."""
     here = os.path.dirname(os.path.abspath(__file__))
     # the tests that move rows or choose them: writers, iterators, the API's
-    # inserts and gathers, samplers and removers (limiter, waiting and
-    # admin tests never look at a row, and take most of the time)
+    # inserts and gathers, samplers and removers, reuse limits, queues and
+    # redraws (limiter, waiting and admin tests never look at a row, and
+    # take most of the time)
     pick = ("test_writers or test_iterate or (test_api and (round_trip or attaches_by_name or "
             "ring_overwrites or update_priorities_changes or preallocated or larger_than_one_command "
-            "or are_cast or large_rows)) or (test_semantics and (sampler or remover or "
-            "max_times_sampled or queue_delivers or overwritten))")
+            "or are_cast or large_rows)) or (test_selectors and (sampler_returns or draws_every_item "
+            "or remover)) or (test_reuse_limits and max_times_sampled) or test_queues or "
+            "(test_redraw and overwritten)")
     run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
                           "-k", pick, *(os.path.join(here, m) for m in FILE_MODULES)],
                          cwd=os.path.dirname(here), capture_output=True, text=True, timeout=1200,
@@ -229,7 +231,8 @@ def test_the_api_writer_and_semantics_tests_pass_on_file_backed_tables():
     assert " passed" in run.stdout.splitlines()[-1] and "skipped" not in run.stdout.splitlines()[-1]
 
 
-FILE_MODULES = ("test_api.py", "test_writers.py", "test_iterate.py", "test_semantics.py")
+FILE_MODULES = ("test_api.py", "test_writers.py", "test_iterate.py", "test_selectors.py", "test_reuse_limits.py",
+                "test_queues.py", "test_redraw.py")
 
 
 def test_rows_left_without_their_metadata_are_refused_clearly_and_cleaned_on_request(start_daemon, tmp_path):

@@ -3,6 +3,9 @@
 CI runs on a loaded 2-core machine: no assertion may depend on how fast
 anything runs.  A test arranges the state it checks, or waits for the daemon
 (or the segment) to report it; the deadline only catches a hang.
+
+Also the worker processes a test starts: their context, waiting for them
+to exit 0 (stopping at once when one failed), and ending what is left.
 """
 
 from __future__ import annotations
@@ -72,3 +75,46 @@ def worker_context():
     here = os.path.dirname(os.path.dirname(os.path.abspath(shmreplay.__file__)))
     ctx.set_forkserver_preload(["shmreplay", "pytest"] if os.path.samefile(here, os.getcwd()) else [])
     return ctx
+
+
+def start_all(procs):
+    for p in procs:
+        p.start()
+
+
+def no_worker_failed(procs):
+    """True while none of procs has exited with an error (fails the test if one has)."""
+    failed = [(p.name, p.exitcode) for p in procs if p.exitcode not in (None, 0)]
+    assert not failed, f"worker(s) failed: {failed}"
+    return True
+
+
+def wait_for_exit(procs, watch, what, probe=lambda: True):
+    """Wait until every process in ``procs`` has exited 0; stop at once if any
+    process in ``watch`` fails (the others may then wait for ever)."""
+    wait_for(lambda: (no_worker_failed(watch) and probe()
+                              and all(p.exitcode is not None for p in procs)), what, timeout=10 * HANG_S)
+    no_worker_failed(procs)
+
+
+def end_all(procs):
+    """Kill whichever worker is still running (a failed assert must not hang the run)."""
+    for p in procs:
+        if p.pid is not None and p.is_alive():
+            p.kill()
+    for p in procs:
+        if p.pid is not None:
+            p.join(10)
+
+
+def all_threads_stopped(pid: int) -> bool:
+    """Whether every thread of process ``pid`` is stopped: ``kill(SIGSTOP)``
+    returns before the stop takes hold."""
+    states = []
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                states.append(f.read().rsplit(")", 1)[1].split()[0])
+        except OSError:
+            pass
+    return bool(states) and all(st in ("T", "t") for st in states)

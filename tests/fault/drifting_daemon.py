@@ -1,5 +1,5 @@
 """A real shmreplayd whose sum trees drift on demand (fault injection for
-tests/fault/test_real_engine.py): once the file named by
+tests/fault/test_tree_drift.py): once the file named by
 $SHMREPLAY_TEST_DRIFT_FILE exists, the engine's next stats snapshot first
 corrupts the sum tree of every prioritized table, once, as a stray write
 would: an inner node over the right half of the leaves and the root gain

@@ -1,8 +1,9 @@
 """Helpers of the fault tests: rows that show tearing, and worker processes.
 
 A row of item ``i`` is ``id = i`` and ``obs`` filled with ``i % 251``; a
-row that mixes two writes, or was never fully written, fails ``torn()``.
-Workers run in forked processes and report through a queue.
+row that mixes two writes, or was never fully written, fails ``torn()``
+(both from ``idrows.py``, re-exported here with ``table_state`` from
+``readback.py``).  Workers run in forked processes and report through a queue.
 
 Nothing here waits by the clock: ``wait_for`` polls a condition, and its
 timeout is a hang guard (generous, for a loaded CI box), never a speed
@@ -17,22 +18,11 @@ import time
 import numpy as np
 
 import shmreplay
-from waiting import HANG_S, reap, wait_for  # noqa: F401  (the fault tests take them from here)
+from idrows import FIELDS, rows, torn  # noqa: F401  (the fault tests take them from here)
+from readback import table_state  # noqa: F401
+from waiting import HANG_S, reap, wait_for  # noqa: F401
 from shmreplay.wire.layout import COMMITTED, HELD, RESERVED, TableMap
-
-FIELDS = {"obs": ("uint8", (64,)), "id": ("int64", ())}
-
-
-def rows(ids) -> dict:
-    ids = np.asarray(ids, dtype=np.int64)
-    return {"obs": np.repeat((ids % 251).astype(np.uint8)[:, None], 64, axis=1), "id": ids}
-
-
-def torn(data: dict) -> int:
-    """How many rows are not exactly what their id says."""
-    ids = data["id"]
-    want = (ids % 251).astype(np.uint8)[:, None]
-    return int(np.sum((ids < 0) | np.any(data["obs"] != want, axis=1)))
+from shmreplay.wire.records import key_slots
 
 
 def writable_map(segment: str) -> TableMap:
@@ -123,22 +113,6 @@ def learner(sock, table, stop, out, batch=32):
     c.close()
 
 
-def table_state(segment: str) -> dict:
-    """Everything a checkpoint must carry, read from the segment: per
-    committed slot its stamp, priority, times sampled, commit number and
-    rows, plus the limiter counters."""
-    tm = TableMap.attach(segment)
-    try:
-        slots = np.flatnonzero(tm.state == COMMITTED)
-        out = {"slots": slots, "gens": tm.gens[slots].copy(), "prios": tm.prios[slots].copy(),
-               "times": tm.times[slots].copy(), "seqno": tm.seqno[slots].copy(),
-               "counters": [tm.words.inserts, tm.words.samples, tm.words.deletes]}
-        out.update({f"f.{k}": v[slots].copy() for k, v in tm.fields.items()})
-        return out
-    finally:
-        tm.release()
-
-
 POISON = 0xEE
 STEPS = ("after_reserve", "mid_copy", "after_commit", "rate_limited_wait", "learner_mid_gather")
 
@@ -164,7 +138,7 @@ def victim(sock, step, first_id, ready):
     elif step == "learner_mid_gather":
         t = c.table("once")
         keys, _, _ = t.sample_indices(4)
-        half = (keys[:2] & np.uint64(0xFFFFFFFF)).astype(np.int64)
+        half = key_slots(keys[:2])
         np.take(t._views["obs"], half, axis=0)
         ready.set()
     time.sleep(600)

@@ -6,15 +6,23 @@ parked on the rate limiter, and (learners) between sampling and finishing
 the gather of rows held for them.  After each kill the daemon must have
 reclaimed the victim's lease, reservations, parked request and held slots;
 the innocent clients must never see a torn or poisoned row, and every item
-they flushed must be in the table."""
+they flushed must be in the table.  And one kill in close-up: a writer
+killed half-way through its copy, its half-written rows never sampled."""
 
 import multiprocessing as mp
 import os
 import signal
+import time
 
 import numpy as np
 
-from faults import FIELDS, STEPS, actor, committed_ids, learner, rows, victim, wait_for
+import shmreplay
+from conftest import SMALL_FIELDS
+from faults import FIELDS, POISON, STEPS, actor, committed_ids, learner, rows, victim, wait_for
+from items import table_stats
+from rawclient import reserve
+from readback import committed
+from waiting import worker_context
 
 KILLS_PER_STEP = 3
 T_CAPACITY = 1 << 15
@@ -134,3 +142,51 @@ def test_clients_killed_at_every_step_cost_nobody_anything(start_daemon, capsys)
     with capsys.disabled():
         print(f"\n[client kill figures] kills per step {kills}; innocent actor flushed "
               f"{len(act[2])} items, all found; innocent learner drew {lrn[2]} rows, 0 torn")
+
+
+# ---- one writer killed mid-write, in close-up ----
+def good_batch(actions):
+    a = np.asarray(actions, dtype=np.int64)
+    obs = np.broadcast_to((a % 256).astype(np.uint8)[:, None, None, None], (a.shape[0], 4, 8, 8))
+    return {"obs": obs.copy(), "action": a, "reward": a.astype(np.float32)}
+
+
+def assert_rows_ok(data):
+    np.testing.assert_array_equal(data["obs"][:, 0, 0, 0], (data["action"] % 256).astype(np.uint8))
+
+
+def die_mid_write(sock, ready):
+    c = shmreplay.connect(sock)
+    t = c.table("t")
+    rid, _, slots = reserve(t, 8)
+    t._views["obs"][slots[:5]] = POISON  # a partial copy, then the process dies
+    ready.set()
+    time.sleep(60)
+
+
+def test_client_killed_mid_write_loses_nothing_of_others(daemon, client):
+    t = client.create_table("t", capacity=40, fields=SMALL_FIELDS, sampler="uniform")
+    t.insert_batch(good_batch(range(20)))
+    t.flush()
+    ctx = worker_context()
+    ready = ctx.Event()
+    proc = ctx.Process(target=die_mid_write, args=(daemon.socket, ready))
+    proc.start()
+    assert ready.wait(60)
+    assert table_stats(client, "t")["reserved"] == 8
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.join(10)
+    wait_for(lambda: table_stats(client, "t")["reserved"] == 0, "the dead writer's reservation to be reclaimed")
+    st = table_stats(client, "t")
+    assert st["reclaimed_reservations"] == 8 and st["size"] == 20
+    got, _ = committed(t)  # the 20 items, each whole; none of the half-written rows
+    np.testing.assert_array_equal(got["action"], np.arange(20))
+    assert_rows_ok(got)
+    for _ in range(50):
+        b = t.sample(64)
+        assert not np.any(b.data["obs"] == POISON), "a half-written row was sampled"
+        assert_rows_ok(b.data)
+    # the reclaimed slots are reused
+    t.insert_batch(good_batch(range(20, 40)))
+    t.flush()
+    assert len(t) == 40

@@ -12,6 +12,7 @@ import pytest
 
 import shmreplay
 from shmreplay.wire.layout import COMMITTED, LAYOUT_VERSION, TableMap
+from shmreplay.wire.records import key_slots
 
 from faults import (FIELDS, HANG_S, reap, actor, committed_ids, learner, rows, segment_rows, torn,
                     wait_for, writable_map)
@@ -167,7 +168,7 @@ def test_restart_keeps_priorities_order_and_keys(start_daemon):
             c.flush()
             st = c.stats()["tables"]["per"]
             assert (st["stale_priority_updates"], st["priority_updates"]) == (0, 64), st
-            np.testing.assert_array_equal(seg.prios[held_keys & np.uint64(0xFFFFFFFF)], 2.0)
+            np.testing.assert_array_equal(seg.prios[key_slots(held_keys)], 2.0)
             # fifo order survives: the oldest item comes first, as before
             assert int(fifo.sample(1).data["id"][0]) == 76
     finally:

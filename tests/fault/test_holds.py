@@ -3,15 +3,16 @@
 Slots of items sampled for their last time (``max_times_sampled``) are held
 until the learner that drew them has copied the rows.  A learner that
 stops (SIGSTOP, a debugger, a swapped-out box) before it releases them must
-cost the writers nothing: a full table evicts around the held slots, holds
-expire after ``hold_timeout_s``, a late gather by the resumed learner redraws
-the rows whose slots were reused, and the daemon's stats name the holder.
+cost the writers nothing: a full table evicts around the held slots, a
+writer with no timeout waits until held slots come back while one with a
+timeout raises, holds expire after the config's ``hold_timeout_s``, and the
+daemon's stats name the holder.  The expiry itself, and the resumed
+learner's late gather that redraws the rows whose slots were reused, are
+checked in test_redraw.py.
 
-Each learner here stops itself at a chosen point of its draw, so every state
-is arranged, never waited out by the clock."""
+Each learner here stops itself at a chosen point of its draw (``hung.py``),
+so every state is arranged, never waited out by the clock."""
 
-import functools
-import multiprocessing as mp
 import os
 import re
 import signal
@@ -22,90 +23,9 @@ import numpy as np
 import pytest
 
 import shmreplay
-from faults import FIELDS, committed_ids, reap, rows, torn, wait_for
-from shmreplay.client import gather
+from faults import FIELDS, committed_ids, reap, rows, wait_for
+from hung import CTX, _stop_self, _stopped, full_table, received, reporting, start_learner
 from shmreplay.wire.layout import HELD, TableMap
-
-CTX = mp.get_context("fork")
-
-
-def _stopped(pid: int) -> bool:
-    with open(f"/proc/{pid}/stat") as f:
-        return f.read().rsplit(")", 1)[1].split()[0] in ("T", "t")
-
-
-def _stop_self() -> None:
-    os.kill(os.getpid(), signal.SIGSTOP)
-
-
-def reporting(body):
-    """A worker ``body(..., out)`` whose ReplayError goes to ``out`` as
-    ("error", class, message), for the test to show, instead of a dead child."""
-    @functools.wraps(body)
-    def run(*args):
-        try:
-            body(*args)
-        except shmreplay.ReplayError as exc:
-            args[-1].put(("error", type(exc).__name__, str(exc)))
-    return run
-
-
-def full_table(start_daemon, table: dict, data: dict, hold_timeout_s: float):
-    """A daemon serving one table whose items are sampled once, filled with
-    ``data``: (daemon, admin client, table handle)."""
-    d = start_daemon(tables=[{"max_times_sampled": 1, **table}], hold_timeout_s=hold_timeout_s)
-    admin = d.connect(timeout=30)
-    t = admin.table(table["name"])
-    t.insert_batch(data)
-    admin.flush()
-    return d, admin, t
-
-
-@reporting
-def hung_learner(sock, table, n, how, out):
-    """Draw n items and stop before the draw is finished: ``indices`` holds
-    them with ``sample_indices`` and never releases; ``before`` stops with the
-    SAMPLE's reply unread; ``mid`` stops inside ``sample`` between copying
-    the rows and re-checking their stamps.  Once resumed, it finishes the
-    gather and reports the batch, then proves it is still connected."""
-    with shmreplay.connect(sock, timeout=30) as c:
-        t = c.table(table)
-        if how == "indices":
-            t.sample_indices(n)
-            _stop_self()
-            out.put(("resumed",))
-            return
-        if how == "before":
-            ticket = t.begin_sample(n, 0.0, 30.0)
-            _stop_self()
-            b = t.finish_sample(ticket, n, 0.0, None, 30.0)
-        else:
-            check = gather.stale_rows
-
-            def stop_then_check(gens, batch):
-                gather.stale_rows = check
-                _stop_self()
-                return check(gens, batch)
-
-            gather.stale_rows = stop_then_check
-            b = t.sample(n, beta=0.0, timeout=30)
-        c.flush()  # its RELEASE of the expired hold went first: no protocol error
-        out.put(("ok", b.keys, b.data, b.redraws))
-
-
-def received(q, what: str):
-    """The next report on a SimpleQueue (whose put is written at once, so a
-    worker may stop itself right after it), within the hang guard."""
-    wait_for(lambda: not q.empty(), what)
-    return q.get()
-
-
-def start_learner(d, table, n, how, out):
-    p = CTX.Process(target=hung_learner, args=(d.socket, table, n, how, out), daemon=True)
-    p.start()
-    wait_for(lambda: _stopped(p.pid) or not p.is_alive(), f"the {how} learner to stop itself")
-    assert p.is_alive(), "the learner ended before it stopped itself"
-    return p
 
 
 def test_writers_evict_around_a_hung_learners_holds_and_status_names_it(start_daemon):
@@ -145,75 +65,6 @@ def test_writers_evict_around_a_hung_learners_holds_and_status_names_it(start_da
         if learner is not None and learner.is_alive():
             os.kill(learner.pid, signal.SIGKILL)
         reap([p for p in (learner,) if p is not None])
-        admin.close()
-
-
-@reporting
-def writer_until_reused(sock, segment, stamps, out):
-    """Insert with no timeout into a table whose every slot is held; once
-    that insert is in, wait for the last hold to expire and insert until no
-    slot has the stamp it had when the learners drew it."""
-    tm = TableMap.attach(segment)
-    with shmreplay.connect(sock, timeout=30) as c:
-        t = c.table("t")
-        t.insert_batch(rows(np.arange(10_000, 10_008)), timeout=None)
-        c.flush()
-        wait_for(lambda: c.stats()["tables"]["t"]["held"] == 0, "every hold to expire")
-        t.insert_batch(rows(np.arange(20_000, 20_064)), timeout=None)
-        c.flush()
-        out.put(("reused", int(np.sum(tm.gens == stamps))))
-
-
-def test_holds_expire_and_a_late_gather_redraws_the_reused_rows(start_daemon):
-    d, admin, t = full_table(start_daemon, {"name": "t", "capacity": 64, "sampler": "fifo", "fields": FIELDS},
-                             rows(np.arange(64)), hold_timeout_s=1.0)
-    segment = t._map.name
-    outs = {how: CTX.SimpleQueue() for how in ("before", "mid")}
-    learners, writer = {}, None
-
-    def samples():
-        return admin.stats()["tables"]["t"]["samples"]
-
-    try:
-        # two learners draw the whole table and stop: one with the reply
-        # unread, one between its copy and its stamp check; every slot is held
-        for k, how in enumerate(("before", "mid")):
-            learners[how] = start_learner(d, "t", 32, how, outs[how])
-            wait_for(lambda: samples() == 32 * (k + 1), f"the {how} learner's draw to run")
-        tm = TableMap.attach(segment)
-        stamps = tm.gens.copy()  # nobody has written since the draws
-        wout = CTX.SimpleQueue()
-        writer = CTX.Process(target=writer_until_reused, args=(d.socket, segment, stamps, wout), daemon=True)
-        writer.start()
-        result = received(wout, "the writer to insert past the expired holds")
-        assert result == ("reused", 0), result
-        st = admin.stats()["tables"]["t"]
-        assert (st["held"], st["expired_held_slots"], st["holders"]) == (0, 64, [])
-        # resumed, each learner finds every slot it drew overwritten and draws again
-        batches = {}
-        for how, p in learners.items():
-            os.kill(p.pid, signal.SIGCONT)
-            batches[how] = received(outs[how], f"the {how} learner's late batch")
-            p.join(30)
-        ids = []
-        for how, got in batches.items():
-            assert got[0] == "ok", (how, got)
-            _, keys, data, redraws = got
-            assert redraws == 32, (how, redraws)
-            assert torn(data) == 0
-            slots = (keys & np.uint64(0xFFFFFFFF)).astype(np.int64)
-            # every row is exactly the item its key names (no writer runs now)
-            assert np.array_equal((keys >> np.uint64(32)).astype(np.uint32), tm.gens[slots])
-            assert np.array_equal(data["id"], tm.fields["id"][slots])
-            ids.extend(data["id"].tolist())
-        assert sorted(ids) == list(range(20_000, 20_064))
-        tm.release()
-        assert "disconnecting" not in d.log()
-    finally:
-        for p in learners.values():
-            if p.is_alive():
-                os.kill(p.pid, signal.SIGKILL)
-        reap(list(learners.values()) + [p for p in (writer,) if p is not None])
         admin.close()
 
 

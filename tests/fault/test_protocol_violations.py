@@ -1,7 +1,10 @@
-"""Promise 5: hostile input on the control socket and in the command rings
-costs the offender its connection (with a reason, logged) and nobody else
-anything: the daemon keeps serving, an innocent client's data stays whole,
-and a table no one touched stays byte for byte the same."""
+"""Promise 5: a client that breaks the protocol, with hostile input on the
+control socket or in its command rings, costs itself its connection (with
+a reason, logged) and nobody else anything: the daemon keeps serving, an
+innocent client's data stays whole, and a table no one touched stays byte
+for byte the same.  Fuzzed (random frames, random records) and scripted:
+malformed frames, out-of-range records, another client's reservation,
+scribbled control words."""
 
 import os
 import socket
@@ -16,8 +19,10 @@ import shmreplay
 from shmreplay.wire import records as C
 from shmreplay.wire.control import MAX_FRAME, PROTOCOL_VERSION
 
+from conftest import SMALL_FIELDS
 from faults import FIELDS, HANG_S, rows, torn, wait_for
-from rawclient import send_raw
+from items import assert_still_serving, good_row
+from rawclient import commit, reserve, send_raw
 
 SOCKET_ROUNDS = 400
 RING_ROUNDS = 120
@@ -271,3 +276,104 @@ def test_unknown_table_id_in_a_record_is_an_error_not_a_crash(victims):
     with pytest.raises(shmreplay.UnknownTable, match="no table with id"):
         bad.flush()
     bad.close()
+
+
+# ---- scripted: one violation at a time ----
+def raw_exchange(path, payload: bytes) -> list:
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.settimeout(10)
+    s.connect(path)
+    s.sendall(payload)
+    data = b""
+    try:
+        while True:
+            chunk = s.recv(65536)
+            if not chunk:
+                break
+            data += chunk
+    finally:
+        s.close()
+    out = []
+    while len(data) >= 4:
+        (n,) = struct.unpack(">I", data[:4])
+        out.append(msgpack.unpackb(data[4:4 + n], raw=False))
+        data = data[4 + n:]
+    return out
+
+
+@pytest.mark.parametrize("payload, match", [
+    (b"\x00\x00\x00\x05\xc1\xc1\xc1\xc1\xc1", "not valid msgpack"),
+    (struct.pack(">I", 50 << 20), "frame length"),
+    (struct.pack(">I", 0), "frame length 0"),
+    (frame([1, 2, 3]), "expected a map"),
+    (frame({"op": "stats", "id": 1}), "first request must be 'hello'"),
+    (frame({"op": "hello", "id": 1, "protocol": 99, "pid": 1}), "protocol 99"),
+    (frame({"op": "hello", "id": 1, "protocol": 1, "pid": "me"}), "'pid' must be int"),
+    (frame({"op": "fly", "id": 1}), "unknown op"),
+    (frame({"op": "hello"}), "integer 'id'"),
+])
+def test_malformed_frames_close_only_that_connection(daemon, client, payload, match):
+    t = client.create_table("t", capacity=10, fields=SMALL_FIELDS)
+    t.insert(**good_row())  # an innocent client, connected throughout
+    msgs = raw_exchange(daemon.socket, payload)
+    assert msgs and msgs[-1]["op"] == "bye" and msgs[-1]["error"] == "ProtocolError"
+    assert match in msgs[-1]["message"]
+    t.insert(**good_row(1))
+    t.flush()
+    assert len(t) == 2
+    assert "closing it" in daemon.log()
+
+
+def test_out_of_range_keys_in_update_disconnect_the_sender(daemon, client):
+    t = client.create_table("t", capacity=10, fields=SMALL_FIELDS)
+    t.insert(**good_row())
+    bad = daemon.connect()
+    bt = bad.table("t")
+    send_raw(bad, C.UPDATE, bt.id, a0=1, payload=(np.array([99], np.uint64), np.array([1.0])))
+    with pytest.raises(shmreplay.ProtocolError, match="beyond capacity"):
+        bt.sample(1)
+    bad.close()
+    assert_still_serving(daemon, 1)
+
+
+def test_committing_someone_elses_reservation_is_refused(daemon, client):
+    t = client.create_table("t", capacity=10, fields=SMALL_FIELDS)
+    rid, _, _ = reserve(t, 2)
+    thief = daemon.connect()
+    tt = thief.table("t")
+    commit(tt, rid, 2)
+    with pytest.raises(shmreplay.ProtocolError, match="not yours"):
+        thief.flush()
+    thief.close()
+    commit(t, rid, 2)
+    client.flush()
+    assert len(t) == 2
+
+
+def test_scribbled_control_words_disconnect_only_the_offender(start_daemon):
+    from shmreplay.wire import atomics
+    from shmreplay.wire.channel import CTL_REQ_HEAD, CTL_RESP_TAIL
+    # a 1 s spin makes the scribble land while the engine spins re-reading heads
+    daemon = start_daemon(spin_us=1_000_000)
+    client = daemon.connect()
+    t = client.create_table("t", capacity=10, fields=SMALL_FIELDS)
+    for word in (CTL_REQ_HEAD, CTL_RESP_TAIL):
+        bad = daemon.connect(timeout=10)
+        bt = bad.table("t")
+        atomics.store(bad._pipe.chan.ctl, word, np.uint64(2**63 + 12345))
+        os.eventfd_write(bad._pipe.to_daemon, 1)
+        def told():  # the offender learns it from its next waits
+            try:
+                bad._link.live()
+                if len(t):
+                    bt.sample(1)
+            except shmreplay.ProtocolError as exc:
+                return exc
+            return None
+        exc = wait_for(told, "the daemon to disconnect the offender")
+        assert "impossible position" in str(exc), exc
+        bad.close()
+        t.insert(**good_row(len(t)))
+        t.flush()
+    assert len(t) == 2 and daemon.proc.poll() is None
+    client.close()

@@ -262,7 +262,7 @@ SMALL_FIELDS = {"obs": ("uint8", (4, 8, 8)), "action": ("int64", ()), "reward": 
 def client(daemon):
     with daemon.connect() as c:
         yield c
-        if os.environ.get("SHMREPLAY_TEST_ROWS") == "file" and not c._closed:
+        if os.environ.get("SHMREPLAY_TEST_ROWS") == "file" and not c._session.closed:
             tables = c.stats()["tables"]
             assert all(t["file_backed"] for t in tables.values()), "a table in /dev/shm in file mode"
 

@@ -140,7 +140,7 @@ def test_the_daemon_refuses_sizes_no_segment_could_hold(daemon, client):
     """A definition that skips the client's checks gets the same answer."""
     spec = {"name": "huge", "capacity": 10, "fields": [["big", "|u1", [2**62]]]}
     with pytest.raises(shmreplay.SchemaError, match="field 'big'"):
-        client._request("create_table", spec=spec, exist_ok=False)
+        client._session.request("create_table", spec=spec, exist_ok=False)
     client.create_table("t", capacity=10, fields=SMALL_FIELDS)
     assert_still_serving(daemon)
 

@@ -156,7 +156,7 @@ def test_client_reattaches_after_fork(start_daemon):
         try:
             t.insert(**good_row(2))
             t.flush()
-            code = 0 if len(t) == 2 and c._pid == os.getpid() else 3
+            code = 0 if len(t) == 2 and c._session.pid == os.getpid() else 3
         finally:
             os.write(w, bytes([code]))
             os._exit(code)

@@ -256,9 +256,11 @@ def test_rows_left_without_their_metadata_are_refused_clearly_and_cleaned_on_req
     assert os.path.exists(path)
     out = run_cli("cleanup", "--instance", d.instance)  # without --storage-dir: not looked at
     assert os.path.exists(path), out
-    out = run_cli("cleanup", "--dry-run", "--storage-dir", store)
+    # --instance: a cleanup of every dead instance would also take what a
+    # suite running beside this one left on purpose (a crashed daemon's tables)
+    out = run_cli("cleanup", "--dry-run", "--storage-dir", store, "--instance", d.instance)
     assert f"would remove 1 object(s): {path}" in out and os.path.exists(path), out
-    run_cli("cleanup", "--storage-dir", store)
+    run_cli("cleanup", "--storage-dir", store, "--instance", d.instance)
     assert not os.path.exists(path)
     d.start()
     with d.connect() as c:

@@ -376,7 +376,7 @@ def test_a_crash_is_noticed_within_one_50_ms_wait(start_daemon):
     d = start_daemon()
     c = d.connect(timeout=HANG_S)
     t = c.create_table("t", capacity=10, fields=SMALL_FIELDS)
-    bell = c._pipe._bell = CountingPoll(c._pipe._bell)
+    bell = c._session.pipe._bell = CountingPoll(c._session.pipe._bell)
     seen = {}
 
     def crash_once_parked():

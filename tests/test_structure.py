@@ -178,3 +178,33 @@ def test_the_rule_checker_sees_a_forbidden_import(tmp_path):
     src.write_text("def f():\n    from ..server import engine\n")
     known = {f"{PKG}.client.mod", f"{PKG}.server", f"{PKG}.server.engine"}
     assert imports_of(f"{PKG}.client.mod", str(src), known) == {f"{PKG}.server.engine"}
+
+
+# reading a private name of another object or module: ``x._name`` where x
+# is not self/cls, or ``from m import _name``.  A seam is a public name.
+ALLOWED_PRIVATE = {"os._exit"}  # the stdlib's own spelling (numbaconf's fast exit)
+
+
+def private_reads(src: str, path: str = "<src>") -> list[str]:
+    out = []
+    for node in ast.walk(ast.parse(src, path)):
+        if isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__"):
+            if isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"):
+                continue
+            if ast.unparse(node) not in ALLOWED_PRIVATE:
+                out.append(f"{path}:{node.lineno}: {ast.unparse(node)}")
+        elif isinstance(node, ast.ImportFrom):
+            out += [f"{path}:{node.lineno}: from {'.' * node.level}{node.module or ''} import {a.name}"
+                    for a in node.names if a.name.startswith("_") and not a.name.startswith("__")]
+    return out
+
+
+def test_no_module_reads_another_objects_private_attributes():
+    bad = [hit for path in modules().values() for hit in private_reads(open(path).read(), path)]
+    assert not bad, "reach-ins (give the object a seam instead):\n" + "\n".join(bad)
+
+
+def test_the_private_read_checker_sees_a_reach_in():
+    src = ("from .pipe import _helper\n"
+           "class A:\n    def f(self, t):\n        return self._x + t._views + os._exit\n")
+    assert [h.split(": ", 1)[1] for h in private_reads(src)] == ["from .pipe import _helper", "t._views"]

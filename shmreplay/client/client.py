@@ -98,30 +98,6 @@ class Client:
         """The most items one command may carry (the daemon's hello says)."""
         return self._session.max_batch
 
-    # the connection's parts, as the test suite's fault injection drives them
-    @property
-    def _link(self):
-        return self._session.link
-
-    @property
-    def _pipe(self):
-        return self._session.pipe
-
-    @property
-    def _pid(self) -> int:
-        return self._session.pid
-
-    @property
-    def _closed(self) -> bool:
-        return self._session.closed
-
-    def _abandon(self) -> None:
-        """Drop the link and pipe of a lease that is over (no flush)."""
-        self._session.abandon()
-
-    def _request(self, op: str, **args) -> dict:
-        return self._session.request(op, **args)
-
     def close(self) -> None:
         """Wait until my inserts are applied (bounded), then end the lease;
         then, like ``flush()``, raise DaemonUnavailable if inserts made before
@@ -149,7 +125,7 @@ class Client:
         allows; "" for /dev/shm; unset: the daemon's default).
         ``exist_ok`` returns an existing table with the same definition."""
         spec = make_spec(name, capacity, fields, sampler, alpha, **limits)
-        desc = self._request("create_table", spec=spec.to_wire(), exist_ok=bool(exist_ok))["table"]
+        desc = self._session.request("create_table", spec=spec.to_wire(), exist_ok=bool(exist_ok))["table"]
         return self._adopt(desc)
 
     def create_queue(self, name, capacity, fields, exist_ok=False, storage_dir=None) -> Table:
@@ -169,7 +145,7 @@ class Client:
         t = self._tables.get(name)
         if t is not None:
             return t
-        return self._adopt(self._request("open_table", name=name)["table"])
+        return self._adopt(self._session.request("open_table", name=name)["table"])
 
     def _adopt(self, desc: dict) -> Table:
         t = self._tables.get(desc["spec"]["name"])
@@ -180,12 +156,12 @@ class Client:
         return t
 
     def drop_table(self, name: str) -> None:
-        self._request("drop_table", name=name)
+        self._session.request("drop_table", name=name)
         self._tables.pop(name, None)
 
     @retried
     def list_tables(self) -> list[str]:
-        return [d["spec"]["name"] for d in self._request("list_tables")["tables"]]
+        return [d["spec"]["name"] for d in self._session.request("list_tables")["tables"]]
 
     @retried
     def sample_many(self, requests: dict, beta: float = 0.4, timeout: float | None = None) -> dict:
@@ -220,7 +196,7 @@ class Client:
         per table: path, items, bytes, pause_s (the only time inserts and
         samples waited), write_s."""
         names = [tables] if isinstance(tables, str) else list(tables or [])
-        return self._request("checkpoint", tables=names, to=str(to))["checkpoints"]
+        return self._session.request("checkpoint", tables=names, to=str(to))["checkpoints"]
 
     def sync(self, tables=None) -> list[dict]:
         """Admin: write the metadata of durable file-backed tables (names;
@@ -228,16 +204,16 @@ class Client:
         committed before this call.  One report per table: path, items,
         bytes, seconds, freed (retired slots the sync gave back)."""
         names = [tables] if isinstance(tables, str) else list(tables or [])
-        return self._request("sync", tables=names)["syncs"]
+        return self._session.request("sync", tables=names)["syncs"]
 
     def shutdown(self) -> None:
         """Admin: ask the daemon to shut down cleanly."""
-        self._request("shutdown")
+        self._session.request("shutdown")
 
     @retried
     def stats(self) -> dict:
         """Daemon-wide and per-table counters (one control round trip)."""
-        msg = self._request("stats")
+        msg = self._session.request("stats")
         msg.pop("id", None)
         msg.pop("ok", None)
         return msg

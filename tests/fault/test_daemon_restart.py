@@ -87,8 +87,8 @@ def test_sigkill_under_load_loses_nothing_committed(start_daemon, capsys):
             assert not th.is_alive(), "a waiting sample hung after the daemon died"
             assert isinstance(caught["exc"], shmreplay.DaemonUnavailable), caught
             noticed_s = time.monotonic() - killed_at
-            waiter._abandon()
-            admin._abandon()
+            waiter._session.abandon()
+            admin._session.abandon()
             frozen = committed_ids(segment)  # no daemon runs: nothing changes it now
             since = _per_actor(frozen)
             d.start()

@@ -128,7 +128,7 @@ def test_a_client_that_never_reads_its_replies_stalls_nobody(start_daemon):
     assert sent["n"] > backlog
     wait_for(lambda: "responses unread; disconnecting it" in d.log(), "the cut-off to be logged")
     assert len(t.sample(8)) == 8
-    bad._abandon()
+    bad._session.abandon()
     good.close()
 
 

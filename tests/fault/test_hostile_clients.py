@@ -99,7 +99,7 @@ def scribble(sock, instance, seed):
     except OSError:
         refused.append(f"/proc/{daemon_pid}/fd")
     # its own channel and doorbells: anything it writes there cuts off itself only
-    pipe = c._pipe
+    pipe = c._session.pipe
     buf = np.frombuffer(pipe.chan.seg.buf, np.uint8)
     buf[:] = rng.integers(0, 256, buf.shape[0], dtype=np.uint8)
     for fd in (pipe.to_daemon, pipe.to_client):

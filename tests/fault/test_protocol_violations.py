@@ -209,7 +209,7 @@ def test_fuzzed_command_rings(victims, capsys):
     for round_ in range(RING_ROUNDS):
         bad = d.connect(timeout=HANG_S)
         bt = bad.table("fuzz")
-        ring = bad._pipe.req
+        ring = bad._session.pipe.req
         n = int(rng.integers(1, 64))
         recs = ring.records[:n]
         recs.view(np.uint8).reshape(n, -1)[:] = rng.integers(0, 256, (n, recs.dtype.itemsize),
@@ -225,13 +225,13 @@ def test_fuzzed_command_rings(victims, capsys):
         ring.head += n
         records += n
         if ring.publish():
-            os.eventfd_write(bad._pipe.to_daemon, 1)
+            os.eventfd_write(bad._session.pipe.to_daemon, 1)
         try:
             bt.sample(1, timeout=0.2)
             bad.flush()
         except shmreplay.ReplayError:
             pass  # the offender was told something; the fixture checks everyone else
-        bad._abandon()
+        bad._session.abandon()
         if round_ % 20 == 19:
             assert torn(t.sample(64).data) == 0
     # every pure-noise connection (half of them) breaks the protocol (an op
@@ -266,7 +266,7 @@ def test_out_of_range_indices_counts_and_keys_are_rejected(victims, op, a0, a1, 
     with pytest.raises(shmreplay.ReplayError, match=match):
         bad.flush()
         bt.sample(1, timeout=0.2)
-    bad._abandon()
+    bad._session.abandon()
 
 
 def test_unknown_table_id_in_a_record_is_an_error_not_a_crash(victims):
@@ -360,11 +360,11 @@ def test_scribbled_control_words_disconnect_only_the_offender(start_daemon):
     for word in (CTL_REQ_HEAD, CTL_RESP_TAIL):
         bad = daemon.connect(timeout=10)
         bt = bad.table("t")
-        atomics.store(bad._pipe.chan.ctl, word, np.uint64(2**63 + 12345))
-        os.eventfd_write(bad._pipe.to_daemon, 1)
+        atomics.store(bad._session.pipe.chan.ctl, word, np.uint64(2**63 + 12345))
+        os.eventfd_write(bad._session.pipe.to_daemon, 1)
         def told():  # the offender learns it from its next waits
             try:
-                bad._link.live()
+                bad._session.link.live()
                 if len(t):
                     bt.sample(1)
             except shmreplay.ProtocolError as exc:

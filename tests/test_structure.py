@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import ast
 import os
+import re
 
 import pytest
 
@@ -208,3 +209,39 @@ def test_the_private_read_checker_sees_a_reach_in():
     src = ("from .pipe import _helper\n"
            "class A:\n    def f(self, t):\n        return self._x + t._views + os._exit\n")
     assert [h.split(": ", 1)[1] for h in private_reads(src)] == ["from .pipe import _helper", "t._views"]
+
+
+def layout_doc_rows() -> dict[str, set[str]]:
+    """docs/layout.md's module table: folder ('' for the root) -> the module
+    files its rows name, and every test file named in a row."""
+    doc = os.path.join(os.path.dirname(ROOT), "docs", "layout.md")
+    named, tests, folder = {}, set(), None
+    for line in open(doc):
+        if not line.startswith("| "):
+            continue
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        head = re.match(r"\*\*(\S+?)/?\*\*", cells[0])
+        if head:
+            folder = "" if head.group(1) == "root" else head.group(1).rstrip("/")
+            continue
+        if folder is None or len(cells) < 4:
+            continue
+        named.setdefault(folder, set()).update(re.findall(r"`([\w/]+(?:\.py)?)`", cells[0]))
+        tests.update(re.findall(r"`((?:fault/)?test_\w+\.py)", cells[3]))
+    return {"named": named, "tests": tests}
+
+
+def test_docs_layout_names_every_module_and_real_test_files():
+    rows = layout_doc_rows()
+    missing = []
+    for name, path in modules().items():
+        rel = os.path.relpath(path, ROOT)
+        folder, file = os.path.dirname(rel), os.path.basename(rel)
+        if file == "__init__.py" or folder == "bench":  # a folder's face; bench/ is one row
+            continue
+        if file not in rows["named"].get(folder, set()):
+            missing.append(rel)
+    assert not missing, f"docs/layout.md's module table does not name {missing}"
+    here = os.path.join(os.path.dirname(ROOT), "tests")
+    gone = sorted(t for t in rows["tests"] if not os.path.exists(os.path.join(here, t)))
+    assert not gone and rows["tests"], f"docs/layout.md names test files that do not exist: {gone}"

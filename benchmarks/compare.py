@@ -28,7 +28,7 @@ import tempfile
 import time
 
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-METRICS = ("items_per_s", "batches_per_s", "inserts_per_s")
+METRICS = ("items_per_s", "batches_per_s", "inserts_per_s", "median_us")  # median_us: lower is better
 
 
 def export(rev: str, into: str) -> str:

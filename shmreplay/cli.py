@@ -1,5 +1,5 @@
 """``shmreplay``: the admin command line (status, tables, checkpoint, sync,
-cleanup, shutdown, bench).  A tool at the package root: it talks to a daemon
+drop, cleanup, shutdown, bench).  A tool at the package root: it talks to a daemon
 as a client, and ``cleanup`` uses the daemon's own ownership rules.  Runs
 in its own process, one thread."""
 
@@ -45,6 +45,9 @@ def _status(client, args) -> None:
         for h in t["holders"]:  # a learner that hangs keeps these until the daemon's hold_timeout_s
             print(f"  client {h['client']}, pid {h['pid']}: {h['held']} slots held, "
                   f"oldest {h['oldest_s']:.1f} s")
+    for name, a in st.get("set_aside", {}).items():  # kept, not served: the operator's to fix or drop
+        print(f"table {name}: SET ASIDE, data kept in {', '.join(a['objects']) or 'no objects'}: "
+              f"{a['reason']}")
 
 
 def _cleanup(args) -> int:
@@ -86,6 +89,8 @@ def main(argv=None) -> int:
     cl.add_argument("--storage-dir", action="append", metavar="DIR",
                     help="also rows files of file-backed tables in DIR whose metadata is gone "
                          "(after a reboot); repeatable")
+    dr = sub.add_parser("drop", help="drop a table, its data with it (also one set aside)")
+    dr.add_argument("table")
     sub.add_parser("shutdown", help="stop the daemon cleanly")
     sub.add_parser("bench", help="quick benchmark against the peers installed (< 1 min)")
     args = ap.parse_args(argv)
@@ -112,6 +117,9 @@ def main(argv=None) -> int:
                 for r in client.sync(args.table):
                     print(f"{r['table']}: {r['items']} items on disk in {r['path']} "
                           f"({r['bytes'] / 2**20:.1f} MiB of metadata, {r['seconds']:.3f} s)")
+            elif args.cmd == "drop":
+                client.drop_table(args.table)
+                print(f"{args.table}: dropped")
             elif args.cmd == "shutdown":
                 client.shutdown()
     except ReplayError as exc:

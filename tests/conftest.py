@@ -35,6 +35,22 @@ def shm_entries(marker: str = "shmreplay.test") -> set[str]:
     return {n for n in os.listdir("/dev/shm") if marker in n}
 
 
+def segment_of(instance: str, table: str, kind: str = "t") -> str:
+    """The /dev/shm name of a table's meta (``kind`` "t") or rows ("r")
+    segment: the daemon chose its token (wire/names.py); exactly one must exist."""
+    pre = f"shmreplay.{instance}.{kind}.{table}."
+    found = [n for n in os.listdir("/dev/shm")
+             if n.startswith(pre) and re.fullmatch(r"[0-9a-f]{16}", n[len(pre):])]
+    assert len(found) == 1, f"{len(found)} segments of table {table!r} ({kind}): {found}"
+    return "/" + found[0]
+
+
+def table_objects(instance: str) -> set[str]:
+    """An instance's objects in /dev/shm as "<kind>.<table>", tokens left out."""
+    pre = f"shmreplay.{instance}."
+    return {re.sub(r"\.[0-9a-f]{16}$", "", n[len(pre):]) for n in shm_entries(pre)}
+
+
 def remove_entries(instance: str) -> None:
     """Clean up after a daemon the test SIGKILLed on purpose."""
     for n in shm_entries(f"shmreplay.{instance}."):
@@ -136,6 +152,23 @@ class DaemonProcess:
                 # a failed connect costs microseconds: a short poll lets the
                 # test go on as soon as the daemon serves (every test waits here)
                 time.sleep(0.01)
+
+    def start_set_aside(self, table: str, args=()) -> dict:
+        """Start the daemon again: it serves, and sets ``table`` aside (its
+        data kept, nothing made over it: issue 21, item 1); stop it cleanly,
+        which leaves the table as it is.  Returns what status says of it."""
+        self.start(args)
+        with self.connect() as c:
+            aside = c.stats()["set_aside"]
+            assert list(aside) == [table] and table not in c.list_tables(), aside
+            with pytest.raises(shmreplay.TableExists, match=f"table {table!r} is set aside"):
+                c.create_table(table, capacity=8, fields={"x": ("float32", ())})
+        assert self.stop() == 0
+        return aside[table]
+
+    def segment(self, table: str, kind: str = "t") -> str:
+        """``segment_of`` this daemon's instance."""
+        return segment_of(self.instance, table, kind)
 
     def connect(self, timeout: float = 20.0) -> shmreplay.Client:
         return shmreplay.connect(self.socket, timeout=timeout)

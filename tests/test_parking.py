@@ -204,7 +204,7 @@ def test_a_blocked_sample_takes_nothing(start_daemon, case):
     spec = BLOCKED[case]
     name = spec["table"]["name"]
     d = start_daemon(tables=[spec["table"]])
-    segment = f"/shmreplay.{d.instance}.t.{name}"
+    segment = d.segment(name)
     with d.connect() as c:
         t = c.table(name)
         t.insert_batch(rows(np.arange(len(spec["prios"]))), priorities=spec["prios"])

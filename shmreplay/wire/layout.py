@@ -40,9 +40,19 @@ Meta segment::
 Rows segment::
 
     0      ROWS_HEADER: magic, layout version, capacity, the meta segment's
-           creation time (binds the pair), size
+           creation time, size; written at create for a human and for
+           ``shmreplay cleanup`` (which only ever keeps more for it), and
+           never what anything else decides by: any client may write it
     4096   field 0  dtype[capacity, *shape]   (each array starts on a 4 KiB page)
            field 1  ...
+
+Nothing in the rows object decides whether a table can be attached,
+adopted or restarted: its layout, capacity and creation stamp come from
+the meta segment (daemon-written, read-only to clients) or the daemon's
+metadata file.  Its size is the one thing a client can change that
+matters (``ftruncate``): the daemon gives it back the layout's size when it
+adopts the table and whenever a client opens it (``Segment.restore_size``),
+and clients map exactly the layout's size of an object at least that large.
 
 ``H`` is 320 + len(schema) rounded up to 4 KiB.  Every offset follows from
 the schema, and the schema also stores them so a reader can check both
@@ -60,7 +70,7 @@ import numpy as np
 from ..errors import LayoutError
 from ..schema import TableSpec
 from .headers import (HEADER, LAYOUT_VERSION, LIVE_OFF, MAGIC, PAGE, ROWS_HEADER, ROWS_MAGIC, ROWS_OFF,
-                      SCHEMA_OFF, decode_schema, meta_header, rows_header, same_table, schema_span)
+                      SCHEMA_OFF, decode_schema, meta_header, same_table, schema_span)
 from .livewords import LIVE_WORDS, LiveWords
 from .peer import process_start
 from .rowfile import rows_location
@@ -226,7 +236,8 @@ class TableMap:
             if check_spec is not None:
                 check_spec(spec)
             kind, where = rows_location(name, spec)
-            rows = kind.open_owned(where, mode, gid)
+            # the rows' size is the layout's, whatever a client did to it
+            rows = kind.open_owned(where, mode, gid, size=TableLayout(spec).rows_size)
         except BaseException:
             meta.close()
             raise
@@ -238,8 +249,9 @@ class TableMap:
         meta = Segment.attach(name, None if expected is None else TableLayout(expected).size,
                               read_only=True)
         try:
-            kind, where = rows_location(name, read_spec(meta))
-            rows = kind.attach(where)
+            spec = read_spec(meta)
+            kind, where = rows_location(name, spec)
+            rows = kind.attach(where, map_size=TableLayout(spec).rows_size)
         except BaseException:
             meta.close()
             raise
@@ -254,7 +266,8 @@ class TableMap:
             layout = TableLayout(spec)
             if layout.size != meta.size:
                 raise LayoutError(f"segment {meta.name} is {meta.size} bytes, layout says {layout.size}")
-            check_rows(rows, layout, int(np.ndarray((), HEADER, buffer=meta.buf)["created_ns"]))
+            if rows.size != layout.rows_size:  # mapped at the layout's size: defend anyway
+                raise LayoutError(f"segment {rows.name} is {rows.size} bytes, layout says {layout.rows_size}")
             return cls(meta, rows, layout)
         except BaseException:
             meta.close()
@@ -288,17 +301,6 @@ class TableMap:
 def meta_mode(mode: int) -> int:
     """The meta segment's mode: ``mode`` without group or other write."""
     return (mode & ~0o022) | 0o600
-
-
-def check_rows(rows: Segment, layout: TableLayout, created_ns: int) -> None:
-    if rows.size != layout.rows_size:
-        raise LayoutError(f"segment {rows.name} is {rows.size} bytes, layout says {layout.rows_size}")
-    r = rows_header(rows.buf)
-    if r is None or int(r["layout_version"]) != LAYOUT_VERSION:
-        raise LayoutError(f"segment {rows.name} is not a rows segment of layout {LAYOUT_VERSION}")
-    if int(r["capacity"]) != layout.spec.capacity or int(r["created_ns"]) != created_ns:
-        raise LayoutError(f"segment {rows.name} does not belong to its meta segment "
-                          "(capacity or creation time differ)")
 
 
 def read_spec(seg: Segment) -> TableSpec:

@@ -3,8 +3,19 @@
 Every shared-memory object a daemon makes lives in /dev/shm under its
 instance name::
 
-    shmreplay.<instance>.t.<table>          a table's meta segment (kept across restarts)
-    shmreplay.<instance>.r.<table>          its rows segment
+    shmreplay.<instance>.t.<table>.<token>  a table's meta segment (kept across restarts)
+    shmreplay.<instance>.r.<table>.<token>  its rows segment
+
+The token is 16 random hex digits, new for every table the daemon makes
+(creates, restores, copies from disk): anyone may create a name in
+/dev/shm, and a name nobody can guess is one nobody can take first.  A
+restarted daemon finds its tables by listing the prefix and keeping only
+its own regular files, and takes each table's name from the schema inside,
+never from the object's name (so names earlier builds made without a token
+are adopted too).  Clients learn a table's segment name from the daemon.
+A file-backed table's two files in its ``storage_dir`` keep stable names
+(``storage_names``): only the daemon's user can write that directory, and a
+reboot must find them.
 
 Client channels and doorbells have no names: the daemon passes them to
 their one client over the control socket (a sealed memfd and two
@@ -31,6 +42,8 @@ Pure functions; any thread.
 from __future__ import annotations
 
 import os
+import re
+import secrets
 import stat
 
 from ..errors import ForeignObject, ReplayError
@@ -91,9 +104,30 @@ def client_socket_path(path: str | None = None) -> str:
     return path or os.environ.get(ENV_SOCKET) or default_socket_path()
 
 
-def table_segment(instance: str, table: str) -> str:
-    """Stable per instance, so a restarted daemon finds its tables."""
-    return f"/{PREFIX}{instance}.t.{table}"
+def table_segment(instance: str, table: str, token: str | None = None) -> str:
+    """A new meta segment name for ``table`` (a fresh token unless given)."""
+    return f"/{PREFIX}{instance}.t.{table}.{token or secrets.token_hex(8)}"
+
+
+def table_prefix(instance: str) -> str:
+    """What every meta segment name of ``instance`` starts with (in /dev/shm, no slash)."""
+    return f"{PREFIX}{instance}.t."
+
+
+def storage_names(instance: str, table: str) -> tuple[str, str]:
+    """The names of a file-backed table's metadata file and rows file in its
+    ``storage_dir`` (server/disk/durable.py, wire/rowfile.py)."""
+    return f"{PREFIX}{instance}.t.{table}", f"{PREFIX}{instance}.r.{table}"
+
+
+_TOKEN = re.compile(r"\.[0-9a-f]{16}$")
+
+
+def table_of_segment(name: str) -> str:
+    """The table name a meta segment's name carries (a hint for logs and
+    for matching metadata files: the schema inside is the truth)."""
+    rest = name.lstrip("/").split(".", 3)[-1]
+    return _TOKEN.sub("", rest)
 
 
 def lock_path(instance: str) -> str:

@@ -30,7 +30,8 @@ import numpy as np
 
 from ..errors import DiskFull, LayoutError, PermissionDenied, ReplayError
 from ..schema import TableSpec
-from .segment import Segment, check_owned
+from .names import instance_of, storage_names
+from .segment import Segment, check_owned, check_size
 
 
 def disk_free_bytes(directory: str) -> int | None:
@@ -95,8 +96,9 @@ class RowFile(Segment):
 
     @classmethod
     def attach(cls, path: str, expected_size: int | None = None,
-               read_only: bool = False) -> "RowFile":
-        """A client's mapping of the rows file."""
+               read_only: bool = False, map_size: int | None = None) -> "RowFile":
+        """A client's mapping of the rows file (``map_size``: as for
+        ``Segment.attach``)."""
         flags = (os.O_RDONLY if read_only else os.O_RDWR) | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
         try:
             fd = os.open(path, flags)
@@ -112,9 +114,7 @@ class RowFile(Segment):
             size = st.st_size
             if not stat.S_ISREG(st.st_mode):
                 raise LayoutError(f"rows file {path} is not a regular file")
-            if size == 0 or (expected_size is not None and size != expected_size):
-                raise LayoutError(f"rows file {path} is {size} bytes, expected "
-                                  f"{'a nonzero size' if expected_size is None else expected_size}")
+            size = check_size(f"rows file {path}", size, expected_size, map_size)
             mm = mmap.mmap(fd, size, prot=mmap.PROT_READ if read_only else
                            mmap.PROT_READ | mmap.PROT_WRITE)
         finally:
@@ -126,10 +126,12 @@ class RowFile(Segment):
         return cls(path, mm, size)
 
     @classmethod
-    def open_owned(cls, path: str, mode: int, gid: int = -1) -> "RowFile":
+    def open_owned(cls, path: str, mode: int, gid: int = -1, size: int | None = None) -> "RowFile":
         """The daemon's re-opening of a rows file it made (adoption): only a
-        regular file of this user with exactly ``mode`` (and group ``gid``)."""
-        return cls.map_owned(path, Segment.open_owned_fd(path, mode, gid, "rows file"))
+        regular file of this user with exactly ``mode`` (and group ``gid``);
+        ``size``: as for ``Segment.open_owned``."""
+        return cls.map_owned(path, Segment.open_owned_fd(path, mode, gid, "rows file",
+                                                         empty_ok=size is not None), size)
 
     def unlink(self) -> None:
         unlink_file_quiet(self.name)
@@ -180,8 +182,10 @@ def meta_name(rows: str) -> str | None:
 
 
 def rows_location(meta_name: str, spec: TableSpec) -> tuple[type[Segment], str]:
-    """Where a table's rows live: a /dev/shm segment, or (``storage_dir``)
-    a file of the same name in that directory."""
+    """Where a table's rows live: a /dev/shm segment named like its meta
+    segment, or (``storage_dir``) a file of a stable name in that directory
+    (``names.storage_names``)."""
     if spec.file_backed:
-        return RowFile, os.path.join(spec.storage_dir, rows_name(meta_name).lstrip("/"))
+        return RowFile, os.path.join(spec.storage_dir, storage_names(instance_of(meta_name.lstrip("/")),
+                                                                    spec.name)[1])
     return Segment, rows_name(meta_name)

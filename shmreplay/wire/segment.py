@@ -24,6 +24,7 @@ closed explicitly (``Segment.close``): the last view to go unmaps them.
 from __future__ import annotations
 
 import errno
+import logging
 import mmap
 import os
 import stat
@@ -33,6 +34,9 @@ import posix_ipc
 from ..errors import ForeignObject, LayoutError, ReplayError, ShmFull
 
 from .names import SHM_DIR
+
+log = logging.getLogger("shmreplay.segment")
+
 # madvise(2) advice numbers (Linux >= 5.14); older kernels answer EINVAL and
 # the pages fault in on first use as before
 MADV_POPULATE_READ = 22
@@ -103,18 +107,18 @@ class Segment:
 
     @classmethod
     def attach(cls, name: str, expected_size: int | None = None,
-               read_only: bool = False) -> "Segment":
+               read_only: bool = False, map_size: int | None = None) -> "Segment":
         """A client's mapping (``read_only``: PROT_READ, of an object it may
-        only read).  The descriptor is closed once mapped."""
+        only read).  ``map_size``: map exactly that many bytes of an object
+        at least that large (a rows object, whose size any writer could
+        change: bytes past the table's are none of ours).  The descriptor is
+        closed once mapped."""
         try:
             shm = posix_ipc.SharedMemory(name, read_only=read_only)
         except posix_ipc.ExistentialError as exc:
             raise LayoutError(f"shared-memory segment {name} does not exist") from exc
         try:
-            size = shm.size
-            if size == 0 or (expected_size is not None and size != expected_size):  # 0: truncated
-                raise LayoutError(f"segment {name} is {size} bytes, expected "
-                                  f"{'a nonzero size' if expected_size is None else expected_size}")
+            size = check_size(name, shm.size, expected_size, map_size)
             mm = mmap.mmap(shm.fd, size, prot=mmap.PROT_READ if read_only else
                            mmap.PROT_READ | mmap.PROT_WRITE)
         finally:
@@ -128,27 +132,38 @@ class Segment:
         return cls(name, mm, size)
 
     @classmethod
-    def open_owned(cls, name: str, mode: int, gid: int = -1) -> "Segment":
+    def open_owned(cls, name: str, mode: int, gid: int = -1, size: int | None = None) -> "Segment":
         """The daemon's re-opening of an object it made (adoption): refused
         unless it is a regular file (no symlink followed, no FIFO waited on)
         owned by this user with exactly ``mode`` (and group ``gid``), since
-        anyone may create a name in /dev/shm first."""
-        return cls.map_owned(name, cls.open_owned_fd(SHM_DIR + name, mode, gid, "shared-memory segment"))
+        anyone may create a name in /dev/shm first.  ``size``: the size its
+        table's layout gives it (a rows object's: ``restore_size``)."""
+        return cls.map_owned(name, cls.open_owned_fd(SHM_DIR + name, mode, gid, "shared-memory segment",
+                                                     empty_ok=size is not None), size)
 
     @classmethod
-    def map_owned(cls, name: str, fd: int):
-        """Map all of ``fd`` (taken: closed if mapping fails, else kept)."""
+    def map_owned(cls, name: str, fd: int, size: int | None = None):
+        """Map ``fd`` (taken: closed if mapping fails, else kept): all of it,
+        or, given ``size``, exactly that after ``restore_size``."""
         try:
-            mm = mmap.mmap(fd, os.fstat(fd).st_size)
+            if size is not None:
+                restore_size(fd, name, size)
+            mm = mmap.mmap(fd, size if size is not None else os.fstat(fd).st_size)
         except BaseException:
             os.close(fd)
             raise
         return cls(name, mm, len(mm), fd)
 
+    def restore_size(self, size: int) -> bool:
+        """Daemon: give the object back the size its table's layout says, if
+        a client changed it (``restore_size``); True if it had to."""
+        return restore_size(self.fd, self.name, size)
+
     @staticmethod
-    def open_owned_fd(path: str, mode: int, gid: int, what: str) -> int:
+    def open_owned_fd(path: str, mode: int, gid: int, what: str, empty_ok: bool = False) -> int:
         """An open descriptor of ``path`` once it is checked to be this
-        daemon's own nonempty regular file (``check_owned``)."""
+        daemon's own regular file (``check_owned``), nonempty unless
+        ``empty_ok`` (a rows object whose size the daemon restores)."""
         try:
             fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
         except FileNotFoundError:
@@ -159,7 +174,7 @@ class Segment:
         try:
             st = os.fstat(fd)
             check_owned(path, st, mode, gid)
-            if st.st_size == 0:
+            if st.st_size == 0 and not empty_ok:
                 raise LayoutError(f"{what} {path} is 0 bytes, expected a nonzero size (truncated?)")
         except BaseException:
             os.close(fd)
@@ -184,6 +199,46 @@ class Segment:
 
     def unlink(self) -> None:
         unlink_quiet(self.name)
+
+
+def check_size(name: str, size: int, expected: int | None, at_least: int | None = None) -> int:
+    """The bytes to map of object ``name`` (``size`` bytes now): exactly
+    ``expected``, at least ``at_least`` (then that many), or any nonzero
+    size; else LayoutError saying so."""
+    if at_least is not None:
+        if size >= at_least > 0:
+            return at_least
+        raise LayoutError(f"{name} is {size} bytes, its table needs {at_least}: a client with "
+                          "write access truncated it; the daemon gives it its size back when a "
+                          "client opens the table, so open it again")
+    if size == 0 or (expected is not None and size != expected):  # 0: truncated
+        raise LayoutError(f"segment {name} is {size} bytes, expected "
+                          f"{'a nonzero size' if expected is None else expected}")
+    return size
+
+
+def restore_size(fd: int, name: str, size: int) -> bool:
+    """Give the object behind ``fd`` (the daemon's own descriptor) exactly
+    ``size`` bytes, reserved, whatever size a client with write access gave
+    it: longer is cut back (those bytes are nobody's), shorter is extended
+    with zeros (the rows that were cut off are lost, as if a client had
+    scribbled over them) and reserved again, so no mapping faults past the
+    end.  True if the size was wrong.  Only the daemon calls it."""
+    now = os.fstat(fd).st_size
+    if now == size:
+        return False
+    if now > size:
+        os.ftruncate(fd, size)
+    else:
+        try:
+            os.posix_fallocate(fd, 0, size)
+        except OSError as exc:
+            raise ShmFull(f"{name} was cut to {now} bytes by a client; giving it back its {size} "
+                          f"bytes failed: {os.strerror(exc.errno)}") from exc
+    log.warning("%s was %d bytes, its table's layout says %d (a client with write access changed "
+                "its size); %s", name, now, size,
+                "cut back" if now > size else "extended with zeros: the rows past the old end are lost")
+    return True
 
 
 def prefault(buf: mmap.mmap, write: bool) -> bool:

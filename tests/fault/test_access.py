@@ -51,11 +51,11 @@ def test_socket_and_every_segment_are_group_owned_and_metadata_read_only(daemon)
                                    if f"shmreplay.{daemon.instance}." in n]
         # a table's two segments, and nothing else: channels and doorbells have no names
         assert sorted(os.path.basename(p) for p in paths[1:]) == [
-            f"shmreplay.{daemon.instance}.r.t", f"shmreplay.{daemon.instance}.t.t"]
+            daemon.segment("t", "r")[1:], daemon.segment("t")[1:]]
         for p in paths:
             st = os.stat(p)
             # clients of other users may read the daemon's metadata, never write it
-            mode = 0o640 if ".t.t" in p else 0o660
+            mode = 0o640 if ".t.t." in p else 0o660
             assert stat.S_IMODE(st.st_mode) == mode and st.st_gid == gid, (p, oct(st.st_mode), st.st_gid)
 
 
@@ -110,7 +110,7 @@ def test_a_stranger_is_refused_and_cannot_map_segments(daemon, users):
                        match=f"user {users[STRANGER][0]} may not open the socket {daemon.socket}"):
         as_user(users[STRANGER], connect_only, daemon.socket)
     with pytest.raises(PermissionError):
-        as_user(users[STRANGER], map_segment, f"shmreplay.{daemon.instance}.t.t")
+        as_user(users[STRANGER], map_segment, daemon.segment("t")[1:])
     # with the socket open to all, SO_PEERCRED still says who it is
     os.chmod(daemon.socket, 0o666)
     with pytest.raises(shmreplay.PermissionDenied, match=f"user {users[STRANGER][0]} may not use"):

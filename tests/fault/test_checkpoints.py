@@ -61,14 +61,14 @@ def test_round_trip_is_bit_exact(start_daemon, tmp_path):
         for _ in range(20):
             uses.sample(16)  # times sampled, and items that reached 5 left
         c.flush()
-    segs = {t: f"/shmreplay.{d.instance}.t.{t}" for t in ("per", "uses")}
+    segs = {t: d.segment(t) for t in ("per", "uses")}
     before = {t: table_state(s) for t, s in segs.items()}
     out = cli(d, "checkpoint", "--to", str(tmp_path / "ck"))
     assert "per: 512 items" in out and "paused" in out
     assert sorted(checkpoint.complete(str(tmp_path / "ck"))) == ["per", "uses"]
     assert d.stop() == 0  # the tables are gone with it
     d.start(["--restore", str(tmp_path / "ck")])
-    after = {t: table_state(s) for t, s in segs.items()}
+    after = {t: table_state(d.segment(t)) for t in segs}  # restored: new segments, new tokens
     for t in segs:
         assert_same(before[t], after[t])
     assert "restored 512 items" in d.log()
@@ -127,13 +127,14 @@ def test_damaged_and_incomplete_checkpoints_are_never_restored(start_daemon, tmp
     with d.connect() as c:
         assert len(c.table("per")) == 100  # the older, intact checkpoint
     assert "fails its CRC-32 check" in d.log()
-    # none intact: refuse to start rather than start empty
+    # none intact: the table is set aside with its checkpoints, never started empty
     for path in checkpoint.complete(ck)["per"]:
         with open(os.path.join(path, "DONE"), "w") as f:
             f.write("0\n")
     assert d.stop() == 0
-    with pytest.raises(RuntimeError, match="no checkpoint of table 'per' could be restored"):
-        d.start(["--restore", ck])
+    why = d.start_set_aside("per", ["--restore", ck])
+    assert "no checkpoint of table 'per' could be restored" in why["reason"]
+    assert set(why["objects"]) == set(checkpoint.complete(ck)["per"])
     d.start()  # without --restore: a fresh, empty table
 
 
@@ -158,7 +159,7 @@ def test_any_damage_to_the_newest_checkpoint_falls_back_to_the_older(start_daemo
                                                                       damage):
     ck = str(tmp_path / "ck")
     d = start_daemon(tables=TABLES[:1])
-    seg = f"/shmreplay.{d.instance}.t.per"
+    seg = d.segment("per")
     with d.connect() as c:
         t = c.table("per")
         t.insert_batch(mixed_rows(np.arange(100)), priorities=np.linspace(0.5, 5.0, 100))
@@ -171,7 +172,7 @@ def test_any_damage_to_the_newest_checkpoint_falls_back_to_the_older(start_daemo
     assert d.stop() == 0
     DAMAGE[damage](newest)
     d.start(["--restore", ck])
-    assert_same(held, table_state(seg))
+    assert_same(held, table_state(d.segment("per")))  # restored: a new segment
     log = d.log()
     assert f"checkpoint {newest} cannot be restored" in log, log[-2000:]
     assert f"restored 100 items from {older}" in log
@@ -221,13 +222,13 @@ def test_inserts_and_samples_flow_during_a_checkpoint(start_daemon, tmp_path):
         (rep,) = reports[0]
         evicted = c.stats()["tables"]["big"]["evictions"]
     # the fifo remover took the oldest: the snapshot's items left are a tail
-    now = committed_ids(f"/shmreplay.{d.instance}.t.big")
+    now = committed_ids(d.segment("big"))
     kept = now[now < cap]
     assert evicted >= 40 and kept.tolist() == list(range(evicted, cap))
     assert (rep["items"], rep["dropped"]) == (cap - evicted, evicted), rep
     assert d.stop() == 0
     r = start_daemon(tables=[CHURN], args=("--restore", str(tmp_path / "ck")))
-    assert np.array_equal(committed_ids(f"/shmreplay.{r.instance}.t.big"), kept)  # and none torn
+    assert np.array_equal(committed_ids(r.segment("big")), kept)  # and none torn
     with r.connect(timeout=HANG_S) as c:
         assert len(c.table("big")) == cap - evicted
 

@@ -131,7 +131,7 @@ def test_clients_killed_at_every_step_cost_nobody_anything(start_daemon, capsys)
                 p.join(10)
     (act,) = [r for r in results if r[0] == "actor"]
     (lrn,) = [r for r in results if r[0] == "learner"]
-    found = committed_ids(f"/shmreplay.{d.instance}.t.t")  # also asserts no committed row is torn
+    found = committed_ids(d.segment("t"))  # also asserts no committed row is torn
     assert np.setdiff1d(act[2], found).shape[0] == 0, "an innocent actor's flushed item is missing"
     # a victim killed after committing: the daemon applied what its ring held
     assert np.setdiff1d(committed_by_victims, found).shape[0] == 0

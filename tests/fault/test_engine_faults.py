@@ -31,7 +31,7 @@ def test_a_request_that_breaks_the_engine_cuts_off_only_its_client(start_daemon)
             t = c.table("ordered")
             t.insert(**{k: v[0] for k, v in rows([1]).items()})
             c.flush()
-            writable_map(f"/shmreplay.{d.instance}.t.ordered").times[:] = 0xFFFFFFF0  # more uses than max_times_sampled allows
+            writable_map(d.segment("ordered")).times[:] = 0xFFFFFFF0  # more uses than max_times_sampled allows
             got = []
 
             def learn():
@@ -76,7 +76,7 @@ def test_an_engine_failure_keeps_every_table_for_the_next_daemon(start_daemon, t
     crash.touch()
     code = d.proc.wait(HANG_S)
     assert code == 1, f"an engine failure exits 1 (documented), not {code}: never a clean stop"
-    segment = f"/shmreplay.{d.instance}.t.victim"
+    segment = d.segment("victim")
     assert committed_ids(segment).tolist() == list(range(3000))
     crash.unlink()
     d.start()

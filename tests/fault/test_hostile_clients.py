@@ -14,6 +14,7 @@ import pytest
 
 import shmreplay
 
+from conftest import segment_of
 from faults import FIELDS, HANG_S, rows
 from people import GROUP, MEMBER, as_user, needs_root, users  # noqa: F401 (a fixture)
 
@@ -61,7 +62,7 @@ def try_to_write_meta(path):
 
 
 def test_a_member_can_read_but_never_write_the_daemons_metadata(daemon, users):
-    meta = f"/dev/shm/shmreplay.{daemon.instance}.t.victim"
+    meta = "/dev/shm" + daemon.segment("victim")
     got = as_user(users[MEMBER], try_to_write_meta, meta)
     assert got == {"open_rw": "EACCES", "truncate": "EINVAL"}, got
 
@@ -120,7 +121,7 @@ def scribble(sock, instance, seed):
 
 
 def meta_bytes(instance: str, table: str) -> bytes:
-    with open(f"/dev/shm/shmreplay.{instance}.t.{table}", "rb") as f:
+    with open("/dev/shm" + segment_of(instance, table), "rb") as f:
         return f.read()
 
 
@@ -185,7 +186,7 @@ def test_a_member_truncating_rows_cannot_bring_the_daemon_down(daemon, users, tm
         owner.table("victim").insert_batch(rows(np.arange(100)))
         owner.table("still").insert_batch(rows(np.arange(100)))
         owner.flush()
-        as_user(users[MEMBER], truncate, f"/dev/shm/shmreplay.{daemon.instance}.r.victim")
+        as_user(users[MEMBER], truncate, "/dev/shm" + daemon.segment("victim", "r"))
         with pytest.raises(shmreplay.ReplayError, match="shorter than its table"):
             owner.checkpoint(str(tmp_path / "ck"), "victim")
         assert daemon.proc.poll() is None

@@ -50,7 +50,7 @@ def test_flush_after_an_earlier_call_reconnected_still_reports_the_loss(start_da
         # read back: what a flush vouched for is there (0 before the crash;
         # 100 if the call that noticed was that insert, and 200); of the
         # unflushed 1..8, the dead daemon may have committed some or none
-        ids = set(committed_ids(f"/shmreplay.{d.instance}.t.t").tolist())
+        ids = set(committed_ids(d.segment("t")).tolist())
         vouched = {0, 200} | ({100} if notice == "insert" else set())
         assert vouched <= ids <= vouched | set(range(1, 9)), sorted(ids)
     finally:

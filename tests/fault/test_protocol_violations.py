@@ -19,7 +19,7 @@ import shmreplay
 from shmreplay.wire import records as C
 from shmreplay.wire.control import MAX_FRAME, PROTOCOL_VERSION
 
-from conftest import SMALL_FIELDS
+from conftest import SMALL_FIELDS, segment_of
 from faults import FIELDS, HANG_S, rows, torn, wait_for
 from items import assert_still_serving, good_row
 from rawclient import commit, reserve, send_raw
@@ -29,7 +29,7 @@ RING_ROUNDS = 120
 
 
 def segment_crc(instance: str, table: str) -> int:
-    with open(f"/dev/shm/shmreplay.{instance}.t.{table}", "rb") as f:
+    with open("/dev/shm" + segment_of(instance, table), "rb") as f:
         return zlib.crc32(f.read())
 
 

@@ -76,7 +76,7 @@ def presence_problems(what: str, confirmed: dict, data: dict, torn: np.ndarray, 
 
 def test_writers_ride_out_a_daemon_restart(start_daemon, capsys):
     d = start_daemon(tables=TABLES)
-    seg = {t: f"/shmreplay.{d.instance}.t.{t}" for t in CAPACITY}
+    seg = {t: d.segment(t) for t in CAPACITY}
     crew = None
     failures: list[str] = []   # torn rows first, then lost items, then errors
     presence_p2: list[str] = []

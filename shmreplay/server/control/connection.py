@@ -18,7 +18,7 @@ import logging
 import os
 import socket
 
-from ...errors import CapacityError, PermissionDenied, ProtocolError, ReplayError, UnknownTable
+from ...errors import CapacityError, PermissionDenied, ProtocolError, ReplayError
 from ...schema import check_table_name
 from ...wire import control as protocol
 from ...wire import records
@@ -181,11 +181,7 @@ class ControlConnection(asyncio.Protocol):
         return {"table": await self.srv.create_table(msg["spec"], msg["exist_ok"])}
 
     async def _on_open_table(self, msg: dict) -> dict:
-        srv = self.srv
-        d = await srv.call(srv.engine.describe, check_table_name(msg["name"]))
-        if d is None:
-            raise UnknownTable(f"no table named {msg['name']!r}")
-        return {"table": d}
+        return {"table": await self.srv.open_table(check_table_name(msg["name"]))}
 
     async def _on_drop_table(self, msg: dict) -> None:
         await self.srv.drop_table(msg["name"])

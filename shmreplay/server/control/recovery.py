@@ -32,6 +32,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import stat
 import time
 
 import numpy as np
@@ -40,6 +41,8 @@ from ...errors import ForeignObject, LayoutError, PermissionDenied, ReplayError
 from ...wire import names
 from ...wire.layout import COMMITTED, FREE, HELD, RESERVED, TableMap
 from ...wire.peer import process_alive, process_start
+from ...wire import headers
+from ...wire.rowfile import RowFile, rows_location, rows_name
 from ...wire.segment import unlink_quiet
 from ..disk import checkpoint, durable, ownership, storage
 from ..tables.ledger import HOLD_TIMEOUT_S
@@ -50,11 +53,14 @@ from .memory import check_memory
 log = logging.getLogger("shmreplayd.recovery")
 
 
-def adopt(name: str, mode: int, gid: int, expected=None, storage_dirs=frozenset()) -> TableMap:
-    """Map a table's segments left by a dead daemon, after every check.  A
-    file-backed table is adopted where its rows are (moving it is a
-    checkpoint and a restore), if the config still allows that directory."""
+def adopt(name: str, mode: int, gid: int, declared=None, storage_dirs=frozenset()) -> TableMap:
+    """Map a table's segments left by a dead daemon, after every check
+    (``declared``: the config's tables by name, whose definition an adopted
+    table of that name must have).  A file-backed table is adopted where its
+    rows are (moving it is a checkpoint and a restore), if the config still
+    allows that directory."""
     def check(spec):
+        expected = (declared or {}).get(spec.name)
         if expected is not None and dataclasses.replace(spec, storage_dir=expected.storage_dir) != expected:
             raise LayoutError(
                 f"segment {name} holds table {spec.name!r} with another definition than the "
@@ -131,72 +137,132 @@ def rebuild(table_id: int, spec, tmap: TableMap, seed=None,
     return t
 
 
-def table_segments(instance: str) -> dict[str, str]:
-    """table name -> segment name, for every table segment of ``instance``."""
-    prefix = names.table_segment(instance, "")[1:]
-    return {n[len(prefix):]: "/" + n for n in ownership.scan().get(instance, [])
-            if n.startswith(prefix)}
+def table_segments(instance: str) -> list[str]:
+    """Every meta segment of ``instance`` in /dev/shm that is this user's own
+    regular file (names: ``wire.names``).  Anything else named like one was
+    planted: logged, never opened, never removed, and it blocks nothing."""
+    prefix = names.table_prefix(instance)
+    out = []
+    for n in ownership.scan().get(instance, []):
+        if not n.startswith(prefix):
+            continue
+        try:
+            st = os.lstat(os.path.join(names.SHM_DIR, n))
+        except FileNotFoundError:
+            continue
+        if stat.S_ISREG(st.st_mode) and st.st_uid == os.geteuid():
+            out.append("/" + n)
+        else:
+            log.warning("/dev/shm/%s is named like a table of this instance but is not the "
+                        "daemon's own file (uid %d); ignored", n, st.st_uid)
+    return sorted(out)
 
 
-def segments_from_disk(cfg) -> set[str]:
+def segments_from_disk(cfg) -> dict[str, str]:
     """After a reboot (or anything else that emptied /dev/shm): copy the
     metadata file of each durable table in an allowed storage directory
     whose meta segment is gone into a new meta segment, for ``adopt``.
-    A file that is not ours is logged and left alone.  Returns the names."""
-    have = table_segments(cfg.instance)
-    out = set()
+    A file that is not ours is logged and left alone.  Returns segment name
+    -> the file it was copied from."""
+    have = {names.table_of_segment(seg) for seg in table_segments(cfg.instance)}
+    out = {}
     for tname, path in durable.files(cfg.instance, cfg.storage_dirs).items():
         if tname in have:  # the segment is newer: a daemon was killed, the box was not rebooted
             continue
+        seg = names.table_segment(cfg.instance, tname)
         try:
             storage.check_dir(os.path.dirname(path))
-            durable.to_segment(names.table_segment(cfg.instance, tname), durable.read_file(path),
-                               cfg.segment_mode, cfg.gid)
+            durable.to_segment(seg, durable.read_file(path), cfg.segment_mode, cfg.gid)
         except (ForeignObject, LayoutError, PermissionDenied) as exc:
             log.error("table %s: not adopted from %s: %s", tname, path, exc)
             continue
-        out.add(tname)
+        out[seg] = path
     return out
 
 
 async def open_tables(srv, restore_dir: str | None) -> None:
-    """Bring up every table (see the module docstring); srv is the ControlServer."""
+    """Bring up every table (see the module docstring); srv is the
+    ControlServer.  A table that fails any step is set aside (``aside.py``),
+    never allowed to stop the others."""
     cfg = srv.cfg
     declared = {spec.name: spec for spec in cfg.tables}
     from_disk = (await srv.loop.run_in_executor(None, segments_from_disk, cfg)
-                 if cfg.durable_file_tables else set())
-    for tname, seg in table_segments(cfg.instance).items():
-        t0 = time.monotonic()
-        try:
-            tmap = await srv.loop.run_in_executor(None, adopt, seg, cfg.segment_mode, cfg.gid,
-                                                  declared.get(tname), cfg.storage_dirs)
-        except BaseException as exc:
-            if tname in from_disk:  # our copy of the file, which stays as it is
-                unlink_quiet(seg)
-            if not isinstance(exc, ForeignObject):
-                raise
-            log.error("table %s: %s", tname, exc)  # planted: never opened beyond an fstat, never removed
-            continue
-        table = await srv.add_table(tmap.spec, tmap=tmap, recover=True)
-        srv.adopted.add(tname)
-        log.info("table %s: adopted %s from %s: %d items (%.2f s)", tname, seg,
-                 "its metadata file" if tname in from_disk else "a dead daemon",
-                 table["items"], time.monotonic() - t0)
+                 if cfg.durable_file_tables else {})
+    for seg in await srv.loop.run_in_executor(None, table_segments, cfg.instance):
+        await _adopt_one(srv, seg, declared, from_disk.get(seg))
     have = set(await srv.call(srv.engine.table_names))
-    saved = checkpoint.complete(restore_dir) if restore_dir else {}
+    try:
+        saved = checkpoint.complete(restore_dir) if restore_dir else {}
+    except ReplayError as exc:  # e.g. a directory someone else could write: not read at all
+        saved = {}
+        for tname in declared:
+            if tname not in have:
+                srv.aside.add(tname, f"the restore directory {restore_dir} was refused: {exc}")
     for tname in [n for n in declared if n not in have] + [n for n in saved if n not in declared]:
-        if tname in have:
-            continue
-        if tname in saved:
-            await restore_newest(srv, tname, saved[tname], declared.get(tname))
-        else:
-            await srv.add_table(declared[tname])
+        if tname in have or tname in srv.aside:
+            continue  # served, or set aside: nothing is made over data that is kept
+        try:
+            if tname in saved:
+                await restore_newest(srv, tname, saved[tname], declared.get(tname))
+            else:
+                await srv.add_table(declared[tname])
+        except Exception as exc:  # one table's: the others are served
+            what = "restored" if tname in saved else "created"
+            srv.aside.add(tname, f"could not be {what}: {exc}", saved.get(tname, ()))
+
+
+async def _adopt_one(srv, seg: str, declared: dict, from_file: str | None) -> None:
+    """Adopt one meta segment (``from_file``: copied from that metadata file
+    just now), or set its table aside."""
+    cfg, t0 = srv.cfg, time.monotonic()
+    tname = names.table_of_segment(seg)
+    objects = _objects_of(seg) + ([from_file] if from_file else [])
+    try:
+        tmap = await srv.loop.run_in_executor(None, adopt, seg, cfg.segment_mode, cfg.gid,
+                                              declared, cfg.storage_dirs)
+    except Exception as exc:
+        if from_file:  # our copy of the file, which stays as it is
+            unlink_quiet(seg)
+            objects = [from_file]
+        srv.aside.add(tname, f"{seg} could not be adopted: {exc}", objects)
+        return
+    tname = tmap.spec.name
+    if tname in srv.aside or await srv.call(srv.engine.describe, tname) is not None:
+        tmap.release()
+        srv.aside.add(tname, f"{seg} holds another copy of a table already adopted", objects)
+        return
+    try:
+        table = await srv.add_table(tmap.spec, tmap=tmap, recover=True)
+    except Exception as exc:  # add_table released the segments; they stay as they are
+        srv.aside.add(tname, f"{seg} was adopted but could not be served: {exc}", objects)
+        return
+    srv.adopted.add(tname)
+    log.info("table %s: adopted %s from %s: %d items (%.2f s)", tname, seg,
+             "its metadata file" if from_file else "a dead daemon", table["items"],
+             time.monotonic() - t0)
+
+
+def _objects_of(seg: str) -> list[str]:
+    """The paths that hold a meta segment's table: the segment and its rows
+    (a segment, or a file where the schema inside says so)."""
+    path = names.SHM_DIR + seg
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        try:
+            spec = headers.stored_table(lambda off, n: os.pread(fd, n, off), path)[1]
+        finally:
+            os.close(fd)
+        kind, where = rows_location(seg, spec)
+        return [path, where if kind is RowFile else names.SHM_DIR + where]
+    except Exception:  # unreadable: the rows segment its name implies
+        return [path, names.SHM_DIR + rows_name(seg)]
 
 
 async def restore_newest(srv, table: str, paths: list[str], expected) -> dict:
     """Restore the newest checkpoint that loads; a damaged one (any fault
     ``checkpoint.load`` finds) is logged and the one before it tried.  If
-    none loads the daemon does not start: starting empty would hide the loss."""
+    none loads, the table is not started empty (that would hide the loss):
+    the caller sets it aside with every checkpoint kept."""
     errors = []
     for path in reversed(paths):
         try:
@@ -204,9 +270,9 @@ async def restore_newest(srv, table: str, paths: list[str], expected) -> dict:
         except LayoutError as exc:
             log.error("checkpoint %s cannot be restored: %s", path, exc)
             errors.append(str(exc))
-    raise LayoutError(f"no checkpoint of table {table!r} could be restored, so the daemon does not "
-                      "start it empty (that would hide the loss); repair the checkpoints or move "
-                      "them away: " + "; ".join(errors))
+    raise LayoutError(f"no checkpoint of table {table!r} could be restored, so it is not started "
+                      "empty (that would hide the loss); repair the checkpoints or move them "
+                      "away: " + "; ".join(errors))
 
 
 async def restore_table(srv, path: str, expected=None) -> dict:

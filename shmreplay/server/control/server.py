@@ -20,7 +20,7 @@ import socket
 import stat
 import time
 
-from ...errors import CapacityError, DaemonUnavailable, ForeignObject, ReplayError, TableExists
+from ...errors import CapacityError, DaemonUnavailable, ForeignObject, ReplayError, TableExists, UnknownTable
 from ...schema import check_table_name, spec_from_wire
 from ...wire import names
 from ...wire.control import PROTOCOL_VERSION
@@ -31,6 +31,7 @@ from ..engine.engine import Engine
 from ..tables import tablestats
 from ..tables.table import Table
 from . import recovery
+from .aside import SetAside
 from .config import DaemonConfig
 from .connection import ControlConnection
 from .memory import check_memory
@@ -54,6 +55,7 @@ class ControlServer:
         self.detaching: set[asyncio.Task] = set()
         self.checkpointing = asyncio.Lock()
         self.adopted: set[str] = set()  # tables taken over from a dead daemon
+        self.aside = SetAside()  # tables found, or declared, that cannot be served (aside.py)
         self.syncs = Syncer(self)  # durable file-backed tables' syncs (syncs.py)
         self.request_shutdown = lambda: None  # set by the Daemon
 
@@ -94,6 +96,7 @@ class ControlServer:
     # ---- table management ----
     async def create_table(self, wire: dict, exist_ok: bool) -> dict:
         asked = spec_from_wire(wire)
+        self.aside.refuse(asked.name)
         spec = self.cfg.place(asked)
         existing = await self.call(self.engine.describe, spec.name)
         if existing is not None:
@@ -116,10 +119,24 @@ class ControlServer:
         finally:
             self.creating.discard(spec.name)
 
+    async def open_table(self, name: str) -> dict:
+        """A client attaches to a table: its description, once its rows
+        object has the size its layout says (a client with write access may
+        have changed it; ``Segment.restore_size``)."""
+        d = await self.call(self.engine.describe, name)
+        if d is None:
+            self.aside.refuse(name)
+            raise UnknownTable(f"no table named {name!r}")
+        table = await self.call(self.engine.table_named, name)
+        rows = table.map.rows
+        if rows.fd is not None:  # on this thread, where a drop would close it: never concurrently
+            rows.restore_size(table.map.layout.rows_size)
+        return d
+
     async def add_table(self, spec, tmap: TableMap | None = None, recover: bool = False) -> dict:
         """Serve a table: a new segment, or ``tmap`` (adopted or restored,
         ``recover``: rebuild the table from what it holds)."""
-        name = names.table_segment(self.cfg.instance, spec.name)
+        name = names.table_segment(self.cfg.instance, spec.name) if tmap is None else tmap.name
         t0 = time.monotonic()
         tid = self.next_table_id  # taken now: two creates may overlap at the awaits below
         self.next_table_id += 1
@@ -174,6 +191,9 @@ class ControlServer:
         clean stop): a durable table is synced a last time and its files
         stay for the next start; only its meta segment goes."""
         check_table_name(name)
+        if name in self.aside:  # an admin's way out for a table set aside: its own files go
+            self.aside.drop(name)
+            return
         lock, landed = await self.syncs.drop(name, final=keep_disk)
         async with lock or contextlib.nullcontext():
             table = await self.call(self.engine.drop_table, name)
@@ -240,7 +260,7 @@ class ControlServer:
                 st["resident_bytes"] = await self.loop.run_in_executor(None, resident_bytes, table.map.rows)
         return {"daemon_pid": self.pid, "protocol": PROTOCOL_VERSION, "instance": self.cfg.instance,
                 "socket": self.path, "uptime_s": time.time() - self.started,
-                "connections": len(self.connections), **snap}
+                "connections": len(self.connections), **snap, "set_aside": self.aside.report()}
 
 
 def _claim_socket_path(path: str) -> None:

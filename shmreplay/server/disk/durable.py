@@ -41,7 +41,7 @@ import time
 import numpy as np
 
 from ...errors import ForeignObject, LayoutError
-from ...wire import headers
+from ...wire import headers, names
 from ...wire.layout import TableMap, meta_mode
 from ...wire.rowfile import unlink_file_quiet
 from ...wire.segment import Segment
@@ -53,7 +53,8 @@ FILE_MODE = 0o600  # clients read the meta segment, never this file
 
 
 def meta_file(tmap: TableMap) -> str:
-    return os.path.join(tmap.spec.storage_dir, tmap.name.lstrip("/"))
+    return os.path.join(tmap.spec.storage_dir,
+                        names.storage_names(names.instance_of(tmap.name.lstrip("/")), tmap.spec.name)[0])
 
 
 def temp_file(path: str) -> str:

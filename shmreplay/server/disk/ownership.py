@@ -30,7 +30,8 @@ from dataclasses import dataclass
 
 from ...errors import ForeignObject, ReplayError
 from ...wire import headers
-from ...wire.names import SHM_DIR, instance_of, is_table, lock_path, pid_in_name, secure_dir
+from ...wire.names import (SHM_DIR, instance_of, is_table, lock_path, pid_in_name, secure_dir,
+                           storage_names, table_of_segment, table_prefix)
 from ...wire.peer import process_alive, process_start
 from ...wire.rowfile import RowFile, meta_name, rows_location, unlink_file_quiet
 from ...wire.segment import check_owned
@@ -188,7 +189,8 @@ def _rows_file(meta_seg: str, shm_dir: str) -> list[str]:
         return []
     if not headers.rows_belong(r, h):
         return []
-    durable = os.path.join(os.path.dirname(path), meta_seg)  # its metadata file (server/disk/durable.py)
+    # its metadata file (server/disk/durable.py)
+    durable = os.path.join(os.path.dirname(path), storage_names(instance_of(meta_seg), spec.name)[0])
     return [path] + ([durable] if _mine(durable) else [])
 
 
@@ -198,6 +200,10 @@ def orphan_rows_files(storage_dirs, shm_dir: str = SHM_DIR) -> dict[str, list[st
     durable table's, which the next start adopts): instance -> absolute
     paths.  Only regular files of this user; nothing could ever adopt them."""
     out: dict[str, list[str]] = {}
+    # the tables with a meta segment in /dev/shm (any token; anyone's: a
+    # name that looks like a live table's keeps its rows, never removes them)
+    live = {(inst, table_of_segment(n)) for inst, ns in scan(shm_dir).items() for n in ns
+            if n.startswith(table_prefix(inst))}
     for d in storage_dirs:
         try:
             entries = sorted(os.listdir(d))
@@ -205,7 +211,7 @@ def orphan_rows_files(storage_dirs, shm_dir: str = SHM_DIR) -> dict[str, list[st
             continue
         for n in entries:
             inst, meta = instance_of(n), meta_name(n)
-            if inst and meta and not os.path.lexists(os.path.join(shm_dir, meta)) \
+            if inst and meta and (inst, table_of_segment(meta)) not in live \
                     and not os.path.lexists(os.path.join(d, meta)) and _mine(os.path.join(d, n)):
                 out.setdefault(inst, []).append(os.path.join(d, n))
     return out

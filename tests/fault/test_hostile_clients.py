@@ -15,7 +15,7 @@ import pytest
 import shmreplay
 
 from conftest import segment_of
-from faults import FIELDS, HANG_S, rows
+from faults import FIELDS, HANG_S, rows, torn
 from people import GROUP, MEMBER, as_user, needs_root, users  # noqa: F401 (a fixture)
 
 pytestmark = needs_root
@@ -27,19 +27,31 @@ TABLES = [{"name": "victim", "capacity": 1 << 16, "fields": FIELDS},
 
 @pytest.fixture
 def daemon(start_daemon, users):
+    """The tables above in /dev/shm, and "ondisk" with its rows in a file
+    (a directory the members' group may search: a tmp_path is not)."""
     from pathlib import Path
     sockdir = Path(tempfile.mkdtemp(prefix="shmrsock"))
-    os.chmod(sockdir, 0o755)  # other users must reach the socket
-    d = start_daemon(tables=TABLES, socket_dir=sockdir, group=GROUP, allowed_groups=[GROUP])
+    os.chmod(sockdir, 0o755)  # other users must reach the socket and the rows file
+    store = str(sockdir / "tables")
+    tables = TABLES + [{"name": "ondisk", "capacity": 512, "fields": FIELDS, "storage_dir": store}]
+    d = start_daemon(tables=tables, socket_dir=sockdir, group=GROUP, allowed_groups=[GROUP],
+                     storage_dirs=[store], durable_file_tables=False)
+    d.store = store
     yield d
     d.stop()
     os.unlink(sockdir / os.path.basename(d.socket)) if os.path.exists(d.socket) else None
+    for n in os.listdir(store) if os.path.isdir(store) else ():
+        os.unlink(os.path.join(store, n))  # the rows file of a table the clean stop removed is gone
+    if os.path.isdir(store):
+        os.rmdir(store)
     os.rmdir(sockdir)
 
 
-def instance_objects(instance: str) -> list[str]:
-    return sorted(os.path.join("/dev/shm", n) for n in os.listdir("/dev/shm")
-                  if f"shmreplay.{instance}." in n)
+def instance_objects(instance: str, store: str) -> list[str]:
+    """Every object of the instance: /dev/shm, and the rows files in ``store``."""
+    return sorted([os.path.join("/dev/shm", n) for n in os.listdir("/dev/shm")
+                   if f"shmreplay.{instance}." in n]
+                  + [os.path.join(store, n) for n in os.listdir(store) if f"shmreplay.{instance}." in n])
 
 
 def try_to_write_meta(path):
@@ -67,15 +79,16 @@ def test_a_member_can_read_but_never_write_the_daemons_metadata(daemon, users):
     assert got == {"open_rw": "EACCES", "truncate": "EINVAL"}, got
 
 
-def scribble(sock, instance, seed):
+def scribble(sock, instance, store, seed):
     """Attach as a client, then write random bytes over every byte of every
-    object of the instance this user can open for writing."""
+    object of the instance this user can open for writing (rows segments and
+    rows files, their headers included)."""
     c = shmreplay.connect(sock, timeout=60)
     c.table("shared").insert_batch(rows(np.arange(8)))
     c.flush()
     rng = np.random.default_rng(seed)
     wrote, refused = [], []
-    for path in instance_objects(instance):
+    for path in instance_objects(instance, store):
         try:
             fd = os.open(path, os.O_RDWR)
         except OSError:
@@ -142,21 +155,29 @@ def innocent(sock, stop, out):
 
 
 def test_random_scribble_by_a_member_changes_no_metadata_and_loses_no_item(daemon, users):
+    """Issue 12, and issue 21 item 9: the scribble covers every rows object
+    and rows file from their first byte (the header no longer decides
+    anything); after it, and after a SIGKILL and a restart, every table is
+    served with every item (rows damaged where they were written, nothing
+    else)."""
     with daemon.connect() as owner:
         owner.table("still").insert_batch(rows(np.arange(3000)))
         owner.table("victim").insert_batch(rows(np.arange(1000)))
+        owner.table("ondisk").insert_batch(rows(np.arange(300)))
         owner.flush()
         before = meta_bytes(daemon.instance, "still")
         stop, out = threading.Event(), []
         th = threading.Thread(target=innocent, args=(daemon.socket, stop, out), daemon=True)
         th.start()
         try:
-            wrote, refused = as_user(users[MEMBER], scribble, daemon.socket, daemon.instance, 7)
+            wrote, refused = as_user(users[MEMBER], scribble, daemon.socket, daemon.instance,
+                                     daemon.store, 7)
         finally:
             stop.set()
             th.join(HANG_S)
         # rows are writable (damage allowed); metadata and the daemon's descriptors never
         assert any(".r.still" in p for p in wrote), (wrote, refused)
+        assert any(p.startswith(daemon.store) for p in wrote), (wrote, refused)
         assert not any(".t." in p or "/proc/" in p for p in wrote), wrote
         assert any("/proc/" in p for p in refused)
         assert meta_bytes(daemon.instance, "still") == before
@@ -168,6 +189,13 @@ def test_random_scribble_by_a_member_changes_no_metadata_and_loses_no_item(daemo
         owner.table("still").insert_batch(rows(np.arange(3000, 3100)))
         owner.flush()
         assert len(owner.table("still")) == 3100
+        sizes = {name: len(owner.table(name)) for name in ("victim", "still", "shared", "ondisk")}
+    daemon.crash()
+    daemon.start()  # adopts every table: no byte a member wrote decides whether it can
+    with daemon.connect() as owner:
+        assert owner.stats()["set_aside"] == {}
+        assert {name: len(owner.table(name)) for name in sizes} == sizes
+        assert len(owner.table("still").sample(64)) == 64  # rows scribbled, the table served
 
 
 def truncate(path):
@@ -195,3 +223,49 @@ def test_a_member_truncating_rows_cannot_bring_the_daemon_down(daemon, users, tm
         owner.table("still").insert_batch(rows(np.arange(100, 110)))
         owner.flush()
         assert len(owner.table("still")) == 110
+
+
+def zero_header_and_resize(path, grow):
+    """What the review did: 8 zero bytes at offset 0, then the size changed:
+    4 KiB more (``grow``), or cut to half."""
+    fd = os.open(path, os.O_RDWR)
+    try:
+        os.pwrite(fd, bytes(8), 0)
+        size = os.fstat(fd).st_size
+        os.ftruncate(fd, size + 4096 if grow else size // 2)
+    finally:
+        os.close(fd)
+
+
+@pytest.mark.parametrize("grow", [True, False])
+def test_a_members_rows_header_or_size_locks_nobody_out(daemon, users, grow):
+    """Issue 21, item 1: the rows header is client-writable, so nothing
+    decides by it; a rows object's size (grown, or cut) is given back by the
+    daemon when a client opens the table and when it adopts it.  Neither the
+    owner's attach nor a restart after a SIGKILL is refused; every other
+    table is served throughout."""
+    with daemon.connect() as owner:
+        owner.table("still").insert_batch(rows(np.arange(100)))
+        owner.table("ondisk").insert_batch(rows(np.arange(100)))
+        owner.flush()
+    rows_file = os.path.join(daemon.store, f"shmreplay.{daemon.instance}.r.ondisk")
+    for path in ("/dev/shm" + daemon.segment("victim", "r"), rows_file):
+        as_user(users[MEMBER], zero_header_and_resize, path, grow)
+    with daemon.connect() as owner:  # a fresh attach: the daemon gave the sizes back
+        for name in ("victim", "ondisk", "still"):
+            t = owner.table(name)
+            t.insert_batch(rows(np.arange(1000, 1010)))
+        owner.flush()
+        assert (len(owner.table("victim")), len(owner.table("ondisk"))) == (10, 110)
+    for path in ("/dev/shm" + daemon.segment("victim", "r"), rows_file):
+        as_user(users[MEMBER], zero_header_and_resize, path, grow)
+    daemon.crash()
+    daemon.start()  # adoption gives the sizes back too
+    with daemon.connect() as owner:
+        assert owner.stats()["set_aside"] == {}
+        assert {n: len(owner.table(n)) for n in ("victim", "ondisk", "still")} == \
+            {"victim": 10, "ondisk": 110, "still": 110}
+        b = owner.table("still").sample(110)  # untouched: every row whole
+        assert set(b.data["id"].tolist()) <= set(range(100)) | set(range(1000, 1010))
+        assert not torn(b.data)
+

@@ -17,7 +17,7 @@ from .client import Client, NStepWriter, SampleBatch, SequenceWriter, Table, con
 from .errors import (
     CapacityError, DaemonUnavailable, DiskFull, EmptyTable, ForeignObject, FieldError, LayoutError, PriorityError,
     PermissionDenied, ProtocolError, RateLimited, ReplayError, ReplayTimeout, SchemaError, ShmFull,
-    SlotsBusy, TableExists, UnknownTable,
+    ReservationExpired, SlotsBusy, TableExists, UnknownTable,
 )
 from .version import __version__
 
@@ -26,5 +26,5 @@ __all__ = [
     "ReplayError", "ProtocolError", "DaemonUnavailable", "ReplayTimeout", "UnknownTable",
     "TableExists", "SchemaError", "FieldError", "PriorityError", "CapacityError", "ShmFull",
     "LayoutError", "EmptyTable", "RateLimited", "SlotsBusy", "PermissionDenied", "DiskFull",
-    "ForeignObject",
+    "ForeignObject", "ReservationExpired",
 ]

@@ -122,6 +122,14 @@ class SlotsBusy(RateLimited, CapacityError):
     code = 16
 
 
+class ReservationExpired(ReplayError):
+    """A writer's commit came after its reservation expired
+    (``reservation_timeout_s``): those items were not stored.  Reported by
+    the writer's next call or ``flush()``; nothing else is affected."""
+
+    code = 19
+
+
 class PermissionDenied(ReplayError, PermissionError):
     """The daemon's access rules refuse this user (connect) or this
     operation (admin operations: drop_table, checkpoint, shutdown)."""
@@ -134,7 +142,7 @@ _BY_CODE = {
     for cls in (
         ReplayError, ProtocolError, DaemonUnavailable, ReplayTimeout, UnknownTable,
         TableExists, SchemaError, PermissionDenied, FieldError, PriorityError, CapacityError, ShmFull,
-        LayoutError, EmptyTable, RateLimited, SlotsBusy, ForeignObject, DiskFull,
+        LayoutError, EmptyTable, RateLimited, SlotsBusy, ForeignObject, DiskFull, ReservationExpired,
     )
 }
 _BY_NAME = {cls.__name__: cls for cls in _BY_CODE.values()}

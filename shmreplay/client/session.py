@@ -32,7 +32,7 @@ from __future__ import annotations
 import os
 import time
 
-from ..errors import DaemonUnavailable, ReplayError, ReplayTimeout, UnknownTable
+from ..errors import DaemonUnavailable, ReplayError, ReplayTimeout, ReservationExpired, UnknownTable
 from ..wire import records as R
 from .link import ControlLink
 from .pipe import CommandPipe
@@ -133,7 +133,7 @@ class Session:
         if pipe.resp.has_pending():  # cheaper than drain() when, as usually, nothing came
             pipe.drain()
         if pipe.deferred is not None:
-            pipe.raise_deferred()
+            self._raise_deferred()
 
     def request(self, op: str, **args) -> dict:
         """A control request (table management, admin) on the link."""
@@ -148,7 +148,21 @@ class Session:
         pipe = self.pipe
         pipe.wait(pipe.send(R.put_flush), lambda rec, pay: None)
         self.dirty = False
-        pipe.raise_deferred()
+        self._raise_deferred()
+
+    def _raise_deferred(self) -> None:
+        """Raise the error a streamed command (a commit) got.  One that came
+        after its reservation expired (the client stalled past the daemon's
+        reservation_timeout_s) may be one of many: every table's own lease
+        is handed back first, so inserts from now on go into new
+        reservations.  (Writers' leases keep theirs: they hold open items,
+        whose commits report their own loss.)"""
+        try:
+            self.pipe.raise_deferred()
+        except ReservationExpired:
+            for t in self._handles.values():
+                t.hand_back(holds=False)
+            raise
 
     # ---- daemon restarts ----
     def recover(self) -> bool:

@@ -105,11 +105,14 @@ class Table:
         self._held = []
         return any([lease.void() for lease in list(self._leases)])
 
-    def hand_back(self) -> None:
-        """Hand back unused slots of this handle's lease and the slots
-        ``sample_indices`` holds (the client's flush)."""
+    def hand_back(self, holds: bool = True) -> None:
+        """Hand back unused slots of this handle's lease and (``holds``) the
+        slots ``sample_indices`` holds: the client's flush.  Without
+        ``holds``: after the daemon voided a reservation of this client
+        (``ReservationExpired``), so no more inserts go into one."""
         self._lease.release()
-        self.release()
+        if holds:
+            self.release()
 
     def __reduce__(self):
         return (_reopen, (self._client, self.name))

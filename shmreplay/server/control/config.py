@@ -23,12 +23,13 @@ from ...errors import PermissionDenied, SchemaError
 from ...schema import TableSpec, spec_from_dict
 from ...wire import names
 from ..disk.prefetch import METHODS as PREFETCH_METHODS
+from ..tables.ledger import SlotLimits
 
 _INSTANCE = re.compile(r"^[A-Za-z0-9_-]{1,32}$")
 DAEMON_KEYS = {"socket", "instance", "segment_mode", "spin_us", "idle_timeout_s", "log_level", "seed",
                "retain_tables", "checkpoint_dir", "checkpoint_interval_s",
                "checkpoint_keep", "checkpoint_buffer_mb", "group", "allowed_users", "allowed_groups", "admin_group",
-               "max_clients", "max_tables", "hold_timeout_s", "max_clients_per_user",
+               "max_clients", "max_tables", "hold_timeout_s", "reservation_timeout_s", "max_clients_per_user",
                "handshake_timeout_s", "storage_dir", "storage_dirs", "durable_file_tables",
                "sync_interval_s", "prefetch_threads", "prefetch_queue", "prefetch_method"}
 
@@ -45,6 +46,7 @@ class DaemonConfig:
     # recovery and checkpoints (docs/reliability.md)
     retain_tables: bool = False       # leave table segments at shutdown for the next daemon
     hold_timeout_s: float = 5.0       # longest a learner may keep slots of its last samples
+    reservation_timeout_s: float = 60.0  # a writer's reservation not committed by then is void
     checkpoint_dir: str = ""          # periodic checkpoints go here; restored at start
     checkpoint_interval_s: float = 0.0  # 0: no periodic checkpoints
     checkpoint_keep: int = 2
@@ -76,6 +78,10 @@ class DaemonConfig:
     prefetch_queue: int = 4096
     prefetch_method: str = "fadvise"
     tables: list[TableSpec] = field(default_factory=list)
+
+    def slot_limits(self) -> SlotLimits:
+        """How long a table's slots may stay out of use (holds, reservations)."""
+        return SlotLimits(self.hold_timeout_s, self.reservation_timeout_s)
 
     def place(self, spec: TableSpec) -> TableSpec:
         """``spec`` with its rows directory decided: None takes the default,
@@ -135,6 +141,7 @@ def parse_config(doc: dict, where: str = "config") -> DaemonConfig:
     cfg.retain_tables = _bool(d, "retain_tables", False, where)
     # 0 would free held slots before any learner could copy their rows
     cfg.hold_timeout_s = _number(d, "hold_timeout_s", 5.0, where, lo=0.001)
+    cfg.reservation_timeout_s = _number(d, "reservation_timeout_s", 60.0, where, lo=0.001)
     cfg.checkpoint_dir = str(d.get("checkpoint_dir", ""))
     if cfg.checkpoint_dir and not os.path.isabs(cfg.checkpoint_dir):
         raise SchemaError(f"{where}: checkpoint_dir must be an absolute path, got {cfg.checkpoint_dir!r}")

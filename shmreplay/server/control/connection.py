@@ -232,7 +232,9 @@ class ControlConnection(asyncio.Protocol):
         if self.channel is None or self.passing:
             raise ProtocolError("ready before the channel was handed over")
         # the pid is the kernel's (SO_PEERCRED), not what the client says
-        cl = ClientState(self.cid, self.peer.pid, self.channel, *self.bells, self.resume)
+        # root, the daemon's user and the admin group hold no user cap on reservations
+        user = None if access.may_administer(self.srv.cfg, self.peer) else self.peer.uid
+        cl = ClientState(self.cid, self.peer.pid, self.channel, *self.bells, self.resume, user)
         # attached before the await: if the connection drops meanwhile this
         # task is cancelled, and _end_lease must still detach (engine calls
         # run in order, so the detach follows the add if the add ran)

@@ -45,7 +45,7 @@ from ...wire import headers
 from ...wire.rowfile import RowFile, rows_location, rows_name
 from ...wire.segment import unlink_quiet
 from ..disk import checkpoint, durable, ownership, storage
-from ..tables.ledger import HOLD_TIMEOUT_S
+from ..tables.ledger import SlotLimits
 from ..tables.orphans import OrphanLeases
 from ..tables.table import Table
 from .memory import check_memory
@@ -90,7 +90,7 @@ def adopt(name: str, mode: int, gid: int, declared=None, storage_dirs=frozenset(
 
 
 def rebuild(table_id: int, spec, tmap: TableMap, seed=None,
-            hold_timeout_s: float = HOLD_TIMEOUT_S) -> Table:
+            limits: SlotLimits = SlotLimits()) -> Table:
     """A table rebuilt from a segment a dead daemon served (or a restored
     checkpoint): the committed items (state, priority, times sampled,
     commit number) are the truth; everything else is derived.  Slots a
@@ -98,7 +98,7 @@ def rebuild(table_id: int, spec, tmap: TableMap, seed=None,
     reserved stay out of use until that writer provably cannot write them
     (tables/orphans.py).  Both get their stamps bumped, so no key a client kept
     for them matches.  Engine thread, or before the table is served."""
-    t = Table(table_id, spec, tmap, seed, fresh=False, hold_timeout_s=hold_timeout_s)
+    t = Table(table_id, spec, tmap, seed, fresh=False, limits=limits)
     m = tmap
     st = m.state
     mts = spec.max_times_sampled

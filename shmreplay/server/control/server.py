@@ -150,9 +150,9 @@ class ControlServer:
         # built off the event loop: a table of millions of slots takes a while,
         # and the loop must go on answering everyone else meanwhile
         if recover:
-            build = functools.partial(recovery.rebuild, tid, spec, tmap, seed, self.cfg.hold_timeout_s)
+            build = functools.partial(recovery.rebuild, tid, spec, tmap, seed, self.cfg.slot_limits())
         else:
-            build = functools.partial(Table, tid, spec, tmap, seed, hold_timeout_s=self.cfg.hold_timeout_s)
+            build = functools.partial(Table, tid, spec, tmap, seed, limits=self.cfg.slot_limits())
         try:
             table = await self.loop.run_in_executor(None, build)
             if spec.file_backed and self.cfg.durable_file_tables:

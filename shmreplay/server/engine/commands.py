@@ -129,7 +129,7 @@ class Commands:
         the prefetcher learns which rows the client will touch next: a
         writer the reserved slots', a learner the drawn ones'."""
         if w.op == R.RESERVE:
-            rid, slots, contiguous = table.reserve(w.cl.id, w.n, w.cl.pid, w.cl.start)
+            rid, slots, contiguous = table.reserve(w.cl.id, w.n, w.cl.pid, w.cl.start, w.cl.user)
             w.cl.respond(R.reserve_reply(w.seq, rid, slots, contiguous))
             keys = None
         else:

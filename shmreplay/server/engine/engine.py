@@ -10,11 +10,11 @@ Entry points assert, in debug mode, that they run on the engine thread.
 
 Loop: run queued calls; serve every channel (up to BURST records each, for
 fairness, then one publish of the replies: ``commands.py`` applies them and
-builds every reply); free the slots of expired holds
-(``tables.table.expire_holds``) before retrying parked requests, so a
-parked RESERVE can take them; if nothing was found, spin, then sleep on the
-doorbell (``idle.py``) until the next parked deadline or hold expiry at
-the latest.
+builds every reply); free the slots of expired holds and void expired
+reservations (``tables.table.expire``) before retrying parked requests, so
+a parked RESERVE can take them; if nothing was found, spin, then sleep on
+the doorbell (``idle.py``) until the next parked deadline, hold or
+reservation expiry at the latest.
 
 Replies wait in the client's outbox until its ring has room
 (``outbox.py``).  A client whose input breaks a rule is cut off alone.
@@ -32,7 +32,7 @@ import time
 from ...errors import ProtocolError, UnknownTable
 from ...wire.channel import new_doorbell, ring
 from ..tables import tablestats
-from ..tables.table import Table, expire_holds
+from ..tables.table import Table, expire
 from .calls import Calls
 from .commands import Commands
 from .idle import Idler
@@ -115,7 +115,7 @@ class Engine:
             while not self.stopping:
                 worked = self.calls.run()
                 worked = self._serve_all() or worked
-                hold_ends = expire_holds(self.tables.values(), time.monotonic())
+                slots_free_at = expire(self.tables.values(), time.monotonic())
                 if self.parking.count:
                     self._cut_off_all(self.commands.settle(time.monotonic()))
                 if worked:
@@ -123,7 +123,7 @@ class Engine:
                 rings = [cl.req for cl in self.clients.values()]
                 if self.idler.spin(rings, self.calls):
                     continue
-                self.idler.sleep(rings, self.calls, earliest(self.parking.next_deadline(), hold_ends))
+                self.idler.sleep(rings, self.calls, earliest(self.parking.next_deadline(), slots_free_at))
         except BaseException:  # the engine dying silently would hang every client
             log.exception("engine thread crashed; the daemon will exit and keep every table")
             self.calls.failed = True

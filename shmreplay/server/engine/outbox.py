@@ -25,9 +25,10 @@ MAX_OUTBOX = 1024  # replies a client may leave unread before it is cut off
 
 class ClientState:
     def __init__(self, cid: int, pid: int, channel: Channel, to_daemon: int, to_client: int,
-                 resume: int = 0):
+                 resume: int = 0, user: int | None = None):
         self.id = cid
         self.pid = pid
+        self.user = user  # its uid, if its reservations count against a user cap (tables/reservations.py)
         self.start = process_start(pid)  # with the pid, names this process in lease records
         self.resume = resume  # the lease it held at a dead daemon (records.owner_key), or 0
         self.channel = channel

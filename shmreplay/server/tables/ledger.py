@@ -31,6 +31,7 @@ import collections
 import logging
 import os
 import time
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -39,6 +40,7 @@ from ...wire.layout import COMMITTED, FREE, HELD, RESERVED, TableMap
 from ...wire.records import owner_key
 from .barrier import ReuseBarrier
 from .orphans import OrphanLeases
+from .reservations import RESERVATION_TIMEOUT_S, Reservations
 from .slotqueue import SlotQueue
 
 log = logging.getLogger("shmreplayd.table")
@@ -47,21 +49,27 @@ MAX_HOLDS = 64  # open holds per client; past this the oldest is released (its b
 HOLD_TIMEOUT_S = 5.0
 
 
+@dataclass(frozen=True)
+class SlotLimits:
+    """How long slots may stay out of use (the daemon's config)."""
+    hold_timeout_s: float = HOLD_TIMEOUT_S                # a learner's holds
+    reservation_timeout_s: float = RESERVATION_TIMEOUT_S  # a writer's reservations
+
+
 class SlotLedger:
-    def __init__(self, name: str, tmap: TableMap, hold_timeout_s: float = HOLD_TIMEOUT_S):
+    def __init__(self, name: str, tmap: TableMap, limits: SlotLimits = SlotLimits()):
         self.name = name
         self.map = tmap
         self.free = SlotQueue(tmap.spec.capacity)
-        self.reservations: dict[int, list] = {}  # rid -> [owner, slots, how many committed]
-        self.next_rid = 1
+        # writers' reservations, their caps and expiry (reservations.py)
+        self.books = Reservations(name, tmap.spec.capacity, limits.reservation_timeout_s)
         self.holds: dict[int, tuple[int, np.ndarray, float]] = {}  # hid -> (owner, slots, since)
         self.holds_of: dict[int, collections.deque] = {}
         # (since, hid) in the order holds were made, which is the order they
         # expire in; released ones are dropped when they reach the front
         self.by_age: collections.deque = collections.deque()
-        self.hold_timeout_s = hold_timeout_s
+        self.hold_timeout_s = limits.hold_timeout_s
         self.next_hid = 1
-        self.pending = 0  # slots reserved and not committed
         self.held = 0     # slots held for learners
         self.orphans: OrphanLeases | None = None  # leased under a dead daemon (orphans.py)
         self.barrier: ReuseBarrier | None = None   # a durable table's (barrier.py)
@@ -76,11 +84,18 @@ class SlotLedger:
         self.free.push(slots)
 
     # ---- writers ----
-    def reserve(self, owner: int, slots: np.ndarray, pid: int = 0, start: int = 0) -> int:
+    @property
+    def pending(self) -> int:
+        """Slots reserved and not committed, of reservations not void: what
+        the rate limiter counts as inserts already."""
+        return self.books.pending
+
+    def reserve(self, owner: int, slots: np.ndarray, pid: int = 0, start: int = 0,
+                user: int | None = None) -> int:
         """Mark ``slots`` (taken off the free list, or evicted) reserved for
         client ``owner`` (process ``pid`` started at ``start``, recorded so a
-        later daemon knows who may still write them); returns the
-        reservation id."""
+        later daemon knows who may still write them; ``user``: its uid, if
+        it is under a user cap); returns the reservation id."""
         m = self.map
         m.lease_pid[slots] = pid
         m.lease_start[slots] = start
@@ -88,46 +103,32 @@ class SlotLedger:
         m.state[slots] = RESERVED
         m.prios[slots] = 0.0
         m.gens[slots] += np.uint32(1)  # wraps at 2**32 by design
-        rid = self.next_rid
-        self.next_rid += 1
-        self.pending += slots.shape[0]
-        self.reservations[rid] = [owner, slots, 0]
-        return rid
-
-    def _entry(self, owner: int, rid: int) -> list:
-        entry = self.reservations.get(rid)
-        if entry is None or entry[0] != owner:
-            raise ProtocolError(f"table {self.name!r}: reservation {rid} is not yours or not open")
-        return entry
+        return self.books.open(owner, slots, user, time.monotonic())
 
     def check_part(self, owner: int, rid: int, offset: int, n: int | None) -> np.ndarray:
         """The slots ``[offset, offset + n)`` (n None: the rest) of a
         reservation, which must be the next part to commit; nothing changes."""
-        _, slots, done = self._entry(owner, rid)
-        if n is None:
-            n = slots.shape[0] - done
-        if offset != done or n < 1 or done + n > slots.shape[0]:
-            raise ProtocolError(
-                f"table {self.name!r}: commit of [{offset}, {offset + n}) of reservation {rid} "
-                f"is out of order (next is {done} of {slots.shape[0]})")
-        return slots[done:done + n]
+        return self.books.part(owner, rid, offset, n)
 
     def committed(self, owner: int, rid: int, part: np.ndarray) -> None:
         """The part ``check_part`` returned is committed."""
-        entry = self.reservations[rid]
-        entry[2] += part.shape[0]
-        if entry[2] == entry[1].shape[0]:
-            del self.reservations[rid]
+        self.books.settle(rid, part.shape[0])
         self.map.state[part] = COMMITTED
-        self.pending -= part.shape[0]
+
+    def expired(self, owner: int, rid: int, part: np.ndarray) -> bool:
+        """If ``rid`` is void (``reservations.py``), the part ``check_part``
+        returned is let go instead of committed (its writer is done with
+        it): True.  False for a reservation that is not void."""
+        if not self.books.entry(owner, rid).void:
+            return False
+        self.books.settle(rid, part.shape[0])
+        self.make_free(part)
+        return True
 
     def abort(self, owner: int, rid: int) -> int:
         """Free the slots of a reservation not committed yet; returns how many."""
-        _, slots, done = self._entry(owner, rid)
-        del self.reservations[rid]
-        rest = slots[done:]
+        rest = self.books.close(owner, rid)
         self.make_free(rest)
-        self.pending -= rest.shape[0]
         return rest.shape[0]
 
     def free_slots(self) -> int:
@@ -155,8 +156,10 @@ class SlotLedger:
             f"table {self.name!r}: no slot is free or evictable now; {self.pending} are reserved "
             f"by writers that have not committed and {self.held} are held by learners still "
             f"reading their last sample (a hold ends at the latest {self.hold_timeout_s:g} s "
-            "after its sample)" + (f"; {self.barrier.count} wait for the table's next sync to disk"
-                                   if self.barrier is not None and self.barrier.count else ""))
+            "after its sample)" + (f"; {self.books.voided} are held by writers whose reservations "
+                                   "expired, until they commit or leave" if self.books.voided else "")
+            + (f"; {self.barrier.count} wait for the table's next sync to disk"
+               if self.barrier is not None and self.barrier.count else ""))
 
     def take_free(self, k: int) -> np.ndarray:
         """Up to k slots off the free list, oldest first."""
@@ -227,8 +230,7 @@ class SlotLedger:
     def release_owner(self, owner: int) -> int:
         """An owner's lease ended: free what it reserved but never committed,
         and the slots it held for reading.  Returns how many slots."""
-        rids = [rid for rid, entry in self.reservations.items() if entry[0] == owner]
-        n = sum(self.abort(owner, rid) for rid in rids)
+        n = sum(self.abort(owner, rid) for rid in self.books.of(owner))
         for hid in list(self.holds_of.get(owner, ())):
             self.release(owner, hid)
         self.holds_of.pop(owner, None)

@@ -28,7 +28,7 @@ import logging
 
 import numpy as np
 
-from ...errors import CapacityError, PriorityError, ProtocolError
+from ...errors import CapacityError, PriorityError, ProtocolError, ReservationExpired
 from ...priorities import check_priorities
 from ...schema import TableSpec
 from ...wire.layout import COMMITTED, TableMap
@@ -36,9 +36,9 @@ from ...wire.records import key_slots, make_keys, stale
 from . import tablestats
 from .barrier import evict_ahead, evict_for, waits_for_sync, want_sync
 from .counters import Blocked, LimiterCounters
-from .ledger import HOLD_TIMEOUT_S, SlotLedger
+from .ledger import SlotLedger, SlotLimits
 from .order import CommitOrder
-from .reuse import draw_limited
+from . import reuse
 from .selectors import make_remover, make_sampler
 
 log = logging.getLogger("shmreplayd.table")
@@ -46,7 +46,7 @@ log = logging.getLogger("shmreplayd.table")
 
 class Table:
     def __init__(self, table_id: int, spec: TableSpec, tmap: TableMap, seed=None,
-                 fresh: bool = True, hold_timeout_s: float = HOLD_TIMEOUT_S):
+                 fresh: bool = True, limits: SlotLimits = SlotLimits()):
         """``fresh``: the segment is new and every slot free.  Otherwise the
         caller fills the parts in (``recovery.rebuild``)."""
         self.id = table_id
@@ -57,7 +57,7 @@ class Table:
         self.order = CommitOrder(c, self._alive)
         self.sampler = make_sampler(spec.sampler, c, spec.alpha, self.order)
         self.remover = make_remover(spec.remover, c, self.order)
-        self.ledger = SlotLedger(spec.name, tmap, hold_timeout_s)
+        self.ledger = SlotLedger(spec.name, tmap, limits)
         self.counters = LimiterCounters(spec, tmap.words)
         self.max_priority = 1.0
         self.rng = np.random.default_rng(seed)
@@ -82,12 +82,18 @@ class Table:
         return make_keys(self.map.gens[slots], slots)
 
     # ---- writers ----
-    def reserve(self, owner: int, n: int, pid: int = 0, start: int = 0) -> tuple[int, np.ndarray, bool]:
-        """Reserve up to n slots: as many as the rate limiter and the free or
-        evictable slots allow, at least one; else raise Blocked."""
+    def reserve(self, owner: int, n: int, pid: int = 0, start: int = 0,
+                user: int | None = None) -> tuple[int, np.ndarray, bool]:
+        """Reserve up to n slots: as many as the writer's caps (``user``: its
+        uid, if under a user cap; ``reservations.py``), the rate limiter and
+        the free or evictable slots allow, at least one; else raise Blocked
+        (or CapacityError at the client's own cap)."""
         if n < 1:
             raise CapacityError(f"table {self.spec.name!r}: cannot reserve {n} slots")
         led, cnt = self.ledger, self.counters
+        n = led.books.room(owner, user, n)
+        if n == 0:
+            raise Blocked(led.books.capped(user))
         free = led.free_slots()
         room = cnt.insert_room(led.pending, n)
         if room == 0:
@@ -109,7 +115,7 @@ class Table:
         if slots.shape[0] == 0:
             self.publish()  # evictions may have changed the counters
             raise Blocked(led.busy())
-        rid = led.reserve(owner, slots, pid, start)
+        rid = led.reserve(owner, slots, pid, start, user)
         self.stats["reservations"] += 1
         self.publish()
         contiguous = bool(k == 1 or (slots[-1] - slots[0] == k - 1 and np.all(np.diff(slots) == 1)))
@@ -126,12 +132,13 @@ class Table:
         if slots.shape[0] < n:  # cannot happen while size >= n; defend anyway
             raise CapacityError(f"table {self.spec.name!r}: remover found {slots.shape[0]} of "
                                 f"{n} items to evict")
-        self._remove(slots)
+        self.remove_items(slots)
         self.stats["evictions"] += n
         return slots
 
-    def _remove(self, slots: np.ndarray, sampler_done: bool = False) -> None:
-        """The one path by which committed items leave the table."""
+    def remove_items(self, slots: np.ndarray, sampler_done: bool = False) -> None:
+        """The one path by which committed items leave the table
+        (``sampler_done``: the sampler let them go already, ``reuse.py``)."""
         if not sampler_done:
             self.sampler.remove(slots)
         self.remover.remove(slots)
@@ -145,6 +152,12 @@ class Table:
         reservation; a writer commits its lease in parts, in order."""
         part = self.ledger.check_part(owner, rid, offset, n)
         n = part.shape[0]
+        if self.ledger.expired(owner, rid, part):  # its writer is done with the slots: let go
+            self.publish()
+            raise ReservationExpired(
+                f"table {self.spec.name!r}: {n} items were not stored: they were copied into "
+                f"slots reserved more than {self.ledger.books.timeout_s:g} s before their commit "
+                "(reservation_timeout_s; a stalled writer?), whose reservation was void by then")
         if priorities is not None:
             try:
                 check_priorities(priorities, n, f"commit to table {self.spec.name!r}", self.spec.alpha)
@@ -190,40 +203,13 @@ class Table:
         err = self.counters.sample_refusal(n, self.sampler.mass)
         if err is not None:
             raise Blocked(err)
-        m, mts, ordered = self.map, self.spec.max_times_sampled, self.sampler.ordered
-        if ordered:
-            slots, probs, weights = self.sampler.pick(n, self.rng, beta,
-                                                      self._uses_of if mts else None)
-        elif mts:
-            slots, probs, weights = draw_limited(self.sampler, m.times, m.prios, mts, n, beta,
-                                                 self.rng, self.spec.name)
-        else:
-            slots, probs, weights = self.sampler.pick(n, self.rng, beta)
+        slots, probs, weights, hid = reuse.draw(self, owner, n, beta)
         keys = self.keys_of(slots)
-        # random samplers: draw_limited took exhausted items out of the sampler already
-        hid = self._count_uses(owner, slots, sampler_done=not ordered) if mts else 0
         self.counters.sampled(n)
         self.publish()
         self.stats["samples"] += n
         self.stats["sample_calls"] += 1
         return keys, probs, weights, hid
-
-    def _uses_of(self, slots: np.ndarray) -> np.ndarray:
-        return self.spec.max_times_sampled - self.map.times[slots].astype(np.int64)
-
-    def _count_uses(self, owner: int, slots: np.ndarray, sampler_done: bool) -> int:
-        """Count a batch's draws against max_times_sampled; items that reach
-        it leave the table and their slots are held for ``owner``.
-        ``sampler_done``: the draw took exactly those items out of the sampler."""
-        uniq, counts = np.unique(slots, return_counts=True)
-        m = self.map
-        m.times[uniq] += counts.astype(np.uint32)
-        done = uniq[m.times[uniq] >= self.spec.max_times_sampled]
-        if done.shape[0] == 0:
-            return 0
-        self._remove(done, sampler_done)  # they have no uses left: removes none from uses_left
-        self.stats["removed_after_max_samples"] += done.shape[0]
-        return self.ledger.hold(owner, done)
 
     def release(self, owner: int, hid: int) -> None:
         """The learner is done reading the rows of hold ``hid``: free the slots."""
@@ -232,14 +218,17 @@ class Table:
             want_sync(self)
         self.publish()
 
-    def expire_holds(self, now: float) -> float | None:
-        """Free the slots of holds older than ``hold_timeout_s``; returns
-        when the next hold expires (None: none is open)."""
+    def expire(self, now: float) -> float | None:
+        """Free the slots of holds older than ``hold_timeout_s``, void the
+        reservations older than ``reservation_timeout_s``; returns when the
+        next of either expires (None: none is open)."""
         freed, soonest = self.ledger.expire(now)
-        if freed:
+        voided, later = self.ledger.books.expire(now)
+        if freed or voided:
             self.stats["expired_held_slots"] += freed
+            self.stats["voided_reserved_slots"] += voided
             self.publish()
-        return soonest
+        return soonest if later is None or (soonest is not None and soonest < later) else later
 
     def update_priorities(self, keys: np.ndarray, priorities: np.ndarray) -> int:
         n = keys.shape[0]
@@ -310,12 +299,12 @@ def private_bytes(spec: TableSpec) -> int:
     return int(c * per)
 
 
-def expire_holds(tables, now: float) -> float | None:
-    """Expire the old holds of every table; returns when the next one
-    expires (None: no hold is open), for the engine's sleep."""
+def expire(tables, now: float) -> float | None:
+    """Expire the old holds and reservations of every table; returns when
+    the next one expires (None: none is open), for the engine's sleep."""
     soonest = None
     for t in tables:
-        at = t.expire_holds(now)
+        at = t.expire(now)
         if at is not None and (soonest is None or at < soonest):
             soonest = at
     return soonest

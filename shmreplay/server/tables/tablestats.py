@@ -12,7 +12,7 @@ def new_stats() -> dict:
             "removed_after_max_samples": 0, "stale_priority_updates": 0,
             "priority_updates": 0, "reclaimed_reservations": 0, "tree_rebuilds": 0,
             "insert_waits": 0, "sample_waits": 0, "timeouts": 0, "recovered_items": 0,
-            "recovered_orphans": 0, "expired_held_slots": 0}
+            "recovered_orphans": 0, "expired_held_slots": 0, "voided_reserved_slots": 0}
 
 
 def describe(t) -> dict:
@@ -24,7 +24,7 @@ def snapshot_stats(t, pids: dict | None = None) -> dict:
     """The numbers of table ``t``; ``pids`` (client id -> pid) names who holds slots."""
     led = t.ledger
     out = {**t.stats, "size": t.counters.size, "capacity": t.spec.capacity,
-           "reserved": led.pending, "held": led.held, "holders": led.holders(pids or {}),
+           "reserved": led.pending + led.books.voided, "voided": led.books.voided, "held": led.held, "holders": led.holders(pids or {}),
            "orphaned": led.orphans.count if led.orphans else 0,
            "orphan_holders": led.orphans.holders() if led.orphans else [],
            "limiter": t.counters.snapshot(led.pending),

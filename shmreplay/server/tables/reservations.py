@@ -1,0 +1,202 @@
+"""Writers' reservations of one table: whose slots, committed how far, for
+how long, and how many any one writer may hold.
+
+A reservation (``rid``) is the slots one RESERVE granted a client, which it
+commits in parts, in order.  Two bounds keep one writer from taking a
+table from everyone else (a client that reserves every slot and never
+commits would otherwise evict every item and starve every other writer):
+
+* **caps.**  A client holds at most ``client_cap`` uncommitted slots of a
+  table: a small multiple of a lease (clients reserve capacity/256 at a
+  time, at most two leases per writer), never more than a quarter of the
+  table, except that any client may hold 64 (all of a smaller table: a
+  writer of a small queue needs its batch, and one may take a few slots
+  ahead of its commits).  A user who is not the daemon's own (nor root,
+  nor the admin group) holds at most ``user_cap`` over all of its
+  connections: the same quarter (or 64).  A grant
+  is cut to what the caps leave; a client at its own cap is refused at
+  once (only its own commits could make room, and it is waiting), a user
+  at the user cap waits like any writer, for its other connections.
+* **expiry.**  A reservation not committed within ``timeout_s`` is *void*:
+  it stops counting as an insert for the rate limiter, and the slots it
+  still holds stay reserved, never reused, until its writer commits or
+  aborts them (a COMMIT comes after the copy, so it proves the writer has
+  stopped writing there) or its lease ends.  A late writer's commit is
+  refused (``ReservationExpired``, reported by its next call or flush): it
+  loses its own uncommitted items and never tears a committed row.  No
+  clock decides when a stalled writer is done copying, so none frees the
+  slots (as for orphaned leases, ``orphans.py``).  Void slots still count
+  against their client's caps.
+
+Owned by a ``SlotLedger``, which marks the slots in the segment; engine
+thread only.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+
+import numpy as np
+
+from ...errors import CapacityError, ProtocolError, SlotsBusy
+
+log = logging.getLogger("shmreplayd.table")
+
+RESERVATION_TIMEOUT_S = 60.0
+MIN_CAP_LEASES = 8  # a lease of fewer slots than this counts as this many for the cap
+CAP_LEASES = 64     # a client may hold this many leases' worth (at most a quarter of the table)
+ANY_CAP = 64        # but always this many (all of a smaller table)
+
+
+def client_cap(capacity: int) -> int:
+    """The most uncommitted slots one client may hold in a table."""
+    lease = min(4096, capacity // 256)
+    return max(min(capacity, ANY_CAP), min(capacity // 4, CAP_LEASES * max(lease, MIN_CAP_LEASES)))
+
+
+def user_cap(capacity: int) -> int:
+    """The most uncommitted slots one unprivileged user may hold over all of
+    its connections: a quarter of the table (or 64)."""
+    return max(min(capacity, ANY_CAP), capacity // 4)
+
+
+class Entry:
+    __slots__ = ("owner", "slots", "done", "since", "void")
+
+    def __init__(self, owner: int, slots: np.ndarray, since: float):
+        self.owner, self.slots, self.done, self.since, self.void = owner, slots, 0, since, False
+
+    @property
+    def rest(self) -> int:
+        return self.slots.shape[0] - self.done
+
+
+class Reservations:
+    def __init__(self, name: str, capacity: int, timeout_s: float = RESERVATION_TIMEOUT_S):
+        self.name = name
+        self.timeout_s = timeout_s
+        self.client_cap, self.user_cap = client_cap(capacity), user_cap(capacity)
+        self.entries: dict[int, Entry] = {}
+        self.by_age: collections.deque = collections.deque()  # (since, rid): the order they expire in
+        self.next_rid = 1
+        self.pending = 0   # uncommitted slots of live reservations: inserts, to the rate limiter
+        self.voided = 0    # uncommitted slots of void ones: reserved until their writer lets go
+        self.by_owner: dict[int, int] = {}  # client -> uncommitted slots (void ones too)
+        self.user_of: dict[int, int] = {}   # client -> its uid, for clients under a user cap
+        self.by_user: dict[int, int] = {}   # uid -> uncommitted slots over its clients
+
+    # ---- caps ----
+    def room(self, owner: int, user: int | None, n: int) -> int:
+        """How many of n slots ``owner`` (of ``user``: None for a privileged
+        one) may reserve now.  Raises CapacityError at the client's own cap;
+        0 at the user's (its other clients may commit)."""
+        mine = self.by_owner.get(owner, 0)
+        if mine >= self.client_cap:
+            raise CapacityError(
+                f"table {self.name!r}: this client holds {mine} reserved slots it has not committed, "
+                f"its cap ({self.client_cap}: a quarter of the table, or 64); commit or close its "
+                "writers' open items, or use more clients")
+        n = min(n, self.client_cap - mine)
+        if user is not None:
+            n = min(n, self.user_cap - self.by_user.get(user, 0))
+        return max(0, n)
+
+    def capped(self, user: int) -> SlotsBusy:
+        """What a reserve of a user at its cap is told when its wait runs out."""
+        return SlotsBusy(f"table {self.name!r}: user {user} holds {self.by_user.get(user, 0)} reserved "
+                         f"slots over its connections, its cap ({self.user_cap}: a quarter of the "
+                         "table, or 64); its writers must commit first")
+
+    # ---- the books ----
+    def open(self, owner: int, slots: np.ndarray, user: int | None, now: float) -> int:
+        rid = self.next_rid
+        self.next_rid += 1
+        self.entries[rid] = Entry(owner, slots, now)
+        self.by_age.append((now, rid))
+        self._count(owner, slots.shape[0])
+        if user is not None:
+            self.user_of[owner] = user
+            self.by_user[user] = self.by_user.get(user, 0) + slots.shape[0]
+        self.pending += slots.shape[0]
+        return rid
+
+    def entry(self, owner: int, rid: int) -> Entry:
+        e = self.entries.get(rid)
+        if e is None or e.owner != owner:
+            raise ProtocolError(f"table {self.name!r}: reservation {rid} is not yours or not open")
+        return e
+
+    def part(self, owner: int, rid: int, offset: int, n: int | None) -> np.ndarray:
+        """The slots ``[offset, offset + n)`` (n None: the rest) of a
+        reservation, which must be the next part to commit; nothing changes."""
+        e = self.entry(owner, rid)
+        if n is None:
+            n = e.rest
+        if offset != e.done or n < 1 or n > e.rest:
+            raise ProtocolError(
+                f"table {self.name!r}: commit of [{offset}, {offset + n}) of reservation {rid} "
+                f"is out of order (next is {e.done} of {e.slots.shape[0]})")
+        return e.slots[e.done:e.done + n]
+
+    def settle(self, rid: int, n: int) -> None:
+        """n more slots of ``rid`` are committed (or, for a void one, let go)."""
+        e = self.entries[rid]
+        e.done += n
+        self._gone(e, n)
+        if e.rest == 0:
+            del self.entries[rid]
+
+    def close(self, owner: int, rid: int) -> np.ndarray:
+        """End a reservation (abort, a lease that ended); its uncommitted slots."""
+        e = self.entry(owner, rid)
+        del self.entries[rid]
+        rest = e.slots[e.done:]
+        self._gone(e, rest.shape[0])
+        return rest
+
+    def of(self, owner: int) -> list[int]:
+        return [rid for rid, e in self.entries.items() if e.owner == owner]
+
+    def _count(self, owner: int, n: int) -> None:
+        left = self.by_owner.get(owner, 0) + n
+        if left:
+            self.by_owner[owner] = left
+        else:
+            self.by_owner.pop(owner, None)
+            user = self.user_of.pop(owner, None)
+            if user is not None and not self.by_user.get(user):
+                self.by_user.pop(user, None)
+
+    def _gone(self, e: Entry, n: int) -> None:
+        if e.void:
+            self.voided -= n
+        else:
+            self.pending -= n
+        user = self.user_of.get(e.owner)
+        if user is not None:
+            self.by_user[user] -= n
+        self._count(e.owner, -n)
+
+    # ---- expiry ----
+    def expire(self, now: float) -> tuple[int, float | None]:
+        """Void every reservation made ``timeout_s`` or more before ``now``;
+        returns how many uncommitted slots that voided, and when the next
+        reservation expires (None: none is open)."""
+        q, voided = self.by_age, 0
+        while q:
+            since, rid = q[0]
+            e = self.entries.get(rid)
+            if e is not None and not e.void:
+                if since + self.timeout_s > now:
+                    return voided, since + self.timeout_s
+                e.void = True
+                self.pending -= e.rest
+                self.voided += e.rest
+                voided += e.rest
+                log.warning("table %s: client %d left %d reserved slots uncommitted for %g s; its "
+                            "reservation is void: they stay out of use until it commits or aborts "
+                            "them or its lease ends, and its commit of them is refused",
+                            self.name, e.owner, e.rest, self.timeout_s)
+            q.popleft()
+        return voided, None

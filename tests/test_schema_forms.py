@@ -30,26 +30,26 @@ MALFORMED = [
     ({"obs": [None, [4]]}, f"field 'obs': no dtype given; {DTYPES}"),
     ({"obs": ["nosuchtype", []]}, f"field 'obs': unknown dtype 'nosuchtype' .*; {DTYPES}"),
     ({"obs": [5, []]}, f"field 'obs': unknown dtype 5 .*; {DTYPES}"),
-    ({"obs": ["O", []]}, f"field 'obs': dtype object is not a plain numeric .*Python objects.*; {DTYPES}"),
-    ({"obs": ["U", []]}, f"field 'obs': dtype <U0 is not a plain numeric .*strings.*uint8 field.*; {DTYPES}"),
+    ({"obs": ["O", []]}, f"field 'obs': dtype object is not a plain numeric .*Python objects.*{DTYPES}"),
+    ({"obs": ["U", []]}, f"field 'obs': dtype <U0 is not a plain numeric .*uint8 field.*{DTYPES}"),
     ({"obs": ["S5", []]}, "field 'obs': dtype \\|S5 is not a plain numeric .*strings"),
-    ({"obs": ["u1,O", []]}, "field 'obs': .* is not a plain numeric .*give each of its parts a field"),
-    ({"obs": ["(3,)u1", []]}, "field 'obs': .* is not a plain numeric .*put its shape \\(3,\\) into"),
+    ({"obs": ["u1,O", []]}, "field 'obs': .* not a plain numeric .*give each of its parts a field"),
+    ({"obs": ["(3,)u1", []]}, "field 'obs': .* not a plain numeric .*put its shape \\(3,\\) into"),
     ({"obs": ["M8[s]", []]}, "field 'obs': dtype datetime64\\[s\\] is not a plain numeric .*as int64"),
     ({"obs": ["float32", True]}, f"field 'obs': shape True is not a tuple of ints; {SHAPES}"),
     ({"obs": ["float32", "4"]}, f"field 'obs': shape '4' is not a tuple of ints; {SHAPES}"),
     ({"obs": ["float32", None]}, f"field 'obs': shape None is not a tuple of ints; {SHAPES}"),
-    ({"obs": ["float32", [True, 2]]}, f"shape \\[True, 2\\] must hold positive ints, and True is not one; {SHAPES}"),
+    ({"obs": ["float32", [True, 2]]}, f"shape \\[True, 2\\] must hold positive ints, and True .*{SHAPES}"),
     ({"obs": ["float32", [4.0]]}, f"field 'obs': shape \\[4.0\\] must hold positive ints, and 4.0 is not one"),
     ({"obs": ["float32", [[4]]]}, "field 'obs': shape \\[\\[4\\]\\] must hold positive ints, and \\[4\\] is not"),
-    ({"obs": ["float32", [4, -1]]}, f"field 'obs': shape \\[4, -1\\] must hold positive ints, and -1 .*{SHAPES}"),
+    ({"obs": ["float32", [4, -1]]}, f"shape \\[4, -1\\] must hold positive ints, and -1 .*{SHAPES}"),
     ({"obs": ["float32", [1] * 32]}, "field 'obs': shape has 32 dimensions, at most 31"),
     ({"": ["float32", []]}, "invalid field name '': use a Python identifier"),
     ({"obs\n": ["float32", []]}, "invalid field name 'obs\\\\n': use a Python identifier"),
     ([[1, "float32", []]], "invalid field name 1: use a Python identifier"),
-    ([["obs", "float32"]], "field entry \\['obs', 'float32'\\] is not \\[name, dtype, shape\\]; fields is a mapping"),
+    ([["obs", "float32"]], "field entry \\['obs', 'float32'\\] is not \\[name, dtype, shape\\]; fields is"),
     ([["a", "int8", []], ["a", "float32", []]], "duplicate field name 'a': give each field its own name"),
-    ("obs", "fields must be a mapping or a list, got str; fields is a mapping \\{name: \\(dtype, shape\\)\\}"),
+    ("obs", "fields must be a mapping or a list, got str; fields is a mapping \\{name: \\(dtype, shape"),
     (5, "fields must be a mapping or a list, got int"),
     (None, "fields must be a mapping or a list, got NoneType"),
     ({}, "at least one field"),
@@ -139,7 +139,8 @@ def test_the_config_refuses_a_field_without_a_dtype(tmp_path):
     path = tmp_path / "d.toml"
     path.write_text('[[tables]]\nname = "demo"\ncapacity = 10\n'
                     '[tables.fields]\nobs = { shape = [4] }\n')
-    with pytest.raises(shmreplay.SchemaError, match=f"table 'demo': field 'obs': .* has no \"dtype\".*{FORMS}"):
+    with pytest.raises(shmreplay.SchemaError,
+                       match=f"table 'demo': field 'obs': .* has no \"dtype\".*{FORMS}"):
         load_config(str(path))
     path.write_text(path.read_text().replace("{ shape", '{ dtype = "float32", shape'))
     assert load_config(str(path)).tables[0].fields[0].dtype == np.float32

@@ -8,6 +8,7 @@ import numba
 import numpy as np
 
 from .errors import PriorityError
+from .fields import unconvertible
 from .numbaconf import JIT
 
 @numba.njit(**JIT)
@@ -46,7 +47,8 @@ def as_priorities(values, n: int, what: str, alpha: float) -> np.ndarray:
     """Convert user input to a contiguous float64 array and check it."""
     try:
         p = np.ascontiguousarray(values, dtype=np.float64).reshape(-1)
-    except (TypeError, ValueError) as exc:
-        raise PriorityError(f"{what}: priorities are not numbers: {exc}") from None
+    except Exception as exc:  # whatever numpy (or a tensor's __array__) raised: say what to do
+        raise PriorityError(f"{what}: priorities are not numbers: "
+                            f"{unconvertible(values, exc, f'({n},)')}") from exc
     check_priorities(p, n, what, alpha)
     return p

@@ -1,4 +1,5 @@
-"""Table definitions: names, fields, selectors, limits, and their validation.
+"""Table definitions: names, selectors, limits, and their validation (the
+fields' forms and checks: ``fields.py``).
 
 A ``TableSpec`` is immutable and round-trips through a plain dict (msgpack,
 TOML and the segment header all carry that dict), so the client, the daemon
@@ -15,6 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .errors import SchemaError
+from .fields import Field, brief, parse_fields
 
 SAMPLERS = ("uniform", "prioritized", "fifo", "lifo")
 REMOVERS = ("fifo", "lifo", "uniform")
@@ -25,24 +27,8 @@ MAX_CAPACITY = 2**32 - 1  # keys carry the slot in their low 32 bits
 # a table's rows must fit one mapping: x86-64 gives a process 2**47 bytes
 # (128 TiB) of address space, so a larger table could never be attached
 MAX_TABLE_BYTES = 2**47
-MAX_FIELDS = 64
-_TABLE_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,63}$")
-_FIELD_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,63}$")
-_ALLOWED_KINDS = "biufc"
-
-
-@dataclass(frozen=True)
-class Field:
-    name: str
-    dtype: np.dtype
-    shape: tuple[int, ...]
-
-    @property
-    def item_bytes(self) -> int:
-        return int(self.dtype.itemsize * math.prod(self.shape))
-
-    def to_wire(self) -> list:
-        return [self.name, self.dtype.str, list(self.shape)]
+# fullmatch, not match with "$": "$" matches before a trailing newline
+_TABLE_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,63}")
 
 
 @dataclass(frozen=True)
@@ -112,83 +98,34 @@ class TableSpec:
 
 
 def check_table_name(name) -> str:
-    if not isinstance(name, str) or not _TABLE_NAME.match(name):
+    if not isinstance(name, str) or not _TABLE_NAME.fullmatch(name):
         raise SchemaError(
-            f"invalid table name {name!r}: use 1-64 characters from [A-Za-z0-9_.-], "
+            f"invalid table name {brief(name)}: use 1-64 characters from [A-Za-z0-9_.-], "
             "not starting with '.' or '-'"
         )
     return name
 
 
-def _parse_dtype(fname: str, dtype) -> np.dtype:
+def _real(value) -> float | None:
+    """``value`` as a finite float, or None: bools, strings, NaN, infinities
+    and ints past a float's range are not numbers here."""
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
+        return None
     try:
-        dt = np.dtype(dtype)
-    except TypeError as exc:
-        raise SchemaError(f"field {fname!r}: unknown dtype {dtype!r}") from exc
-    if dt.kind not in _ALLOWED_KINDS or dt.fields is not None or dt.subdtype is not None:
-        raise SchemaError(
-            f"field {fname!r}: dtype {dt} is not a plain numeric or bool dtype"
-        )
-    return dt.newbyteorder("=") if dt.byteorder == ">" else dt
-
-
-def _parse_shape(fname: str, shape) -> tuple[int, ...]:
-    if isinstance(shape, (int, np.integer)):
-        shape = (int(shape),)
-    try:
-        shp = tuple(shape)
-    except TypeError as exc:
-        raise SchemaError(f"field {fname!r}: shape {shape!r} is not a tuple of ints") from exc
-    for d in shp:
-        if not isinstance(d, (int, np.integer)) or isinstance(d, bool) or d <= 0:
-            raise SchemaError(f"field {fname!r}: shape {shape!r} must hold positive ints")
-    return tuple(int(d) for d in shp)
-
-
-def parse_fields(fields) -> tuple[Field, ...]:
-    """Accept ``{name: (dtype, shape)}``, ``{name: {"dtype":..,"shape":..}}``
-    or a list of ``[name, dtype, shape]``."""
-    if isinstance(fields, dict):
-        items = []
-        for name, desc in fields.items():
-            if isinstance(desc, dict):
-                items.append((name, desc.get("dtype"), desc.get("shape", ())))
-            elif isinstance(desc, (tuple, list)) and len(desc) == 2:
-                items.append((name, desc[0], desc[1]))
-            else:
-                raise SchemaError(
-                    f"field {name!r}: expected (dtype, shape) or {{dtype=, shape=}}, got {desc!r}"
-                )
-    elif isinstance(fields, (list, tuple)):
-        items = []
-        for entry in fields:
-            if not isinstance(entry, (list, tuple)) or len(entry) != 3:
-                raise SchemaError(f"field entry {entry!r} is not [name, dtype, shape]")
-            items.append(tuple(entry))
-    else:
-        raise SchemaError(f"fields must be a dict or list, got {type(fields).__name__}")
-    if not items:
-        raise SchemaError("a table needs at least one field")
-    if len(items) > MAX_FIELDS:
-        raise SchemaError(f"a table may have at most {MAX_FIELDS} fields, got {len(items)}")
-    out, seen = [], set()
-    for name, dtype, shape in items:
-        if not isinstance(name, str) or not _FIELD_NAME.match(name):
-            raise SchemaError(f"invalid field name {name!r}: use a Python identifier of <= 64 chars")
-        if name in seen:
-            raise SchemaError(f"duplicate field name {name!r}")
-        seen.add(name)
-        out.append(Field(name, _parse_dtype(name, dtype), _parse_shape(name, shape)))
-    return tuple(out)
+        f = float(value)
+    except OverflowError:
+        return None
+    return f if math.isfinite(f) else None
 
 
 def _number(name, key, value, integer=False) -> float:
-    ok = isinstance(value, (int, np.integer)) if integer else isinstance(
-        value, (int, float, np.integer, np.floating))
-    if not ok or isinstance(value, bool) or not math.isfinite(value):
+    if integer and isinstance(value, (int, np.integer)) and not isinstance(value, bool):
+        return int(value)
+    f = None if integer else _real(value)
+    if f is None:
         kind = "an int" if integer else "a finite number"
-        raise SchemaError(f"table {name!r}: {key} must be {kind}, got {value!r}")
-    return int(value) if integer else float(value)
+        raise SchemaError(f"table {name!r}: {key} must be {kind}, got {brief(value)}")
+    return f
 
 
 def make_spec(name, capacity, fields, sampler="prioritized", alpha=0.6, remover="fifo",
@@ -200,19 +137,17 @@ def make_spec(name, capacity, fields, sampler="prioritized", alpha=0.6, remover=
     creation, not discovered by a hung learner (see ``_check_limits``)."""
     check_table_name(name)
     if not isinstance(capacity, (int, np.integer)) or isinstance(capacity, bool):
-        raise SchemaError(f"table {name!r}: capacity must be an int, got {capacity!r}")
+        raise SchemaError(f"table {name!r}: capacity must be an int, got {brief(capacity)}")
     if not 1 <= int(capacity) <= MAX_CAPACITY:
         raise SchemaError(f"table {name!r}: capacity {capacity} outside 1..{MAX_CAPACITY}")
-    if sampler not in SAMPLERS:
-        raise SchemaError(f"table {name!r}: sampler {sampler!r} is not one of {SAMPLERS}")
-    if remover not in REMOVERS:
-        raise SchemaError(f"table {name!r}: remover {remover!r} is not one of {REMOVERS}")
-    try:
-        alpha = float(alpha)
-    except (TypeError, ValueError) as exc:
-        raise SchemaError(f"table {name!r}: alpha {alpha!r} is not a number") from exc
-    if not (0.0 <= alpha < math.inf):
-        raise SchemaError(f"table {name!r}: alpha must be finite and >= 0, got {alpha}")
+    if not isinstance(sampler, str) or sampler not in SAMPLERS:
+        raise SchemaError(f"table {name!r}: sampler {brief(sampler)} is not one of {SAMPLERS}")
+    if not isinstance(remover, str) or remover not in REMOVERS:
+        raise SchemaError(f"table {name!r}: remover {brief(remover)} is not one of {REMOVERS}")
+    if _real(alpha) is None or alpha < 0:
+        raise SchemaError(f"table {name!r}: alpha must be finite and >= 0 (a number), "
+                          f"got {brief(alpha)}")
+    alpha = float(alpha)
     mts = _number(name, "max_times_sampled", max_times_sampled, integer=True)
     if not 0 <= mts < 2**32:
         raise SchemaError(f"table {name!r}: max_times_sampled must be 0 (no limit) or 1..2**32-1, "
@@ -230,11 +165,15 @@ def make_spec(name, capacity, fields, sampler="prioritized", alpha=0.6, remover=
         if isinstance(eb, (list, tuple)):
             if len(eb) != 2:
                 raise SchemaError(f"table {name!r}: error_buffer pair must be [min_diff, max_diff], "
-                                  f"got {eb!r}")
+                                  f"got {brief(eb)}")
             eb = (_number(name, "error_buffer[0]", eb[0]), _number(name, "error_buffer[1]", eb[1]))
         else:
             eb = _number(name, "error_buffer", eb)
-    spec = TableSpec(str(name), int(capacity), parse_fields(fields), str(sampler), alpha,
+    try:
+        fields = parse_fields(fields)
+    except SchemaError as exc:  # name the table too: a config may define several
+        raise SchemaError(f"table {name!r}: {exc}") from None
+    spec = TableSpec(str(name), int(capacity), fields, str(sampler), alpha,
                      str(remover), mts, mss, spi, eb, _storage_dir(name, storage_dir))
     _check_size(spec)
     _check_limits(spec)
@@ -247,7 +186,7 @@ def _storage_dir(name, d) -> str | None:
     if not isinstance(d, str) or not d.startswith("/") or "\0" in d or len(d) > 1024:
         raise SchemaError(f"table {name!r}: storage_dir must be an absolute path (at most 1024 "
                           f"characters), \"\" for /dev/shm, or None for the daemon's default; "
-                          f"got {d!r}")
+                          f"got {brief(d)}")
     return d.rstrip("/") or "/"
 
 
@@ -306,7 +245,8 @@ def spec_from_dict(d: dict, where: str) -> TableSpec:
     """The wire/TOML form: every SPEC_KEYS key, the first three required."""
     unknown = set(d) - set(SPEC_KEYS)
     if unknown:
-        raise SchemaError(f"{where} has unknown keys {sorted(unknown)}")
+        raise SchemaError(f"{where} has unknown keys {brief(sorted(map(str, unknown)))}; "
+                          f"a table definition has only {', '.join(SPEC_KEYS)}")
     for key in SPEC_KEYS[:3]:
         if key not in d:
             raise SchemaError(f"{where} lacks {key!r}")

@@ -3,6 +3,7 @@ or sample argument that does not fit is refused with an error that names
 it; the refused call stores nothing and the daemon serves on, also when a
 client skipped its own checks."""
 
+import ctypes
 import os
 
 import numpy as np
@@ -41,6 +42,62 @@ def test_wrong_shape_is_named(table):
         table.insert_batch({"obs": np.zeros((2, 4, 8, 9), np.uint8), "action": [1, 2], "reward": [0.0, 0.0]})
     with pytest.raises(shmreplay.FieldError, match="field 'action' has 3 items, earlier fields have 2"):
         table.insert_batch({"obs": np.zeros((2, 4, 8, 8), np.uint8), "action": [1, 2, 3], "reward": [0.0, 0.0]})
+
+
+class _Pair(ctypes.Structure):  # a buffer numpy reads no array from (PEP 3118 'T{...}')
+    _fields_ = [("a", ctypes.c_int), ("b", ctypes.c_char_p)]
+
+
+def test_values_numpy_cannot_convert_say_what_to_do_and_store_nothing(daemon, table):
+    """Ragged lists, object arrays and a buffer whose format numpy cannot
+    read: each a FieldError naming the field and what to give instead."""
+    ok = good_row()
+    with pytest.raises(shmreplay.FieldError, match=r"field 'obs': .*ragged list.*give an array "
+                       r"of shape \(4, 8, 8\) \(numpy: ValueError: .*inhomogeneous"):
+        table.insert(**{**ok, "obs": [[[0] * 8] * 8] * 3 + [[[0] * 8] * 7]})
+    with pytest.raises(shmreplay.FieldError, match=r"field 'action': .*ragged list.*shape \(n\)"):
+        table.insert_batch({"obs": np.zeros((2, 4, 8, 8), np.uint8), "action": [[1], [2, 3]],
+                            "reward": [0.0, 0.0]})
+    with pytest.raises(shmreplay.FieldError, match=r"field 'reward': dtype object cannot be stored "
+                       r"as float32: an object array .*give numbers, e\.g\. np\.asarray"):
+        table.insert_batch({"obs": np.zeros((2, 4, 8, 8), np.uint8), "action": [1, 2],
+                            "reward": np.array([0.5, None], dtype=object)})
+    with pytest.raises(shmreplay.FieldError, match=r"field 'obs': numpy cannot convert a "
+                       r"memoryview: give a numpy array .*of shape \(4, 8, 8\)"):
+        table.insert(**{**ok, "obs": memoryview((_Pair * 4)())})
+    with pytest.raises(shmreplay.FieldError, match=r"dtype float64 cannot be stored as int64: "
+                       r"numpy's same_kind rule .*value\.astype\('int64'\)"):
+        table.insert(**{**ok, "action": 1.5})
+    table.flush()
+    assert len(table) == 0
+    assert_still_serving(daemon, 0)
+
+
+def test_tensors_numpy_cannot_take_say_what_to_do(daemon, table):
+    """A tensor that requires grad, or one not on the CPU (a GPU's; torch's
+    'meta' device stands in here, CI has no GPU): refused before anything
+    is stored, with the call that fixes it.  Detached CPU tensors go in."""
+    torch = pytest.importorskip("torch")
+    ok = good_row()
+    with pytest.raises(shmreplay.FieldError, match=r"field 'reward': a torch\.Tensor that "
+                       r"requires grad cannot be stored: \.detach\(\) it first"):
+        table.insert(**{**ok, "reward": torch.tensor(0.5, requires_grad=True)})
+    with pytest.raises(shmreplay.FieldError, match=r"field 'obs': a torch\.Tensor on meta, not "
+                       r"on the CPU, cannot be stored: \.cpu\(\) it first"):
+        table.insert(**{**ok, "obs": torch.zeros((4, 8, 8), dtype=torch.uint8, device="meta")})
+    with pytest.raises(shmreplay.FieldError, match=r"field 'reward': a list holding a tensor that "
+                       r"requires grad cannot be stored: \.detach\(\) each tensor first"):
+        table.insert_batch({"obs": np.zeros((2, 4, 8, 8), np.uint8), "action": [1, 2],
+                            "reward": [torch.tensor(0.5, requires_grad=True)] * 2})
+    table.insert(obs=torch.ones((4, 8, 8), dtype=torch.uint8), action=torch.tensor(3),
+                 reward=torch.tensor(0.5))
+    b = table.sample(1)
+    with pytest.raises(shmreplay.PriorityError, match=r"priorities are not numbers: a torch\."
+                       r"Tensor that requires grad .*\.detach\(\) it first"):
+        table.update_priorities(b.keys, torch.ones(1, requires_grad=True))
+    table.flush()
+    assert len(table) == 1 and b.data["obs"].min() == 1 and b.data["action"][0] == 3
+    assert_still_serving(daemon, 1)
 
 
 def test_rejected_inserts_store_nothing(daemon, table):

@@ -151,6 +151,8 @@ def test_writers_refuse_tables_that_do_not_fit(client):
     w = shmreplay.SequenceWriter(s, length=5, period=2)
     with pytest.raises(shmreplay.FieldError, match="step shape"):
         w.append(x=[1, 2])
+    with pytest.raises(shmreplay.FieldError, match=r"field 'x': .*ragged list.*give an array of shape \(\)"):
+        w.append(x=[[1, 2], [3]])
     w.close()
 
 

@@ -118,7 +118,20 @@ class Client:
     @retried
     def create_table(self, name, capacity, fields, sampler="prioritized", alpha=0.6,
                      exist_ok=False, **limits) -> Table:
-        """Create a table.  ``limits``: remover, max_times_sampled,
+        """Create a table.  ``fields`` is one of::
+
+            {"obs": ("uint8", (4, 84, 84)), "reward": ("float32", ())}  # (dtype, shape); a list too
+            {"obs": {"dtype": "uint8", "shape": [4, 84, 84]}, "reward": {"dtype": "float32"}}
+            [["obs", "uint8", [4, 84, 84]], ["reward", "float32", []]]
+
+        names: Python identifiers (<= 64 chars); dtypes: plain numbers or
+        bool as numpy names them ("float32", np.float32, np.dtype("<f4"),
+        bool); shapes: tuples or lists of positive ints, () for a scalar
+        (an int n means (n,)).  Anything else is a SchemaError naming the
+        field and what to write (fields.py).  ``insert`` then takes numpy
+        arrays or anything np.asarray converts, cast per numpy's same_kind
+        rule; tensors must be detached and on the CPU.
+        ``limits``: remover, max_times_sampled,
         min_size_to_sample, samples_per_insert, error_buffer (schema.make_spec
         says what each means and which combinations are refused), and
         storage_dir (rows in a file there: a directory the daemon's config

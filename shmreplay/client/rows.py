@@ -1,8 +1,13 @@
 """Checking the rows a caller hands in against the table's fields.
 
-Values are cast when numpy's ``same_kind`` rule allows (float64 -> float32,
-int64 -> int32); anything else, a missing or unknown field, or a wrong shape
-is a ``FieldError`` naming the field.  Pure functions; any thread.
+Values are numpy arrays or anything ``np.asarray`` converts, cast when
+numpy's ``same_kind`` rule allows (float64 -> float32, int64 -> int32);
+anything else (a tensor that requires grad or lives on a GPU, a ragged list,
+an object array), a missing or unknown field, or a wrong shape is a
+``FieldError`` naming the field and what to do.  The words are found only
+once numpy has refused a value (``fields.unconvertible``): a well-formed
+array costs no more than before.  Called by ``table.py``'s insert and
+insert_batch; pure functions, any thread.
 """
 
 from __future__ import annotations
@@ -10,6 +15,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..errors import FieldError
+from ..fields import cannot_store, unconvertible
 from ..schema import TableSpec
 
 
@@ -30,15 +36,17 @@ def check_rows(spec: TableSpec, names: frozenset, data, batch: bool) -> tuple[li
     arrays, n = [], None
     for f in spec.fields:
         v = data[f.name]
-        a = v if isinstance(v, np.ndarray) else np.asarray(v)
+        try:  # free on success (zero-cost try); the except explains numpy's refusal
+            a = v if isinstance(v, np.ndarray) else np.asarray(v)
+        except Exception as exc:
+            raise FieldError(f"table {name!r}, field {f.name!r}: "
+                             f"{unconvertible(v, exc, _expected(f.shape, batch))}") from exc
         if a.dtype != f.dtype and not np.can_cast(a.dtype, f.dtype, "same_kind"):
-            raise FieldError(f"table {name!r}, field {f.name!r}: dtype {a.dtype} "
-                             f"cannot be stored as {f.dtype}")
+            raise FieldError(f"table {name!r}, field {f.name!r}: {cannot_store(a.dtype, f.dtype)}")
         if batch:
             if a.ndim != len(f.shape) + 1 or a.shape[1:] != f.shape:
-                expect = "(n" + "".join(f", {d}" for d in f.shape) + ")"
                 raise FieldError(f"table {name!r}, field {f.name!r}: shape {a.shape}, "
-                                 f"expected {expect}")
+                                 f"expected {_expected(f.shape, batch)}")
             if n is None:
                 n = a.shape[0]
             elif a.shape[0] != n:
@@ -49,3 +57,8 @@ def check_rows(spec: TableSpec, names: frozenset, data, batch: bool) -> tuple[li
                              f"expected {f.shape}")
         arrays.append(a)
     return arrays, (n if batch else 1)
+
+
+def _expected(shape: tuple, batch: bool) -> str:
+    """The shape a value must have, as a message shows it: (n, 4, 8) for a batch."""
+    return ("(n" + "".join(f", {d}" for d in shape) + ")") if batch else str(shape)

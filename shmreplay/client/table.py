@@ -156,7 +156,9 @@ class Table:
     @retried
     def insert(self, priority=None, timeout: float | None = None, **fields) -> None:
         """Insert one item; ``priority=None`` means the max priority seen so
-        far.  Waits up to ``timeout`` s (None: no limit) for the rate limiter."""
+        far.  Waits up to ``timeout`` s (None: no limit) for the rate limiter.
+        Values: numpy arrays or anything np.asarray converts (a tensor
+        detached and on the CPU), cast per numpy's same_kind rule (rows.py)."""
         arrays, _ = check_rows(self.spec, self._names, fields, batch=False)
         prios = None if priority is None else self._priorities([priority], 1, "insert")
         self._begin()

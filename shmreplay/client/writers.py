@@ -24,18 +24,22 @@ import collections
 import numpy as np
 
 from ..errors import FieldError, ReplayError
+from ..fields import cannot_store, unconvertible
 from .pipe import deadline_of
 
 
 def _as_step(table, field, value, shape) -> np.ndarray:
-    a = np.asarray(value)
+    try:  # as client/rows.py: the words only once numpy has refused the value
+        a = np.asarray(value)
+    except Exception as exc:
+        raise FieldError(f"table {table.name!r}, field {field!r}: "
+                         f"{unconvertible(value, exc, str(shape))}") from exc
     if a.shape != shape:
         raise FieldError(f"table {table.name!r}, field {field!r}: step shape {a.shape}, "
                          f"expected {shape}")
     dtype = table.spec.field(field).dtype
     if a.dtype != dtype and not np.can_cast(a.dtype, dtype, "same_kind"):
-        raise FieldError(f"table {table.name!r}, field {field!r}: dtype {a.dtype} cannot be "
-                         f"stored as {dtype}")
+        raise FieldError(f"table {table.name!r}, field {field!r}: {cannot_store(a.dtype, dtype)}")
     return a
 
 

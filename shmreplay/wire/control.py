@@ -8,8 +8,8 @@ Rules (docs/protocol.md has the message sequences):
    connection is closed after an error notice.
 2. A request is ``{"op": str, "id": int, ...}``; the reply carries the same
    ``id`` and either ``"ok": true`` with results or ``"ok": false`` with
-   ``"error"`` (an errors class name) and ``"message"``.  Requests on one
-   connection are answered in order.
+   ``"error"`` (an errors class name) and ``"message"`` (cut at
+   MAX_MESSAGE characters).  Requests on one connection are answered in order.
 3. The first request must be ``hello`` with this PROTOCOL_VERSION; a
    mismatch is refused.  Its reply carries three descriptors (SCM_RIGHTS,
    on the reply's first byte): the client's channel (a sealed memfd) and
@@ -38,6 +38,9 @@ from ..errors import ProtocolError, ReplayError, error_from_name
 
 PROTOCOL_VERSION = 4  # 2: checkpoint and shutdown ops; access control; 3: channel passed as fds; 4: sync op
 MAX_FRAME = 1 << 20
+# an error message may quote what the peer sent; cut it here so that the
+# reply fits a frame whatever the request held (it could not be sent else)
+MAX_MESSAGE = 16 << 10
 _LEN = struct.Struct(">I")
 
 # op -> {argument: type}; every listed argument is required
@@ -149,12 +152,17 @@ def reply_ok(rid: int, **results) -> bytes:
     return encode({"id": rid, "ok": True, **results})
 
 
+def _message(exc: BaseException) -> str:
+    text = str(exc)
+    return text if len(text) <= MAX_MESSAGE else text[:MAX_MESSAGE] + " [cut]"
+
+
 def reply_error(rid: int, exc: BaseException) -> bytes:
-    return encode({"id": rid, "ok": False, "error": type(exc).__name__, "message": str(exc)})
+    return encode({"id": rid, "ok": False, "error": type(exc).__name__, "message": _message(exc)})
 
 
 def notice_bye(exc: BaseException) -> bytes:
-    return encode({"op": "bye", "error": type(exc).__name__, "message": str(exc)})
+    return encode({"op": "bye", "error": type(exc).__name__, "message": _message(exc)})
 
 
 class ClientConnection:

@@ -38,6 +38,8 @@ def _status(client, args) -> None:
                   f"{'never' if age is None else f'{age:.1f} s ago'} ({t['syncs']} syncs, "
                   f"{t['sync_failures']} failed); {t['retired']} slots wait for the next sync "
                   f"(headroom {t['sync_headroom']})")
+            if t.get("sync_error"):  # the disk is full, or failing: backing off
+                print(f"  SYNC FAILING: {t['sync_error']}")
         if "prefetch_reads" in t:  # a file-backed table with the daemon's prefetch on
             print(f"  prefetch: {t['prefetch_reads']} reads ({t['prefetch_bytes'] / 2**30:.2f} GiB), "
                   f"{t['prefetch_dropped']} dropped, {t['prefetch_errors']} failed; "

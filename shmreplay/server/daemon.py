@@ -171,7 +171,7 @@ class Daemon:
             await asyncio.sleep(self.cfg.sync_interval_s)
             for name in sorted(self.control.syncs.locks):
                 try:  # a stop cancels this wait, never the sync (control/syncs.py)
-                    await self.control.syncs.sync([name])
+                    await self.control.syncs.sync([name], forced=False)
                 except ReplayError:  # logged; the next one tries again
                     pass
 

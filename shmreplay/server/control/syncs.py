@@ -27,6 +27,8 @@ class Syncer:
     def __init__(self, srv):
         self.srv = srv  # the ControlServer: its loop, engine calls
         self.locks: dict[str, asyncio.Lock] = {}  # durable tables being served
+        self.states: dict[str, durable.Durability] = {}  # their sync state (back-off)
+        self.timers: dict[str, asyncio.TimerHandle] = {}  # a retry after a back-off, at most one each
         self.tasks: set[asyncio.Task] = set()
 
     def make_durable(self, table, recover: bool) -> None:
@@ -38,6 +40,7 @@ class Syncer:
         led.barrier = ReuseBarrier(table.spec.capacity)
         loop = self.srv.loop
         table.durable = durable.Durability(path, lambda: loop.call_soon_threadsafe(self.soon, name))
+        self.states[name] = table.durable
         listed = durable.listed_on_disk(table.map, path) if recover else None
         if listed is not None:
             led.barrier.protect(listed)
@@ -54,28 +57,39 @@ class Syncer:
             log.error("first sync of table %s failed: %s", name, exc)
 
     def soon(self, name: str) -> None:
-        self._start(name)
+        self._start(name, forced=False)
 
-    async def sync(self, names: list[str]) -> list[dict]:
+    async def sync(self, names: list[str], forced: bool = True) -> list[dict]:
         """Sync each table now, one after the other; the reports of those
-        still served.  Raises the first failure."""
+        still served.  Raises the first failure.  Not ``forced`` (the
+        periodic sync): a table whose syncs back off is left to its retry."""
         reports = []
         for name in names:
-            task = self._start(name)
+            task = self._start(name, forced)
             rep = None if task is None else await asyncio.shield(task)
             if rep is not None:
                 reports.append(rep)
         return reports
 
-    def _start(self, name: str) -> asyncio.Task | None:
+    def _start(self, name: str, forced: bool) -> asyncio.Task | None:
         lock = self.locks.get(name)
         if lock is None:  # not (or no longer) a durable table being served
+            return None
+        d = self.states.get(name)
+        wait = 0.0 if forced or d is None else d.retry_at - time.monotonic()
+        if wait > 0:  # backing off after a failure: one retry, when it is due
+            if name not in self.timers:
+                self.timers[name] = self.srv.loop.call_later(wait, self._retry, name)
             return None
         task = self.srv.loop.create_task(self._one(name, lock))
         self.tasks.add(task)
         task.add_done_callback(self.tasks.discard)
         task.add_done_callback(_settled)
         return task
+
+    def _retry(self, name: str) -> None:
+        self.timers.pop(name, None)
+        self._start(name, forced=False)
 
     async def _one(self, name: str, lock: asyncio.Lock) -> dict | None:
         async with lock:
@@ -90,12 +104,17 @@ class Syncer:
                 copy = await srv.call(durable.take, table, copy)
                 n = await srv.loop.run_in_executor(None, durable.write, copy, table.map.rows.fd, d.path)
             except OSError as exc:
-                d.failures += 1
-                log.error("sync of table %s failed: %s", name, exc)
+                wait = d.failed(str(exc))
+                log.error("sync of table %s to %s failed: %s; the file of the sync before stays, "
+                          "and the next try is in %g s (doubling with each failure, up to %g s)",
+                          name, d.path, exc, wait, durable.BACKOFF_MAX_S)
                 raise ReplayError(f"sync of table {name!r} to {d.path} failed: {exc}; the file of "
                                   "the sync before stays") from None
             finally:
                 d.wanted = False  # whatever happened, a full table may ask again
+            if d.error is not None:
+                log.info("sync of table %s to %s succeeds again", name, d.path)
+            d.succeeded()
             dt = time.monotonic() - t0
             freed = await srv.call(durable.landed, table, copy, dt)
         return {"table": name, "items": copy.items, "bytes": n, "seconds": dt, "freed": freed,
@@ -117,6 +136,10 @@ class Syncer:
 
     def forget(self, name: str) -> None:
         self.locks.pop(name, None)
+        self.states.pop(name, None)
+        timer = self.timers.pop(name, None)
+        if timer is not None:
+            timer.cancel()
 
     async def wait(self) -> None:
         """Until every sync started has ended (the clean stop)."""

@@ -79,9 +79,18 @@ def remove_stale(tmap: TableMap) -> None:
                     "would no longer follow the rows", tmap.spec.name, path)
 
 
+BACKOFF_FIRST_S, BACKOFF_MAX_S = 0.5, 60.0  # a failing sync is tried again this much later, doubling
+
+
 class Durability:
-    """A durable table's sync state.  ``want`` on the engine thread; the rest
-    on the control plane's loop."""
+    """A durable table's sync state.  ``want`` and ``trouble`` on the engine
+    thread; the rest on the control plane's loop.
+
+    A sync that fails (a full disk, an I/O error) backs off: the next one a
+    full table asks for, or the periodic one, waits ``backoff_s``, which
+    doubles with each failure up to BACKOFF_MAX_S (``retry_at``), so a
+    failing disk costs one attempt and one log line per step, not one per
+    insert.  An admin's ``shmreplay sync`` and a clean stop try at once."""
 
     def __init__(self, path: str, on_wanted):
         self.path = path
@@ -91,17 +100,39 @@ class Durability:
         self.items = 0          # items in the file on disk
         self.last_ns = 0        # wall time of its copy
         self.seconds = 0.0      # how long the last sync took
+        self.error: str | None = None  # why the last sync failed (None: it did not)
+        self.backoff_s = 0.0
+        self.retry_at = 0.0     # time.monotonic() before which no sync is started unasked
 
     def want(self) -> None:
         if not self.wanted:
             self.wanted = True
             self.on_wanted()
 
+    def failed(self, why: str) -> float:
+        """A sync failed: back off; returns the wait before the next."""
+        self.failures += 1
+        self.error = why
+        self.backoff_s = min(BACKOFF_MAX_S, max(BACKOFF_FIRST_S, 2 * self.backoff_s))
+        self.retry_at = time.monotonic() + self.backoff_s
+        return self.backoff_s
+
+    def succeeded(self) -> None:
+        self.error, self.backoff_s, self.retry_at = None, 0.0, 0.0
+
+    def trouble(self) -> str:
+        """For a writer that waits for slots: why the sync that frees them
+        does not land ("" while syncs work)."""
+        if self.error is None:
+            return ""
+        return (f"; the syncs of this table to {self.path} are failing ({self.error}); the next try "
+                f"is in {max(0.0, self.retry_at - time.monotonic()):.1f} s: free room on that disk")
+
     def report(self, barrier: ReuseBarrier) -> dict:
         return {"meta_file": self.path, "syncs": self.syncs, "sync_failures": self.failures,
                 "synced_items": self.items,
                 "last_sync_age_s": round((time.time_ns() - self.last_ns) / 1e9, 3) if self.last_ns else None,
-                "last_sync_s": round(self.seconds, 4),
+                "last_sync_s": round(self.seconds, 4), "sync_error": self.error,
                 "retired": barrier.count, "sync_headroom": barrier.headroom}
 
 

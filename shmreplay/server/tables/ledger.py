@@ -150,8 +150,9 @@ class SlotLedger:
             self.make_free(slots)
         return slots.shape[0]
 
-    def busy(self) -> SlotsBusy:
-        """What an insert that found no free or evictable slot is told."""
+    def busy(self, note: str = "") -> SlotsBusy:
+        """What an insert that found no free or evictable slot is told
+        (``note``: more of why, e.g. a durable table's failing syncs)."""
         return SlotsBusy(
             f"table {self.name!r}: no slot is free or evictable now; {self.pending} are reserved "
             f"by writers that have not committed and {self.held} are held by learners still "
@@ -159,7 +160,7 @@ class SlotLedger:
             "after its sample)" + (f"; {self.books.voided} are held by writers whose reservations "
                                    "expired, until they commit or leave" if self.books.voided else "")
             + (f"; {self.barrier.count} wait for the table's next sync to disk"
-               if self.barrier is not None and self.barrier.count else ""))
+               if self.barrier is not None and self.barrier.count else "") + note)
 
     def take_free(self, k: int) -> np.ndarray:
         """Up to k slots off the free list, oldest first."""

@@ -114,7 +114,7 @@ class Table:
             want_sync(self, force=slots.shape[0] == 0)
         if slots.shape[0] == 0:
             self.publish()  # evictions may have changed the counters
-            raise Blocked(led.busy())
+            raise Blocked(led.busy(self.durable.trouble() if self.durable is not None else ""))
         rid = led.reserve(owner, slots, pid, start, user)
         self.stats["reservations"] += 1
         self.publish()

@@ -1,0 +1,78 @@
+"""Issue 21, item 4: a durable table whose syncs fail (here: a real full
+filesystem, a small tmpfs) backs off, logs once per back-off step, and
+tells a writer that waits for its slots why; once there is room, the next
+try lands and inserts go on."""
+
+import math
+import os
+import re
+import subprocess
+import time
+
+import numpy as np
+import pytest
+
+import shmreplay
+
+from faults import FIELDS, rows, wait_for
+
+pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="needs root to mount a small filesystem")
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 4 MiB tmpfs only root can write (mode 0755: a safe storage_dir's parent)."""
+    mnt = tmp_path / "disk"
+    mnt.mkdir()
+    run = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m,mode=0755", "tmpfs", str(mnt)],
+                         capture_output=True, text=True)
+    if run.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {run.stderr.strip()}")
+    yield mnt
+    subprocess.run(["umount", "-l", str(mnt)], check=True)
+
+
+def fill_up(path) -> None:
+    """Take every free byte of the filesystem under ``path``."""
+    with open(path, "wb") as f:
+        try:
+            while True:
+                f.write(b"\xff" * 65536)
+                f.flush()
+        except OSError:
+            pass
+
+
+def test_a_failing_sync_backs_off_and_says_why(start_daemon, small_disk):
+    store = str(small_disk / "tables")
+    d = start_daemon(tables=[{"name": "d", "capacity": 256, "fields": FIELDS, "storage_dir": store}],
+                     storage_dirs=[store], sync_interval_s=3600)
+    filler = small_disk / "filler"
+    with d.connect() as c:
+        t = c.table("d")
+        t.insert_batch(rows(np.arange(256)))
+        c.flush()
+        c.sync("d")  # full, and its file lists every item: now each eviction retires a slot
+        fill_up(filler)
+        t0 = time.monotonic()
+        with pytest.raises(shmreplay.SlotsBusy, match=r"the syncs of this table to \S+ are failing "
+                                                      r"\(\[Errno 28\] No space left on device"):
+            for lo in range(256, 4096, 64):  # until the retired slots are all a sync could give
+                t.insert_batch(rows(np.arange(lo, lo + 64)), timeout=2)
+        st = wait_for(lambda: (s := c.stats()["tables"]["d"])["sync_failures"] >= 3 and s,
+                      "three failed syncs")
+        spent = time.monotonic() - t0
+        assert "No space left on device" in st["sync_error"]
+        # one attempt and one line per back-off step (0.5 s, doubling), not per insert: however
+        # slow the box, no more attempts than the steps the time spent allows (and a margin of 2)
+        assert st["sync_failures"] <= 2 + math.log2(spent / 0.5 + 1) + 2, (st["sync_failures"], spent)
+        lines = re.findall(r"sync of table d to \S+ failed: .*; the file of the sync before stays, "
+                           r"and the next try is in ([0-9.]+) s", d.log())
+        waits = [float(w) for w in lines]
+        assert len(waits) == st["sync_failures"] and waits[:3] == [0.5, 1.0, 2.0], waits
+        os.unlink(filler)  # room again: the next try lands, and inserts go on
+        wait_for(lambda: c.stats()["tables"]["d"]["sync_error"] is None, "a sync to land")
+        t.insert_batch(rows(np.arange(5000, 5064)), timeout=60)
+        c.flush()
+        assert "sync of table d to" in d.log() and "succeeds again" in d.log()
+        c.drop_table("d")  # a durable table outlives a clean stop: the test leaves nothing

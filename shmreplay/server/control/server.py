@@ -31,9 +31,13 @@ from ..engine.engine import Engine
 from ..tables import tablestats
 from ..tables.table import Table
 from . import recovery
+from .access import is_owner
 from .config import DaemonConfig
 from .connection import ControlConnection
+from .descriptors import PER_TABLE
+from .gate import Gate
 from .memory import check_memory
+from .quotas import TableBook
 from .syncs import Syncer
 
 log = logging.getLogger("shmreplayd.control")
@@ -48,7 +52,8 @@ class ControlServer:
         self.next_cid = 1
         self.next_table_id = 1
         self.creating: set[str] = set()
-        self.server: asyncio.AbstractServer | None = None
+        self.gate = Gate(self)  # the socket's front door: who comes in (gate.py)
+        self.book = TableBook(cfg)  # who created each table: per-user limits (quotas.py)
         self.path: str | None = None
         self.loop: asyncio.AbstractEventLoop | None = None
         self.detaching: set[asyncio.Task] = set()
@@ -60,15 +65,14 @@ class ControlServer:
     async def start(self, path: str) -> None:
         self.loop = asyncio.get_running_loop()
         _claim_socket_path(path)
-        self.server = await self.loop.create_unix_server(lambda: ControlConnection(self), path=path)
+        self.gate.listen(path)
         os.chmod(path, self.cfg.segment_mode)
         os.chown(path, -1, self.cfg.gid)
         self.path = path
 
     async def close(self) -> None:
         """Stop accepting, tell every client, end every lease."""
-        if self.server is not None:
-            self.server.close()
+        await self.gate.close()
         bye = DaemonUnavailable("daemon is shutting down")
         for conn in list(self.connections.values()):
             conn.kick(bye)
@@ -92,7 +96,8 @@ class ControlServer:
         return await asyncio.wrap_future(self.engine.submit(fn, *args))
 
     # ---- table management ----
-    async def create_table(self, wire: dict, exist_ok: bool) -> dict:
+    async def create_table(self, wire: dict, exist_ok: bool, peer=None) -> dict:
+        """``peer`` (an access.Peer) asks; None: the daemon itself."""
         asked = spec_from_wire(wire)
         spec = self.cfg.place(asked)
         existing = await self.call(self.engine.describe, spec.name)
@@ -110,11 +115,24 @@ class ControlServer:
         if count + len(self.creating) >= self.cfg.max_tables:
             raise CapacityError(f"the daemon serves {count} tables, its limit (max_tables "
                                 f"{self.cfg.max_tables}); drop one or raise the limit")
+        self._claim(spec, os.geteuid() if peer is None else peer.uid)
         self.creating.add(spec.name)
         try:
             return await self.add_table(spec)
+        except BaseException:
+            self.book.release(spec.name)
+            raise
         finally:
             self.creating.discard(spec.name)
+
+    def _claim(self, spec, uid: int) -> None:
+        """Book the table for its creator (quotas.py); another user's may
+        not eat into the descriptor reserve either (gate.py)."""
+        if not is_owner(uid):
+            why = self.gate.fds.refusal(PER_TABLE, self.gate.in_use(), f"table {spec.name!r}")
+            if why is not None:
+                raise why
+        self.book.claim(spec, uid)
 
     async def add_table(self, spec, tmap: TableMap | None = None, recover: bool = False) -> dict:
         """Serve a table: a new segment, or ``tmap`` (adopted or restored,
@@ -149,6 +167,8 @@ class ControlServer:
             raise
         tmap.open_to_clients(self.cfg.segment_mode, self.cfg.gid)
         await self.call(self.engine.add_table, table)
+        self.book.keep(spec)  # the config's, adopted or restored: the daemon's own user's
+        self.gate.recount()   # its segments' descriptors
         if table.durable is not None:  # a file on disk from the start
             await self.syncs.serve(spec.name)
         log.info("table %s: %d x %d bytes, rows in %s (%.1f MiB), meta in %s; ready in %.2f s", spec.name,
@@ -193,6 +213,8 @@ class ControlServer:
         else:
             what = "left in /dev/shm for the next daemon"
         table.map.release()
+        self.book.release(name)
+        self.gate.recount()
         log.info("table %s %s", name, what)
 
     async def drop_all_tables(self, unlink: bool = True, keep_adopted: bool = False) -> None:
@@ -240,7 +262,8 @@ class ControlServer:
                 st["resident_bytes"] = await self.loop.run_in_executor(None, resident_bytes, table.map.rows)
         return {"daemon_pid": self.pid, "protocol": PROTOCOL_VERSION, "instance": self.cfg.instance,
                 "socket": self.path, "uptime_s": time.time() - self.started,
-                "connections": len(self.connections), **snap}
+                "connections": len(self.connections), **snap,
+                "descriptors": self.gate.status(), "creators": self.book.status()}
 
 
 def _claim_socket_path(path: str) -> None:

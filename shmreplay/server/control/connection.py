@@ -72,10 +72,11 @@ class ControlConnection(asyncio.Protocol):
         self.srv.gate.left(self)
 
     def descriptors(self) -> int:
-        """The descriptors this connection holds now: its socket until the
-        connection is lost, its channel's memfd until handed over, its
-        doorbells until the lease has ended (gate.py counts them)."""
-        channel = self.channel is not None and self.channel.fd is not None
+        """The descriptors this connection holds now (gate.py counts them):
+        its socket until the connection is lost; its channel's memfd until
+        handed over, and the channel mapping's own (Python's mmap keeps one)
+        and its doorbells until the lease has ended."""
+        channel = 0 if self.channel is None else 1 + (self.channel.fd is not None)
         return (self.cid in self.srv.connections) + channel + len(self.bells)
 
     def _handshake_overdue(self) -> None:

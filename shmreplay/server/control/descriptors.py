@@ -1,9 +1,9 @@
 """The daemon's file descriptors: how many it may open, how many it holds,
 and the reserve kept for root, its own user and the admin group.
 
-Every client connection costs the daemon descriptors (its socket; at
-``hello`` its channel's memfd, until handed over, and two doorbells), and
-so does every table (its segments; a file-backed table's read-ahead).  At
+Every client connection costs the daemon descriptors (its socket; from
+``hello`` on its channel and two doorbells), and so does every table (its
+segments; a file-backed table's read-ahead).  At
 ``RLIMIT_NOFILE`` the kernel refuses the next ``accept``: whoever connects
 then is dropped without a word, the daemon's owner included.  So:
 
@@ -34,10 +34,14 @@ from ...errors import CapacityError
 
 log = logging.getLogger("shmreplayd.control")
 
-# socket, channel memfd (until the hello reply carried it), two doorbells
-PER_CONNECTION = 4
-# a table's meta and rows segments, and a file-backed table's read-ahead copy
-PER_TABLE = 3
+# Python's mmap keeps a descriptor of its own for every mapping: a
+# connection holds its socket, its channel's memfd until the hello reply
+# carried it and the channel mapping's copy until the lease ends, and two
+# doorbells
+PER_CONNECTION = 5
+# a table: its meta and rows segments (or rows file), each with its
+# mapping's copy, and a file-backed table's read-ahead copy (disk/prefetch.py)
+PER_TABLE = 5
 
 
 def raise_limit() -> int:

@@ -1,7 +1,9 @@
 """The daemon's control plane: a Unix-socket server on asyncio/uvloop.
 
-Runs on the daemon's event-loop thread.  One ``ControlConnection`` per
-client (connection.py) answers its requests in order; anything that
+Runs on the daemon's event-loop thread.  The gate (gate.py) accepts each
+connection and decides who comes in; one ``ControlConnection`` per
+admitted client (connection.py) answers its requests in order; the table
+book (quotas.py) says what another user may still create; anything that
 touches tables runs on the engine thread, through the
 engine's named entry points (``ControlServer.call``); slow work (creating
 a multi-GiB segment, writing a checkpoint) runs in the default executor so

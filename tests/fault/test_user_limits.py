@@ -37,7 +37,8 @@ def test_the_limits_config_is_checked():
                       ({"max_tables_per_user": 0}, "max_tables_per_user must be a number >= 1"),
                       ({"file_quota_bytes_per_user": -1}, "file_quota_bytes_per_user must be"),
                       ({"max_lingering_refusals": "16"}, "max_lingering_refusals must be"),
-                      ({"reserved_descriptors": -8}, "reserved_descriptors must be")):
+                      ({"reserved_descriptors": -8}, "reserved_descriptors must be"),
+                      ({"max_clients": 2, "reserved_clients": 3}, "reserved_clients (3) may not exceed")):
         with pytest.raises(shmreplay.SchemaError, match=re.escape(says)):
             parse_config({"daemon": bad})
 
@@ -236,6 +237,27 @@ def test_a_refused_flood_holds_only_the_lingering_few_and_the_owner_connects(sha
         assert (m_closed, s_closed) == (38, 39)
         # the lingering ones end when their client does, and the silent places are freed
         wait_for(lambda: daemon_fds(d.pid) == before, "the lingering refusals to be closed")
+
+
+@needs_root
+def test_other_users_leave_root_a_place_under_max_clients(shared, users):
+    """max_clients 5, 2 kept for root, its user and the admin group: with
+    root's client in, a member's 2 places and a stranger's (let in by
+    name) take the 3 the others have; the stranger's next is refused
+    naming reserved_clients, and a second root client still gets in."""
+    d = shared(max_clients=5, reserved_clients=2, max_clients_per_user=2, allowed_users=[STRANGER],
+               handshake_timeout_s=600.0)
+    os.chmod(d.socket, 0o666)  # the stranger is in no group of the socket's
+    with d.connect() as c:
+        wait_for(lambda: c.stats()["connections"] == 1, "the daemon to end wait_ready's connection")
+        member = Flood(users[MEMBER], d.socket, 3)
+        stranger = Flood(users[STRANGER], d.socket, 2)
+        assert member.ready and stranger.ready, (member.out, stranger.out)
+        with d.connect() as c2:
+            assert c2.stats()["connections"] == 5
+        (m_said, _), (s_said, _) = member.finish(), stranger.finish()
+    assert m_said[:2] == ["", ""] and "max_clients_per_user 2" in m_said[2], m_said
+    assert s_said[0] == "" and "reserved_clients 2" in s_said[1] and "hold 3 connections" in s_said[1], s_said
 
 
 RLIMIT = 256

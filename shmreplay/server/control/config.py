@@ -34,7 +34,7 @@ DAEMON_KEYS = {"socket", "instance", "segment_mode", "spin_us", "idle_timeout_s"
 # per-user limits (server/control/quotas.py, gate.py, descriptors.py)
 DAEMON_KEYS |= {"max_tables_per_user", "reserved_tables", "file_quota_bytes_per_user",
                 "max_lingering_refusals", "max_lingering_refusals_per_user", "refusal_linger_s",
-                "reserved_descriptors"}
+                "reserved_descriptors", "reserved_clients"}
 
 
 @dataclass
@@ -90,6 +90,7 @@ class DaemonConfig:
     max_lingering_refusals_per_user: int = 4
     refusal_linger_s: float = 10.0
     reserved_descriptors: int = 64
+    reserved_clients: int = 16        # other users together: at most max_clients - this (max_clients // 16)
     tables: list[TableSpec] = field(default_factory=list)
 
     def place(self, spec: TableSpec) -> TableSpec:
@@ -207,6 +208,11 @@ def _user_limits(cfg: DaemonConfig, d: dict, where: str) -> None:
     cfg.max_lingering_refusals_per_user = int(_number(d, "max_lingering_refusals_per_user", 4, where))
     cfg.refusal_linger_s = _number(d, "refusal_linger_s", 10.0, where)
     cfg.reserved_descriptors = int(_number(d, "reserved_descriptors", 64, where))
+    cfg.reserved_clients = int(_number(d, "reserved_clients", max(1, cfg.max_clients // 16), where, lo=1))
+    if cfg.reserved_clients > cfg.max_clients:  # 1 or more: root and the daemon's user can always connect
+        raise SchemaError(f"{where}: reserved_clients ({cfg.reserved_clients}) may not exceed max_clients "
+                          f"({cfg.max_clients}); it is the part of max_clients kept for root, the "
+                          "daemon's user and the admin group")
 
 
 def _abs_dir(p, key: str, where: str) -> str:

@@ -7,9 +7,11 @@ before anything is built for it, from the kernel's word on who it is
 
 * a user the config does not let in: ``PermissionDenied``;
 * past ``max_clients`` or ``max_clients_per_user``: ``CapacityError``;
-* anyone but root, the daemon's user and the admin group, when the
-  connection would eat into the descriptor reserve: ``CapacityError``
-  (``descriptors.py``).
+* anyone but root, the daemon's user and the admin group, past
+  ``max_clients`` less ``reserved_clients`` (all of them together), or when
+  the connection would eat into the descriptor reserve
+  (``descriptors.py``): ``CapacityError``.  So those three can always
+  connect, whatever other users hold.
 
 A refused connection gets its reason (a ``bye`` notice) written at once.
 A few of them stay open until the client speaks, or ``refusal_linger_s``
@@ -58,8 +60,7 @@ log = logging.getLogger("shmreplayd.control")
 # there; past it a client's connect() gets EAGAIN and tries again (link.py)
 LISTEN_BACKLOG = 1024
 ACCEPT_BATCH = 64      # accepts per wake-up, then the loop serves everyone else
-ACCEPT_RETRY_S = 0.05  # after an accept failed for want of descriptors or memory
-_SHORT = {errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM}
+ACCEPT_RETRY_S = 0.05  # after an accept failed (for want of descriptors or memory)
 
 
 class Gate:
@@ -73,9 +74,9 @@ class Gate:
         self.lingering_by_uid: Counter = Counter()
         self.opening: set[asyncio.Task] = set()        # transports being made
         self.retry: asyncio.TimerHandle | None = None
+        self.failing = 0  # accepts failed in a row
         self.closed = False
         self.refused = 0
-        self.closed_at_once = 0
 
     def listen(self, path: str) -> None:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -132,12 +133,17 @@ class Gate:
             except OSError as exc:
                 if exc.errno == errno.ECONNABORTED:
                     continue
-                # out of descriptors or memory: the connection waits in the
-                # listen queue; try again shortly, never in a hot loop
-                log.error("accept failed (%s); trying again in %g s", exc, ACCEPT_RETRY_S)
-                if exc.errno in _SHORT:
-                    self._pause()
+                # out of descriptors or memory (or worse): the connection waits
+                # in the listen queue; try again shortly, never in a hot loop,
+                # and say so once, not every retry
+                if not self.failing:
+                    log.error("accept failed (%s); trying again every %g s", exc, ACCEPT_RETRY_S)
+                self.failing += 1
+                self._pause()
                 return
+            if self.failing:
+                log.warning("accept works again after %d failed tries", self.failing)
+                self.failing = 0
             self._admit(sock)
 
     def _pause(self) -> None:
@@ -190,10 +196,15 @@ class Gate:
         if mine >= cfg.max_clients_per_user:
             return CapacityError(f"user {peer.uid} has {mine} connections, the limit per user "
                                  f"(max_clients_per_user {cfg.max_clients_per_user})"), True
-        if not access.may_administer(cfg, peer):
-            # closed at once: lingering would hold a descriptor of the reserve
-            return self.fds.refusal(PER_CONNECTION, self.in_use(), "connection"), False
-        return None, False
+        if access.may_administer(cfg, peer):
+            return None, False
+        others = sum(not access.may_administer(cfg, c.peer) for c in srv.connections.values())
+        if others >= cfg.max_clients - cfg.reserved_clients:
+            return CapacityError(f"users other than root, the daemon's and the admin group hold {others} "
+                                 f"connections, all that max_clients {cfg.max_clients} leaves them "
+                                 f"(reserved_clients {cfg.reserved_clients})"), True
+        # closed at once: lingering would hold a descriptor of the reserve
+        return self.fds.refusal(PER_CONNECTION, self.in_use(), "connection"), False
 
     # ---- refusing ----
     def _refuse(self, sock: socket.socket, peer, why: Exception, may_linger: bool) -> None:
@@ -211,7 +222,6 @@ class Gate:
             # the client's first bytes (its hello) end the wait: it has the notice
             self.srv.loop.add_reader(fd, self._end_linger, fd)
         else:
-            self.closed_at_once += 1
             sock.close()
 
     def _may_linger(self, peer) -> bool:

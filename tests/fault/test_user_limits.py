@@ -145,7 +145,7 @@ def read_notice(sock: socket.socket, wait: bool) -> str:
 
 
 def flood(path, n, ready_w, go_r):
-    """As another user: ``n`` silent connections.  The daemon accepts and
+    """As another user (``Beside``): ``n`` silent connections.  The daemon accepts and
     decides them in order, and writes a refusal's notice at once, so once
     the last one's notice is here (it must be refused) each of the others
     has its notice, or was let in ("").  Tell the test, wait for its word,
@@ -173,22 +173,23 @@ def flood(path, n, ready_w, go_r):
     return said, closed
 
 
-class Flood:
-    """``flood`` run as ``user`` in a forked child, from a thread of the test."""
+class Beside:
+    """``fn(*args, ready_w, go_r)`` run as ``user`` in a forked child, from
+    a thread of the test: it writes a byte to ``ready_w`` when its state is
+    in place, then waits for a byte on ``go_r`` (``finish``)."""
 
-    def __init__(self, user, path, n):
+    def __init__(self, user, fn, *args):
         r, self.ready_w = os.pipe()
         self.go_r, self.go_w = os.pipe()
         self.out = {}
-        self.th = threading.Thread(target=self._run, args=(user, path, n), daemon=True)
+        self.th = threading.Thread(target=self._run, args=(user, fn, args), daemon=True)
         self.th.start()
         self.ready = os.read(r, 1)  # empty: the child failed before it was ready
         os.close(r)
 
-    def _run(self, *args):
-        user, path, n = args
+    def _run(self, user, fn, args):
         try:
-            self.out["result"] = as_user(user, flood, path, n, self.ready_w, self.go_r)
+            self.out["result"] = as_user(user, fn, *args, self.ready_w, self.go_r)
         except BaseException as exc:
             self.out["error"] = exc
         finally:
@@ -219,8 +220,8 @@ def test_a_refused_flood_holds_only_the_lingering_few_and_the_owner_connects(sha
         c.create_table("t", capacity=64, fields=FIELDS)
         wait_for(lambda: c.stats()["connections"] == 1, "the daemon to end wait_ready's connection")
         before = daemon_fds(d.pid)
-        member = Flood(users[MEMBER], d.socket, 42)
-        stranger = Flood(users[STRANGER], d.socket, 40)
+        member = Beside(users[MEMBER], flood, d.socket, 42)
+        stranger = Beside(users[STRANGER], flood, d.socket, 40)
         assert member.ready and stranger.ready, (member.out, stranger.out)
         # the member's 2 silent places, 2 of its refusals and 1 of the stranger's
         wait_for(lambda: daemon_fds(d.pid) == before + 5, "the daemon to close all but 3 refusals")
@@ -250,8 +251,8 @@ def test_other_users_leave_root_a_place_under_max_clients(shared, users):
     os.chmod(d.socket, 0o666)  # the stranger is in no group of the socket's
     with d.connect() as c:
         wait_for(lambda: c.stats()["connections"] == 1, "the daemon to end wait_ready's connection")
-        member = Flood(users[MEMBER], d.socket, 3)
-        stranger = Flood(users[STRANGER], d.socket, 2)
+        member = Beside(users[MEMBER], flood, d.socket, 3)
+        stranger = Beside(users[STRANGER], flood, d.socket, 2)
         assert member.ready and stranger.ready, (member.out, stranger.out)
         with d.connect() as c2:
             assert c2.stats()["connections"] == 5
@@ -273,6 +274,18 @@ def low_limit_daemon():
     return [sys.executable, "-c", code]
 
 
+def client_then_create(path, ready_w, go_r):
+    """As another user (``Beside``): a client; on the test's word, a table."""
+    with shmreplay.connect(path, timeout=60) as c:
+        os.write(ready_w, b"r")
+        os.read(go_r, 1)
+        try:
+            c.create_table("late", capacity=8, fields=SMALL)
+        except shmreplay.CapacityError as exc:
+            return str(exc)
+        return "created"
+
+
 def connect_and_use(sock):
     with shmreplay.connect(sock, timeout=60) as c:
         return len(c.table("t"))
@@ -284,7 +297,7 @@ def test_with_few_descriptors_a_members_flood_cannot_keep_the_owner_out(shared, 
     connections (every one would be admitted by the client limits).  The
     daemon admits them only while the reserve of 64 stays free, refuses the
     rest with a reason and closes them at once; root and the admin group
-    then connect and work.  Before the reserve, the flood ran the daemon out
+    then connect and work, and the member's table is refused too.  Before the reserve, the flood ran the daemon out
     of descriptors and the owner's connect failed with a broken pipe."""
     d = shared(command=low_limit_daemon(), reserved_descriptors=RESERVE, max_clients=1000,
                max_clients_per_user=1000, handshake_timeout_s=600.0,
@@ -292,14 +305,17 @@ def test_with_few_descriptors_a_members_flood_cannot_keep_the_owner_out(shared, 
     assert f"soft limit raised from 64 to {RLIMIT}" in d.log()
     limits = open(f"/proc/{d.pid}/limits").read()
     assert [ln.split()[3] for ln in limits.splitlines() if ln.startswith("Max open files")] == [str(RLIMIT)]
-    member = Flood(users[MEMBER], d.socket, RLIMIT)
-    assert member.ready, member.out
+    creator = Beside(users[MEMBER], client_then_create, d.socket)
+    member = Beside(users[MEMBER], flood, d.socket, RLIMIT)
+    assert creator.ready and member.ready, (creator.out, member.out)
     assert daemon_fds(d.pid) <= RLIMIT - RESERVE  # the reserve is untouched
     with d.connect() as owner, d.connect() as owner2:
         owner.table("t").insert_batch(rows(np.arange(3)))
         owner.flush()
         assert len(owner2.table("t")) == 3
         assert as_user(users[ADMIN], connect_and_use, d.socket) == 3
+        # a table's segments would eat into the reserve too
+        assert f"reserved_descriptors {RESERVE}" in creator.finish()
     said, closed = member.finish()
     refused = [m for m in said if m]
     assert refused and all(f"reserved_descriptors {RESERVE}" in m for m in refused), refused[:3]

@@ -176,7 +176,7 @@ class Gate:
     async def _open(self, conn: ControlConnection, sock: socket.socket) -> None:
         try:
             await self.srv.loop.connect_accepted_socket(lambda: conn, sock)
-        except OSError as exc:
+        except Exception as exc:
             log.warning("connection %d: its transport could not be made (%s); closing it", conn.cid, exc)
             sock.close()
             conn.abandon()

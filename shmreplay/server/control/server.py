@@ -33,7 +33,7 @@ from ..engine.engine import Engine
 from ..tables import tablestats
 from ..tables.table import Table
 from . import recovery
-from .access import is_owner
+from .access import may_administer
 from .config import DaemonConfig
 from .connection import ControlConnection
 from .descriptors import PER_TABLE
@@ -117,7 +117,7 @@ class ControlServer:
         if count + len(self.creating) >= self.cfg.max_tables:
             raise CapacityError(f"the daemon serves {count} tables, its limit (max_tables "
                                 f"{self.cfg.max_tables}); drop one or raise the limit")
-        self._claim(spec, os.geteuid() if peer is None else peer.uid)
+        self._claim(spec, peer)
         self.creating.add(spec.name)
         try:
             return await self.add_table(spec)
@@ -127,14 +127,15 @@ class ControlServer:
         finally:
             self.creating.discard(spec.name)
 
-    def _claim(self, spec, uid: int) -> None:
-        """Book the table for its creator (quotas.py); another user's may
-        not eat into the descriptor reserve either (gate.py)."""
-        if not is_owner(uid):
+    def _claim(self, spec, peer) -> None:
+        """Book the table for its creator (quotas.py); one of anyone but
+        root, the daemon's user and the admin group may not eat into the
+        descriptor reserve either (descriptors.py)."""
+        if peer is not None and not may_administer(self.cfg, peer):
             why = self.gate.fds.refusal(PER_TABLE, self.gate.in_use(), f"table {spec.name!r}")
             if why is not None:
                 raise why
-        self.book.claim(spec, uid)
+        self.book.claim(spec, os.geteuid() if peer is None else peer.uid)
 
     async def add_table(self, spec, tmap: TableMap | None = None, recover: bool = False) -> dict:
         """Serve a table: a new segment, or ``tmap`` (adopted or restored,

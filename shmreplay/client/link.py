@@ -29,6 +29,9 @@ class ControlLink:
         sock = connect_socket(path, timeout)
         try:
             check_daemon(sock, path)
+        except ReplayError:  # (PermissionDenied is an OSError too)
+            sock.close()
+            raise
         except OSError as exc:  # the kernel could not say who answers
             sock.close()
             raise DaemonUnavailable(f"cannot read who answers on {path}: {exc}") from None

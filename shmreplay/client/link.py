@@ -14,8 +14,9 @@ import os
 import pwd
 import select
 import socket
+import time
 
-from ..errors import DaemonUnavailable, PermissionDenied, ProtocolError, ReplayTimeout
+from ..errors import DaemonUnavailable, PermissionDenied, ProtocolError, ReplayError, ReplayTimeout
 from ..wire import peer
 from ..wire.control import PROTOCOL_VERSION, ClientConnection
 
@@ -25,25 +26,15 @@ class ControlLink:
         self.path = path
         self.timeout = timeout
         self.conn = ClientConnection()
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        sock.settimeout(timeout)
-        try:
-            sock.connect(path)
-        except (FileNotFoundError, ConnectionRefusedError) as exc:
-            sock.close()
-            raise DaemonUnavailable(
-                f"no shmreplay daemon at {path} ({exc.strerror}); start shmreplayd or "
-                "set $SHMREPLAY_SOCKET") from None
-        except PermissionError as exc:  # the socket's (or a directory's) mode keeps us out
-            sock.close()
-            raise PermissionDenied(
-                f"user {os.getuid()} may not open the socket {path} ({exc.strerror}); the daemon's "
-                "segment_mode and group decide who may connect") from None
-        except socket.timeout:
-            sock.close()
-            raise ReplayTimeout(f"connecting to {path} timed out after {timeout} s") from None
+        sock = connect_socket(path, timeout)
         try:
             check_daemon(sock, path)
+        except ReplayError:  # (PermissionDenied is an OSError too)
+            sock.close()
+            raise
+        except OSError as exc:  # the kernel could not say who answers
+            sock.close()
+            raise DaemonUnavailable(f"cannot read who answers on {path}: {exc}") from None
         except BaseException:
             sock.close()
             raise
@@ -87,9 +78,11 @@ class ControlLink:
                     return msg
                 if self.conn.bye is not None:
                     raise self.conn.bye
+        except ReplayError:  # the daemon's word (some are OSErrors too: ShmFull)
+            raise
         except socket.timeout:
             raise ReplayTimeout(f"daemon did not answer {op!r} within {self.timeout} s") from None
-        except (BrokenPipeError, ConnectionResetError) as exc:
+        except OSError as exc:  # a broken pipe, a reset: never a raw OSError
             self._read_bye()  # a refused connection is closed with a reason; raise that
             raise DaemonUnavailable(f"daemon at {self.path} went away: {exc}") from None
 
@@ -142,6 +135,49 @@ class ControlLink:
 
 _MAX_FDS = 4
 ENV_DAEMON_USER = "SHMREPLAY_DAEMON_USER"
+# a full listen queue (a burst of clients connecting at once) is EAGAIN
+# for a Unix socket: tried again after these pauses, doubling, until the
+# connect's timeout; short, so a queue the daemon drains is joined at once
+CONNECT_RETRY_S = (0.001, 0.05)
+
+
+def connect_socket(path: str, timeout: float) -> socket.socket:
+    """A socket connected to ``path`` within ``timeout``: a listen queue
+    that stays full is ``ReplayTimeout``, every other failure a
+    ``ReplayError`` that says what to do, never a raw OSError."""
+    deadline = time.monotonic() + timeout
+    pause = CONNECT_RETRY_S[0]
+    while True:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(timeout)
+        try:
+            sock.connect(path)
+            return sock
+        except (BlockingIOError, InterruptedError):  # EAGAIN: the queue is full for now
+            sock.close()
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise ReplayTimeout(f"connecting to {path} timed out after {timeout} s: the daemon's "
+                                    "listen queue stayed full (a burst of connections)") from None
+            time.sleep(min(pause, left))
+            pause = min(2 * pause, CONNECT_RETRY_S[1])
+        except (FileNotFoundError, ConnectionRefusedError) as exc:
+            sock.close()
+            raise DaemonUnavailable(
+                f"no shmreplay daemon at {path} ({exc.strerror}); start shmreplayd or "
+                "set $SHMREPLAY_SOCKET") from None
+        except PermissionError as exc:  # the socket's (or a directory's) mode keeps us out
+            sock.close()
+            raise PermissionDenied(
+                f"user {os.getuid()} may not open the socket {path} ({exc.strerror}); the daemon's "
+                "segment_mode and group decide who may connect") from None
+        except socket.timeout:
+            sock.close()
+            raise ReplayTimeout(f"connecting to {path} timed out after {timeout} s") from None
+        except OSError as exc:
+            sock.close()
+            raise DaemonUnavailable(f"cannot connect to {path}: {exc}; check the socket path "
+                                    "(config socket, $SHMREPLAY_SOCKET)") from None
 
 
 def check_daemon(sock: socket.socket, path: str) -> None:

@@ -5,7 +5,8 @@ runs the control plane (``control/server.py``); the engine (``engine/engine.py``
 own thread.  Signals are handled here and nowhere else.
 
 Startup, in order (nothing is served until all of it succeeded):
-  1. read the config; set up logging to stderr
+  1. read the config; set up logging to stderr; raise the soft descriptor
+     limit to the hard one (control/descriptors.py)
   2. compile the numba kernels, or load them from numba's cache
   3. take the instance lock in the runtime directory (a live daemon of
      this instance: refuse to start); remove channels dead daemons of older
@@ -54,7 +55,7 @@ from ..priorities import first_invalid_priority
 from ..version import __version__
 from ..wire import atomics
 from ..wire.segment import shmem_huge_pages
-from .control import recovery
+from .control import descriptors, recovery
 from .control.config import DaemonConfig, check_instance, load_config
 from .control.server import ControlServer
 from .disk import ownership
@@ -132,6 +133,7 @@ class Daemon:
             log.info("shared-memory huge pages are %r: learners gather large rows ~30%% slower; "
                      "echo advise > /sys/kernel/mm/transparent_hugepage/shmem_enabled", mode)
         cfg = self.cfg
+        descriptors.raise_limit()  # before anything is opened: clients and tables both need them
         self.lock = ownership.InstanceLock.acquire(cfg.instance)
         stale = ownership.remove_dead_channels(cfg.instance)  # we hold the lock: their daemon is dead
         if stale:

@@ -1,9 +1,12 @@
 """The control plane: the daemon's event loop and what it decides.
 
 ``server.py`` (``ControlServer``: the control socket, tables' life cycle,
-checkpoints, status), ``connection.py`` (one client's connection: hello,
-ready, its requests in order), ``access.py`` (who may connect and
-administer), ``config.py`` (the daemon's config), ``memory.py`` (can the
+checkpoints, status), ``gate.py`` (accepting connections and deciding who
+comes in), ``connection.py`` (one client's connection: hello, ready, its
+requests in order), ``access.py`` (who may connect and administer),
+``descriptors.py`` (the descriptor limit and the reserve), ``quotas.py``
+(who created each table, what other users may still create),
+``config.py`` (the daemon's config), ``memory.py`` (can the
 box hold a table), ``recovery.py`` (bringing every table up at start:
 adopt, restore, create), ``syncs.py`` (when durable tables are synced).
 

@@ -15,7 +15,8 @@ The file modes back this up: the socket and every segment are mode
 rules let in must also be in that group to map the tables.  A client's
 channel is given to that client's uid when the daemon runs as root.
 
-Pure functions; the control plane (server.py) calls them per connection.
+Pure functions; the control plane calls them per connection (gate.py) and
+per table (quotas.py).
 """
 
 from __future__ import annotations
@@ -57,13 +58,15 @@ def _proc_groups(pid: int) -> set[int]:
     return set()
 
 
-def _owner(uid: int) -> bool:
+def is_owner(uid: int) -> bool:
+    """Root or the daemon's own user: they run the daemon (and are exempt
+    from the per-user limits of quotas.py)."""
     return uid == 0 or uid == os.geteuid()
 
 
 def may_connect(cfg: DaemonConfig, peer: Peer) -> bool:
-    return _owner(peer.uid) or peer.uid in cfg.allowed_uids or bool(peer.groups & cfg.allowed_gids)
+    return is_owner(peer.uid) or peer.uid in cfg.allowed_uids or bool(peer.groups & cfg.allowed_gids)
 
 
 def may_administer(cfg: DaemonConfig, peer: Peer) -> bool:
-    return _owner(peer.uid) or (cfg.admin_gid is not None and cfg.admin_gid in peer.groups)
+    return is_owner(peer.uid) or (cfg.admin_gid is not None and cfg.admin_gid in peer.groups)

@@ -32,6 +32,10 @@ DAEMON_KEYS = {"socket", "instance", "segment_mode", "spin_us", "idle_timeout_s"
                "max_clients", "max_tables", "hold_timeout_s", "reservation_timeout_s", "max_clients_per_user",
                "handshake_timeout_s", "storage_dir", "storage_dirs", "durable_file_tables",
                "sync_interval_s", "prefetch_threads", "prefetch_queue", "prefetch_method"}
+# per-user limits (server/control/quotas.py, gate.py, descriptors.py)
+DAEMON_KEYS |= {"max_tables_per_user", "reserved_tables", "file_quota_bytes_per_user",
+                "max_lingering_refusals", "max_lingering_refusals_per_user", "refusal_linger_s",
+                "reserved_descriptors", "reserved_clients"}
 
 
 @dataclass
@@ -77,6 +81,18 @@ class DaemonConfig:
     prefetch_threads: int = 16
     prefetch_queue: int = 4096
     prefetch_method: str = "fadvise"
+    # per-user limits: what one user other than the daemon's own and root may
+    # take (quotas.py); refused connections kept open to deliver their reason
+    # (gate.py); descriptors kept for root, the daemon's user and the admin
+    # group (descriptors.py).  daemon/shmreplayd.toml says why each default.
+    max_tables_per_user: int = 16
+    reserved_tables: int = 4          # other users together: at most max_tables - this (max_tables // 16)
+    file_quota_bytes_per_user: int = 0  # rows-file bytes of one user's file-backed tables; 0: none
+    max_lingering_refusals: int = 16
+    max_lingering_refusals_per_user: int = 4
+    refusal_linger_s: float = 10.0
+    reserved_descriptors: int = 64
+    reserved_clients: int = 16        # other users together: at most max_clients - this (max_clients // 16)
     tables: list[TableSpec] = field(default_factory=list)
 
     def slot_limits(self) -> SlotLimits:
@@ -171,6 +187,7 @@ def parse_config(doc: dict, where: str = "config") -> DaemonConfig:
     if cfg.prefetch_method not in PREFETCH_METHODS:
         raise SchemaError(f"{where}: prefetch_method must be one of {', '.join(PREFETCH_METHODS)}, "
                           f"got {cfg.prefetch_method!r}")
+    _user_limits(cfg, d, where)
     names = set()
     for i, t in enumerate(doc.get("tables", [])):
         if not isinstance(t, dict):
@@ -184,6 +201,25 @@ def parse_config(doc: dict, where: str = "config") -> DaemonConfig:
         names.add(spec.name)
         cfg.tables.append(spec)
     return cfg
+
+
+def _user_limits(cfg: DaemonConfig, d: dict, where: str) -> None:
+    cfg.max_tables_per_user = int(_number(d, "max_tables_per_user", 16, where, lo=1))
+    # default: a sixteenth of max_tables (4 of the default 64), at least one
+    cfg.reserved_tables = int(_number(d, "reserved_tables", max(1, cfg.max_tables // 16), where, lo=1))
+    if cfg.reserved_tables > cfg.max_tables:  # 1 or more: the daemon's user can always create one
+        raise SchemaError(f"{where}: reserved_tables ({cfg.reserved_tables}) may not exceed max_tables "
+                          f"({cfg.max_tables}); it is the part of max_tables kept for the daemon's user")
+    cfg.file_quota_bytes_per_user = int(_number(d, "file_quota_bytes_per_user", 0, where))
+    cfg.max_lingering_refusals = int(_number(d, "max_lingering_refusals", 16, where))
+    cfg.max_lingering_refusals_per_user = int(_number(d, "max_lingering_refusals_per_user", 4, where))
+    cfg.refusal_linger_s = _number(d, "refusal_linger_s", 10.0, where)
+    cfg.reserved_descriptors = int(_number(d, "reserved_descriptors", 64, where))
+    cfg.reserved_clients = int(_number(d, "reserved_clients", max(1, cfg.max_clients // 16), where, lo=1))
+    if cfg.reserved_clients > cfg.max_clients:  # 1 or more: root and the daemon's user can always connect
+        raise SchemaError(f"{where}: reserved_clients ({cfg.reserved_clients}) may not exceed max_clients "
+                          f"({cfg.max_clients}); it is the part of max_clients kept for root, the "
+                          "daemon's user and the admin group")
 
 
 def _abs_dir(p, key: str, where: str) -> str:

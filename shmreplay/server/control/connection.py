@@ -1,8 +1,8 @@
 """One client's control connection, on the daemon's event-loop thread.
 
 ``ControlConnection`` wraps ``wire.control.ServerConnection`` (the sans-IO
-rules) around a transport.  It checks who connected (SO_PEERCRED) at
-once; answers its requests in order from one task; at ``hello`` makes the
+rules) around a transport, for a client the gate (gate.py) admitted from
+who connected (SO_PEERCRED); answers its requests in order from one task; at ``hello`` makes the
 client's channel (a sealed memfd) and doorbells (eventfds) and passes them
 with the reply (SCM_RIGHTS), so they never have a name; at ``ready``
 hands the client to the engine; and when the connection closes, for any
@@ -18,7 +18,7 @@ import logging
 import os
 import socket
 
-from ...errors import CapacityError, PermissionDenied, ProtocolError, ReplayError
+from ...errors import CapacityError, DaemonUnavailable, PermissionDenied, ProtocolError, ReplayError
 from ...schema import check_table_name
 from ...wire import control as protocol
 from ...wire import records
@@ -29,9 +29,6 @@ from . import access
 
 log = logging.getLogger("shmreplayd.control")
 
-# a refused connection is closed when the client speaks, or after this long
-REFUSED_LINGER_S = 10.0
-
 # a channel holds two of the largest batch each way; 256 records a ring
 # lets a client stream commands
 CHANNEL = ChannelLayout(req_slots=256, resp_slots=256,
@@ -41,7 +38,7 @@ CHANNEL = ChannelLayout(req_slots=256, resp_slots=256,
 
 
 class ControlConnection(asyncio.Protocol):
-    def __init__(self, server):  # a control.ControlServer
+    def __init__(self, server, peer: access.Peer):  # a control.ControlServer
         self.srv = server
         self.cid = server.next_cid
         server.next_cid += 1
@@ -53,47 +50,34 @@ class ControlConnection(asyncio.Protocol):
         self.bells: tuple = ()      # (to_daemon, to_client) eventfds
         self.passing: list = []     # descriptors the hello reply carries
         self.resume = 0             # the lease the client held at a dead daemon (hello)
-        self.peer: access.Peer | None = None
+        self.peer = peer  # the kernel's word (SO_PEERCRED), read by the gate that admitted it
         self.attached = False
         self.closed = False
-        self.refused = False
+        # counted under the limits from admission on, before its transport exists
+        server.connections[self.cid] = self
 
     # ---- asyncio.Protocol ----
     def connection_made(self, transport) -> None:
         self.transport = transport
-        srv = self.srv
-        try:
-            self.peer = access.peer_of(transport.get_extra_info("socket"))
-        except OSError as exc:
-            log.warning("connection %d: cannot read its credentials (%s); closing it", self.cid, exc)
-            transport.close()
-            return
-        refusal = None
-        if not access.may_connect(srv.cfg, self.peer):
-            refusal = PermissionDenied(
-                f"user {self.peer.uid} may not use this daemon (not its user, not in "
-                "allowed_users, not in allowed_groups)")
-        elif len(srv.connections) >= srv.cfg.max_clients:
-            refusal = CapacityError(f"the daemon serves {len(srv.connections)} clients, its limit "
-                                    f"(max_clients {srv.cfg.max_clients})")
-        elif (mine := sum(c.peer.uid == self.peer.uid for c in srv.connections.values())) \
-                >= srv.cfg.max_clients_per_user:
-            refusal = CapacityError(f"user {self.peer.uid} has {mine} connections, the limit per user "
-                                    f"(max_clients_per_user {srv.cfg.max_clients_per_user})")
-        if refusal is not None:
-            log.warning("connection %d (pid %d, uid %d) refused: %s", self.cid, self.peer.pid,
-                        self.peer.uid, refusal)
-            # the notice first; the close only once the client has spoken (its
-            # hello): closing at once can reset the socket before the client
-            # reads why, and it would see a broken pipe instead of the reason
-            transport.write(protocol.notice_bye(refusal))
-            self.closed = self.refused = True
-            asyncio.get_running_loop().call_later(REFUSED_LINGER_S, transport.close)
-            return
-        srv.connections[self.cid] = self
         loop = asyncio.get_running_loop()
         self.worker = loop.create_task(self._work())
-        loop.call_later(srv.cfg.handshake_timeout_s, self._handshake_overdue)
+        loop.call_later(self.srv.cfg.handshake_timeout_s, self._handshake_overdue)
+        if self.srv.gate.closed:  # admitted just before the stop: kicked with everyone else
+            self.kick(DaemonUnavailable("daemon is shutting down"))
+
+    def abandon(self) -> None:
+        """Its transport could not be made (gate.py): it holds nothing."""
+        self.closed = True
+        self.srv.connections.pop(self.cid, None)
+        self.srv.gate.left(self)
+
+    def descriptors(self) -> int:
+        """The descriptors this connection holds now (gate.py counts them):
+        its socket until the connection is lost; its channel's memfd until
+        handed over, and the channel mapping's own (Python's mmap keeps one)
+        and its doorbells until the lease has ended."""
+        channel = 0 if self.channel is None else 1 + (self.channel.fd is not None)
+        return (self.cid in self.srv.connections) + channel + len(self.bells)
 
     def _handshake_overdue(self) -> None:
         """A connection holds a place under max_clients: one that never
@@ -105,8 +89,6 @@ class ControlConnection(asyncio.Protocol):
 
     def data_received(self, data: bytes) -> None:
         if self.closed:
-            if self.refused:
-                self.transport.close()
             return
         try:
             for msg in self.conn.receive(data):
@@ -117,7 +99,7 @@ class ControlConnection(asyncio.Protocol):
 
     def connection_lost(self, exc) -> None:
         if self.cid not in self.srv.connections:
-            return  # refused at connect: nothing was set up
+            return  # abandoned: nothing was set up
         self.closed = True
         self.srv.connections.pop(self.cid, None)
         if self.worker is not None:
@@ -178,7 +160,7 @@ class ControlConnection(asyncio.Protocol):
         await self._ready()
 
     async def _on_create_table(self, msg: dict) -> dict:
-        return {"table": await self.srv.create_table(msg["spec"], msg["exist_ok"])}
+        return {"table": await self.srv.create_table(msg["spec"], msg["exist_ok"], self.peer)}
 
     async def _on_open_table(self, msg: dict) -> dict:
         return {"table": await self.srv.open_table(check_table_name(msg["name"]))}
@@ -220,9 +202,14 @@ class ControlConnection(asyncio.Protocol):
         self.resume = resume
         if self.channel is not None:
             raise ProtocolError("hello sent twice")
-        self.channel = Channel.create(CHANNEL, self.peer.pid, srv.pid,
-                                      f"shmreplay.{cfg.instance}.c{self.cid}")
-        self.bells = (new_doorbell(), new_doorbell())
+        try:
+            self.channel = Channel.create(CHANNEL, self.peer.pid, srv.pid,
+                                          f"shmreplay.{cfg.instance}.c{self.cid}")
+            for _ in range(2):  # one at a time: _end_lease closes what was made
+                self.bells += (new_doorbell(),)
+        except OSError as exc:  # out of descriptors (or memory) past every reserve
+            raise CapacityError(f"the daemon cannot make this client's channel now ({exc.strerror}); "
+                                "try again when other clients have left") from None
         self.passing = [self.channel.fd, *self.bells]
         return {"protocol": PROTOCOL_VERSION, "daemon_pid": srv.pid, "instance": cfg.instance,
                 "client_id": self.cid, "max_batch": records.MAX_BATCH,
@@ -272,6 +259,7 @@ class ControlConnection(asyncio.Protocol):
         # the cancelled worker's traceback holds frames that hold us: break
         # the cycle, so its channel is unmapped now, not at some later GC
         self.worker = self.channel = None
+        self.srv.gate.left(self)
         log.debug("connection %d closed", self.cid)
 
 

@@ -1,7 +1,9 @@
 """The daemon's control plane: a Unix-socket server on asyncio/uvloop.
 
-Runs on the daemon's event-loop thread.  One ``ControlConnection`` per
-client (connection.py) answers its requests in order; anything that
+Runs on the daemon's event-loop thread.  The gate (gate.py) accepts each
+connection and decides who comes in; one ``ControlConnection`` per
+admitted client (connection.py) answers its requests in order; the table
+book (quotas.py) says what another user may still create; anything that
 touches tables runs on the engine thread, through the
 engine's named entry points (``ControlServer.call``); slow work (creating
 a multi-GiB segment, writing a checkpoint) runs in the default executor so
@@ -32,9 +34,13 @@ from ..tables import tablestats
 from ..tables.table import Table
 from . import recovery
 from .aside import SetAside
+from .access import may_administer
 from .config import DaemonConfig
 from .connection import ControlConnection
+from .descriptors import PER_TABLE
+from .gate import Gate
 from .memory import check_memory
+from .quotas import TableBook
 from .syncs import Syncer
 
 log = logging.getLogger("shmreplayd.control")
@@ -49,7 +55,8 @@ class ControlServer:
         self.next_cid = 1
         self.next_table_id = 1
         self.creating: set[str] = set()
-        self.server: asyncio.AbstractServer | None = None
+        self.gate = Gate(self)  # the socket's front door: who comes in (gate.py)
+        self.book = TableBook(cfg)  # who created each table: per-user limits (quotas.py)
         self.path: str | None = None
         self.loop: asyncio.AbstractEventLoop | None = None
         self.detaching: set[asyncio.Task] = set()
@@ -62,15 +69,14 @@ class ControlServer:
     async def start(self, path: str) -> None:
         self.loop = asyncio.get_running_loop()
         _claim_socket_path(path)
-        self.server = await self.loop.create_unix_server(lambda: ControlConnection(self), path=path)
+        self.gate.listen(path)
         os.chmod(path, self.cfg.segment_mode)
         os.chown(path, -1, self.cfg.gid)
         self.path = path
 
     async def close(self) -> None:
         """Stop accepting, tell every client, end every lease."""
-        if self.server is not None:
-            self.server.close()
+        await self.gate.close()
         bye = DaemonUnavailable("daemon is shutting down")
         for conn in list(self.connections.values()):
             conn.kick(bye)
@@ -94,7 +100,8 @@ class ControlServer:
         return await asyncio.wrap_future(self.engine.submit(fn, *args))
 
     # ---- table management ----
-    async def create_table(self, wire: dict, exist_ok: bool) -> dict:
+    async def create_table(self, wire: dict, exist_ok: bool, peer=None) -> dict:
+        """``peer`` (an access.Peer) asks; None: the daemon itself."""
         asked = spec_from_wire(wire)
         self.aside.refuse(asked.name)
         spec = self.cfg.place(asked)
@@ -113,9 +120,13 @@ class ControlServer:
         if count + len(self.creating) >= self.cfg.max_tables:
             raise CapacityError(f"the daemon serves {count} tables, its limit (max_tables "
                                 f"{self.cfg.max_tables}); drop one or raise the limit")
+        self._claim(spec, peer)
         self.creating.add(spec.name)
         try:
             return await self.add_table(spec)
+        except BaseException:
+            self.book.release(spec.name)
+            raise
         finally:
             self.creating.discard(spec.name)
 
@@ -132,6 +143,16 @@ class ControlServer:
         if rows.fd is not None:  # on this thread, where a drop would close it: never concurrently
             rows.restore_size(table.map.layout.rows_size)
         return d
+
+    def _claim(self, spec, peer) -> None:
+        """Book the table for its creator (quotas.py); one of anyone but
+        root, the daemon's user and the admin group may not eat into the
+        descriptor reserve either (descriptors.py)."""
+        if peer is not None and not may_administer(self.cfg, peer):
+            why = self.gate.fds.refusal(PER_TABLE, self.gate.in_use(), f"table {spec.name!r}")
+            if why is not None:
+                raise why
+        self.book.claim(spec, os.geteuid() if peer is None else peer.uid)
 
     async def add_table(self, spec, tmap: TableMap | None = None, recover: bool = False) -> dict:
         """Serve a table: a new segment, or ``tmap`` (adopted or restored,
@@ -166,6 +187,8 @@ class ControlServer:
             raise
         tmap.open_to_clients(self.cfg.segment_mode, self.cfg.gid)
         await self.call(self.engine.add_table, table)
+        self.book.keep(spec)  # the config's, adopted or restored: the daemon's own user's
+        self.gate.recount()   # its segments' descriptors
         if table.durable is not None:  # a file on disk from the start
             await self.syncs.serve(spec.name)
         log.info("table %s: %d x %d bytes, rows in %s (%.1f MiB), meta in %s; ready in %.2f s", spec.name,
@@ -213,6 +236,8 @@ class ControlServer:
         else:
             what = "left in /dev/shm for the next daemon"
         table.map.release()
+        self.book.release(name)
+        self.gate.recount()
         log.info("table %s %s", name, what)
 
     async def drop_all_tables(self, unlink: bool = True, keep_adopted: bool = False) -> None:
@@ -260,7 +285,8 @@ class ControlServer:
                 st["resident_bytes"] = await self.loop.run_in_executor(None, resident_bytes, table.map.rows)
         return {"daemon_pid": self.pid, "protocol": PROTOCOL_VERSION, "instance": self.cfg.instance,
                 "socket": self.path, "uptime_s": time.time() - self.started,
-                "connections": len(self.connections), **snap, "set_aside": self.aside.report()}
+                "connections": len(self.connections), **snap, "set_aside": self.aside.report(),
+                "descriptors": self.gate.status(), "creators": self.book.status()}
 
 
 def _claim_socket_path(path: str) -> None:

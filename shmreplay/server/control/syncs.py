@@ -89,7 +89,7 @@ class Syncer:
                 copy = await srv.loop.run_in_executor(None, durable.Copy, table.map.layout.size)
                 copy = await srv.call(durable.take, table, copy)
                 n = await srv.loop.run_in_executor(None, durable.write, copy, table.map.rows.fd, d.path)
-            except OSError as exc:
+            except (OSError, ReplayError) as exc:  # a full disk; a directory made unsafe since (safedir)
                 d.failures += 1
                 log.error("sync of table %s failed: %s", name, exc)
                 raise ReplayError(f"sync of table {name!r} to {d.path} failed: {exc}; the file of "

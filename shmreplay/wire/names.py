@@ -24,7 +24,8 @@ eventfds).  Names of the form ``shmreplay.<instance>.<pid>.c<n>`` and
 doorbells, which a starting daemon or ``shmreplay cleanup`` removes.
 
 The instance lock and the default socket live in the user's runtime
-directory (``runtime_dir()``), which only that user (or root) can write:
+directory (``runtime_dir()``), which only that user (or root) can write
+(the daemon checks every component of its path, ``server/disk/safedir.py``):
 anyone may create a name in /dev/shm or /tmp first, so nothing the daemon
 must trust lives there under a guessable name.
 
@@ -44,9 +45,6 @@ from __future__ import annotations
 import os
 import re
 import secrets
-import stat
-
-from ..errors import ForeignObject, ReplayError
 
 ENV_SOCKET = "SHMREPLAY_SOCKET"
 SHM_DIR = "/dev/shm"
@@ -56,7 +54,9 @@ PREFIX = "shmreplay."
 def runtime_dir() -> str:
     """systemd's ``$RUNTIME_DIRECTORY`` (the unit's RuntimeDirectory=), else
     ``$XDG_RUNTIME_DIR/shmreplay``, else /run/shmreplay for root, else
-    /tmp/shmreplay-<uid> (which ``secure_dir`` then checks is this user's)."""
+    /tmp/shmreplay-<uid>.  The daemon checks it before it puts anything there
+    (``server/disk/safedir.py`` ``secure_dir``: every component a real
+    directory of this user or root that no one else can write)."""
     d = os.environ.get("RUNTIME_DIRECTORY")
     if d:
         return d.split(":")[0]
@@ -64,36 +64,6 @@ def runtime_dir() -> str:
     if x:
         return os.path.join(x, "shmreplay")
     return "/run/shmreplay" if os.geteuid() == 0 else f"/tmp/shmreplay-{os.getuid()}"
-
-
-def secure_dir(path: str, create: bool = True) -> str:
-    """Return ``path`` once it is a real directory (no symlink) owned by
-    this user or root that no one else can write; create it 0700 if it is
-    missing.  Raises ForeignObject naming what is wrong."""
-    if create:
-        try:
-            os.mkdir(path, 0o700)
-        except FileExistsError:
-            pass
-        except OSError as exc:
-            raise ReplayError(f"cannot create directory {path}: {exc.strerror}") from None
-    try:
-        st = os.lstat(path)
-    except OSError as exc:
-        raise ReplayError(f"directory {path}: {exc.strerror}") from None
-    problems = []
-    if not stat.S_ISDIR(st.st_mode):
-        problems.append("not a directory (a symlink?)")
-    if st.st_uid not in (os.geteuid(), 0):
-        problems.append(f"owned by uid {st.st_uid}")
-    if st.st_mode & 0o022:
-        problems.append(f"writable by others (mode {stat.S_IMODE(st.st_mode):04o})")
-    if problems:
-        raise ForeignObject(
-            f"{path} is not a safe place for a lock or socket: {', '.join(problems)}; "
-            "anyone who can write there could take the name first.  Use a directory only "
-            "this user can write ($XDG_RUNTIME_DIR, or RuntimeDirectory= in the unit)")
-    return path
 
 
 def default_socket_path() -> str:

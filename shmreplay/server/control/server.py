@@ -28,7 +28,7 @@ from ...wire import names
 from ...wire.control import PROTOCOL_VERSION
 from ...wire.layout import TableMap
 from ...wire.rowfile import resident_bytes, unlink_file_quiet
-from ..disk import checkpoint, durable, storage
+from ..disk import checkpoint, durable, safedir, storage
 from ..engine.engine import Engine
 from ..tables import tablestats
 from ..tables.table import Table
@@ -228,9 +228,8 @@ class ControlServer:
             table.map.meta.unlink()
             what = f"kept on disk for the next start ({table.durable.items} items)"
         elif unlink:
-            if table.durable is not None:
-                unlink_file_quiet(table.durable.path)
-                unlink_file_quiet(durable.temp_file(table.durable.path))
+            if table.durable is not None:  # never through a link, only the daemon's own files
+                await self.loop.run_in_executor(None, durable.remove_files, table.durable.path)
             table.map.unlink()
             what = "dropped"
         else:
@@ -261,9 +260,10 @@ class ControlServer:
                 bufs = await self.loop.run_in_executor(None, checkpoint.buffers, table.spec.capacity)
                 snap = await self.call(checkpoint.snapshot, table, bufs)
                 try:
-                    rep = await self.loop.run_in_executor(
-                        None, checkpoint.write, snap, directory, keep,
-                        int(self.cfg.checkpoint_buffer_mb * 2**20))
+                    rep = await self.loop.run_in_executor(None, functools.partial(
+                        checkpoint.write, snap, directory, keep,
+                        int(self.cfg.checkpoint_buffer_mb * 2**20),
+                        segment_mode=self.cfg.segment_mode, gid=self.cfg.gid))
                 except OSError as exc:
                     raise ReplayError(f"checkpoint of table {name!r} into {directory} failed: {exc}")
                 finally:
@@ -291,13 +291,11 @@ class ControlServer:
 
 def _claim_socket_path(path: str) -> None:
     """Check the socket's directory is one only this user (or root) can
-    write (``names.secure_dir``; created 0700 if missing), then remove a
+    write, and every directory above it (``safedir.secure_dir``; created
+    0700 if missing), then remove a
     stale socket; refuse if a live daemon answers on it, or if the name is
     not a socket."""
-    directory = os.path.dirname(os.path.abspath(path))
-    if not os.path.isdir(directory):
-        os.makedirs(os.path.dirname(directory), exist_ok=True)
-    names.secure_dir(directory)
+    safedir.secure_dir(os.path.dirname(os.path.abspath(path)))
     try:
         st = os.lstat(path)
     except FileNotFoundError:

@@ -103,7 +103,7 @@ class Syncer:
                 copy = await srv.loop.run_in_executor(None, durable.Copy, table.map.layout.size)
                 copy = await srv.call(durable.take, table, copy)
                 n = await srv.loop.run_in_executor(None, durable.write, copy, table.map.rows.fd, d.path)
-            except OSError as exc:
+            except (OSError, ReplayError) as exc:  # a full disk; a directory made unsafe since (safedir)
                 wait = d.failed(str(exc))
                 log.error("sync of table %s to %s failed: %s; the file of the sync before stays, "
                           "and the next try is in %g s (doubling with each failure, up to %g s)",

@@ -1,10 +1,13 @@
 """What the daemon keeps in files, and the names it owns on the box.
 
-``durable.py`` (a durable file-backed table's metadata file: one sync's
-steps, reading it back after a reboot), ``checkpoint.py`` (a table's
-checkpoint directory: write, load, restore) with ``rowread.py`` (rows read
-with ``pread``, never through a mapping a client can truncate),
-``storage.py`` (which ``storage_dir`` is safe to create rows files in),
+``safedir.py`` (every directory the daemon writes in: checked component
+by component, made with its mode and group, walked and pruned without
+following a link), ``durable.py`` (a durable file-backed table's metadata
+file: one sync's steps, reading it back after a reboot), ``checkpoint.py``
+(a table's checkpoint directory: write, prune) with ``ckread.py`` (list,
+load, restore) and ``rowread.py`` (rows read with ``pread``, never through
+a mapping a client can truncate), ``storage.py`` (which ``storage_dir`` is
+safe to create rows files in),
 ``prefetch.py`` (reading file-backed rows ahead, starting their writeback)
 with ``rowranges.py`` (slots to byte ranges, a numba kernel),
 ``ownership.py`` (the instance lock; removing what dead daemons left).

@@ -40,12 +40,12 @@ import time
 
 import numpy as np
 
-from ...errors import ForeignObject, LayoutError
+from ...errors import ForeignObject, LayoutError, ReplayError
 from ...wire import headers, names
 from ...wire.layout import TableMap, meta_mode
-from ...wire.rowfile import unlink_file_quiet
 from ...wire.segment import Segment
 from ..tables.barrier import ReuseBarrier
+from . import safedir
 
 log = logging.getLogger("shmreplayd.durable")
 
@@ -69,14 +69,24 @@ def remove_stale(tmap: TableMap) -> None:
     on would no longer follow the rows, and a later start with it on would
     adopt it against rows rewritten since.  The live table is in /dev/shm."""
     path = meta_file(tmap)
+    d, base = os.path.split(path)
+    with safedir.opened(d, safedir.ROWS) as dfd:
+        if safedir.entry(dfd, base) is not None and safedir.remove(dfd, base, d):
+            log.warning("table %s: durable_file_tables is off; removed its metadata file %s, which "
+                        "would no longer follow the rows", tmap.spec.name, path)
+
+
+def remove_files(path: str) -> None:
+    """A dropped table's metadata file and a sync's leftover temporary:
+    removed if they are files of the daemon's user, relative to their
+    checked directory (``safedir``); anything else is logged and left."""
+    d, base = os.path.split(path)
     try:
-        st = os.lstat(path)
-    except FileNotFoundError:
-        return
-    if stat.S_ISREG(st.st_mode) and st.st_uid == os.geteuid():
-        os.unlink(path)
-        log.warning("table %s: durable_file_tables is off; removed its metadata file %s, which "
-                    "would no longer follow the rows", tmap.spec.name, path)
+        with safedir.opened(d, safedir.ROWS, missing_ok=True) as dfd:
+            for name in (base, os.path.basename(temp_file(path))) if dfd is not None else ():
+                safedir.remove(dfd, name, d)
+    except ReplayError as exc:  # a drop goes on: the files stay, and say why
+        log.error("metadata file %s left in place: %s", path, exc)
 
 
 BACKOFF_FIRST_S, BACKOFF_MAX_S = 0.5, 60.0  # a failing sync is tried again this much later, doubling
@@ -159,25 +169,28 @@ def take(table, copy: Copy) -> Copy:
 
 
 def write(copy: Copy, rows_fd: int, path: str) -> int:
-    """Executor: step 2.  Returns the bytes written."""
+    """Executor: step 2.  Returns the bytes written.  Relative to the
+    descriptor of the table's ``storage_dir``, checked as ``storage.py``
+    checks it (``safedir``), so no link is followed and nothing is written
+    elsewhere; the file is made ``O_EXCL`` and given mode 0600 whatever
+    the umask (a start reads only such a file, ``read_file``)."""
     os.fdatasync(rows_fd)
-    tmp = temp_file(path)
-    unlink_file_quiet(tmp)  # a dead daemon's half-written copy (the directory is ours alone: storage.py checks it)
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, FILE_MODE)
-    try:
-        view = memoryview(copy.buf)
-        done = 0
-        while done < len(view):
-            done += os.write(fd, view[done:])
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.rename(tmp, path)
-    dfd = os.open(os.path.dirname(path), os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    try:
+    d, base = os.path.split(path)
+    tmp = os.path.basename(temp_file(path))
+    with safedir.opened(d, safedir.ROWS) as dfd:
+        safedir.remove(dfd, tmp, d)  # a dead daemon's half-written copy; anything else stays and fails the create
+        fd = safedir.create_file(dfd, tmp)
+        try:
+            os.fchmod(fd, FILE_MODE)
+            view = memoryview(copy.buf)
+            done = 0
+            while done < len(view):
+                done += os.write(fd, view[done:])
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.rename(tmp, base, src_dir_fd=dfd, dst_dir_fd=dfd)
         os.fsync(dfd)
-    finally:
-        os.close(dfd)
     return len(copy.buf)
 
 
@@ -196,12 +209,18 @@ def landed(table, copy: Copy, seconds: float) -> int:
 
 def read_file(path: str) -> bytes:
     """The bytes of a metadata file this daemon's user made (regular, mode
-    0600, opened without following a link); anything else is
-    ``ForeignObject`` and is neither read nor touched."""
+    0600, opened without following a link, in a directory that passes
+    ``safedir``'s checks); anything else is ``ForeignObject`` and is
+    neither read nor touched."""
+    d, base = os.path.split(path)
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-    except OSError as exc:
-        raise ForeignObject(f"metadata file {path} cannot be opened ({exc.strerror}); left alone") from None
+        with safedir.opened(d, safedir.ROWS) as dfd:
+            fd = os.open(base, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dfd)
+    except ForeignObject:
+        raise
+    except (OSError, ReplayError) as exc:
+        why = exc.strerror if isinstance(exc, OSError) else str(exc)
+        raise ForeignObject(f"metadata file {path} cannot be opened ({why}); left alone") from None
     try:
         st = os.fstat(fd)
         if (not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid()

@@ -30,11 +30,12 @@ from dataclasses import dataclass
 
 from ...errors import ForeignObject, ReplayError
 from ...wire import headers
-from ...wire.names import (SHM_DIR, instance_of, is_table, lock_path, pid_in_name, secure_dir,
-                           storage_names, table_of_segment, table_prefix)
+from ...wire.names import (SHM_DIR, instance_of, is_table, lock_path, pid_in_name, storage_names,
+                           table_of_segment, table_prefix)
 from ...wire.peer import process_alive, process_start
 from ...wire.rowfile import RowFile, meta_name, rows_location, unlink_file_quiet
 from ...wire.segment import check_owned
+from .safedir import secure_dir
 
 
 class InstanceLock:
@@ -48,8 +49,8 @@ class InstanceLock:
 
     @classmethod
     def acquire(cls, instance: str, wait_s: float = 2.0) -> "InstanceLock":
-        """The lock file lives in the runtime directory (``names.secure_dir``
-        checks only this user can write it) and is opened without following
+        """The lock file lives in the runtime directory (``safedir.secure_dir``
+        checks only this user can write it, and every directory above it) and is opened without following
         a symlink and checked to be this user's, so nobody can plant one."""
         path = lock_path(instance)
         secure_dir(os.path.dirname(path))

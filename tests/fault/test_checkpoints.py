@@ -15,7 +15,7 @@ import pytest
 
 import shmreplay
 from shmreplay import ratelimiter
-from shmreplay.server.disk import checkpoint
+from shmreplay.server.disk import ckread
 from shmreplay.schema import make_spec
 
 from faults import FIELDS, HANG_S, committed_ids, rows, table_state, torn, wait_for
@@ -65,7 +65,7 @@ def test_round_trip_is_bit_exact(start_daemon, tmp_path):
     before = {t: table_state(s) for t, s in segs.items()}
     out = cli(d, "checkpoint", "--to", str(tmp_path / "ck"))
     assert "per: 512 items" in out and "paused" in out
-    assert sorted(checkpoint.complete(str(tmp_path / "ck"))) == ["per", "uses"]
+    assert sorted(ckread.complete(str(tmp_path / "ck"))) == ["per", "uses"]
     assert d.stop() == 0  # the tables are gone with it
     d.start(["--restore", str(tmp_path / "ck")])
     after = {t: table_state(d.segment(t)) for t in segs}  # restored: new segments, new tokens
@@ -128,13 +128,13 @@ def test_damaged_and_incomplete_checkpoints_are_never_restored(start_daemon, tmp
         assert len(c.table("per")) == 100  # the older, intact checkpoint
     assert "fails its CRC-32 check" in d.log()
     # none intact: the table is set aside with its checkpoints, never started empty
-    for path in checkpoint.complete(ck)["per"]:
+    for path in ckread.complete(ck)["per"]:
         with open(os.path.join(path, "DONE"), "w") as f:
             f.write("0\n")
     assert d.stop() == 0
     why = d.start_set_aside("per", ["--restore", ck])
     assert "no checkpoint of table 'per' could be restored" in why["reason"]
-    assert set(why["objects"]) == set(checkpoint.complete(ck)["per"])
+    assert set(why["objects"]) == set(ckread.complete(ck)["per"])
     d.start()  # without --restore: a fresh, empty table
 
 
@@ -247,7 +247,7 @@ def test_periodic_checkpoints_are_kept_pruned_and_restored(start_daemon, tmp_pat
     # a clean stop lets a checkpoint being written finish (and prune), so
     # what is on disk now is final; the tables leave /dev/shm, as at a reboot
     assert d.stop() == 0
-    kept = checkpoint.complete(ck)["per"]
+    kept = ckread.complete(ck)["per"]
     assert len(kept) == 2, kept
     assert not [n for n in os.listdir(ck) if n.startswith(".")]  # no temporaries left
     d.start()

@@ -23,7 +23,7 @@ import pytest
 
 import shmreplay
 from shmreplay.errors import LayoutError
-from shmreplay.server.disk import checkpoint
+from shmreplay.server.disk import ckread
 
 from faults import FIELDS, HANG_S, rows, wait_for
 from people import GROUP, MEMBER, STRANGER, as_user, needs_root, users  # noqa: F401 (a fixture)
@@ -149,11 +149,11 @@ def test_prune_never_follows_a_link_planted_in_the_daemons_own_directory(start_d
              "two periodic checkpoints after the plant", poll=0.05)
     assert tree(*roots) == planted  # every link, its target and the other user's directory
     assert d.stop() == 0  # (its last sync rewrites the metadata file) a checkpoint being written ends first
-    ours = checkpoint.complete(str(ck))["t"]
+    ours = ckread.complete(str(ck))["t"]
     assert len(ours) == 1 and os.path.basename(ours[0]) not in (LONG_AGO, FAR_AHEAD), ours
     for name in (LONG_AGO, FAR_AHEAD):  # nor is one restored: load refuses a link
         with pytest.raises(LayoutError, match="is not a directory the daemon made"):
-            checkpoint.load(str(ck / name))
+            ckread.load(str(ck / name))
     log = d.log()
     assert f"left {ck}/{STALE_TMP} alone: a symlink" in log
     assert f"left {ck}/.t@y.tmp999999998/f.obs.bin alone: a symlink" in log

@@ -44,7 +44,7 @@ from ...wire.peer import process_alive, process_start
 from ...wire import headers
 from ...wire.rowfile import RowFile, rows_location, rows_name
 from ...wire.segment import unlink_quiet
-from ..disk import checkpoint, durable, ownership, storage
+from ..disk import ckread, durable, ownership, storage
 from ..tables.ledger import SlotLimits
 from ..tables.orphans import OrphanLeases
 from ..tables.table import Table
@@ -192,7 +192,7 @@ async def open_tables(srv, restore_dir: str | None) -> None:
         await _adopt_one(srv, seg, declared, from_disk.get(seg))
     have = set(await srv.call(srv.engine.table_names))
     try:
-        saved = checkpoint.complete(restore_dir) if restore_dir else {}
+        saved = ckread.complete(restore_dir) if restore_dir else {}
     except ReplayError as exc:  # e.g. a directory someone else could write: not read at all
         saved = {}
         for tname in declared:
@@ -260,7 +260,7 @@ def _objects_of(seg: str) -> list[str]:
 
 async def restore_newest(srv, table: str, paths: list[str], expected) -> dict:
     """Restore the newest checkpoint that loads; a damaged one (any fault
-    ``checkpoint.load`` finds) is logged and the one before it tried.  If
+    ``ckread.load`` finds) is logged and the one before it tried.  If
     none loads, the table is not started empty (that would hide the loss):
     the caller sets it aside with every checkpoint kept."""
     errors = []
@@ -277,7 +277,7 @@ async def restore_newest(srv, table: str, paths: list[str], expected) -> dict:
 
 async def restore_table(srv, path: str, expected=None) -> dict:
     t0 = time.monotonic()
-    ck = await srv.loop.run_in_executor(None, checkpoint.load, path)
+    ck = await srv.loop.run_in_executor(None, ckread.load, path)
     # where the rows go is the config's to say, not the checkpoint's: a
     # table moves between /dev/shm and disk by a checkpoint and a restore
     if expected is not None and dataclasses.replace(ck.spec, storage_dir=expected.storage_dir) != expected:
@@ -296,7 +296,7 @@ async def restore_table(srv, path: str, expected=None) -> dict:
         await srv.loop.run_in_executor(None, storage.prepare_dir, spec.storage_dir, srv.cfg.gid)
     tmap = await srv.loop.run_in_executor(None, TableMap.create, name, spec, srv.cfg.gid)
     try:
-        n = await srv.loop.run_in_executor(None, checkpoint.restore, ck, tmap)
+        n = await srv.loop.run_in_executor(None, ckread.restore, ck, tmap)
     except BaseException:
         tmap.unlink()
         tmap.release()

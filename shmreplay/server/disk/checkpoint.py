@@ -60,8 +60,6 @@ from ...schema import TableSpec
 from ...wire.layout import COMMITTED, LAYOUT_VERSION, meta_mode
 from . import safedir
 from .ckread import CHUNK_BYTES, FORMAT, FORMAT_VERSION, complete_in
-# reading them back is ckread.py's; these names are the checkpoint API callers know
-from .ckread import Checkpoint, complete, load, restore  # noqa: F401
 from .rowread import RowSource
 
 

@@ -105,25 +105,22 @@ class SlotLedger:
         m.gens[slots] += np.uint32(1)  # wraps at 2**32 by design
         return self.books.open(owner, slots, user, time.monotonic())
 
-    def check_part(self, owner: int, rid: int, offset: int, n: int | None) -> np.ndarray:
-        """The slots ``[offset, offset + n)`` (n None: the rest) of a
-        reservation, which must be the next part to commit; nothing changes."""
+    def check_part(self, owner: int, rid: int, offset: int, n: int | None):
+        """(the reservation, its slots ``[offset, offset + n)``; n None: the
+        rest), which must be the next part to commit; nothing changes.  A
+        void reservation's part is to be ``let_go``, not committed."""
         return self.books.part(owner, rid, offset, n)
 
-    def committed(self, owner: int, rid: int, part: np.ndarray) -> None:
+    def committed(self, rid: int, entry, part: np.ndarray) -> None:
         """The part ``check_part`` returned is committed."""
-        self.books.settle(rid, part.shape[0])
+        self.books.settle(rid, entry, part.shape[0])
         self.map.state[part] = COMMITTED
 
-    def expired(self, owner: int, rid: int, part: np.ndarray) -> bool:
-        """If ``rid`` is void (``reservations.py``), the part ``check_part``
-        returned is let go instead of committed (its writer is done with
-        it): True.  False for a reservation that is not void."""
-        if not self.books.entry(owner, rid).void:
-            return False
-        self.books.settle(rid, part.shape[0])
+    def let_go(self, rid: int, entry, part: np.ndarray) -> None:
+        """The part of a void reservation its writer committed: it is done
+        with those slots (``reservations.py``); they are free, not committed."""
+        self.books.settle(rid, entry, part.shape[0])
         self.make_free(part)
-        return True
 
     def abort(self, owner: int, rid: int) -> int:
         """Free the slots of a reservation not committed yet; returns how many."""
@@ -232,6 +229,7 @@ class SlotLedger:
         """An owner's lease ended: free what it reserved but never committed,
         and the slots it held for reading.  Returns how many slots."""
         n = sum(self.abort(owner, rid) for rid in self.books.of(owner))
+        self.books.forget(owner)
         for hid in list(self.holds_of.get(owner, ())):
             self.release(owner, hid)
         self.holds_of.pop(owner, None)

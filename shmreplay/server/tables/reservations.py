@@ -62,10 +62,11 @@ def user_cap(capacity: int) -> int:
 
 
 class Entry:
-    __slots__ = ("owner", "slots", "done", "since", "void")
+    __slots__ = ("owner", "user", "slots", "done", "since", "void")
 
-    def __init__(self, owner: int, slots: np.ndarray, since: float):
-        self.owner, self.slots, self.done, self.since, self.void = owner, slots, 0, since, False
+    def __init__(self, owner: int, user: int | None, slots: np.ndarray, since: float):
+        self.owner, self.user, self.slots, self.since = owner, user, slots, since
+        self.done, self.void = 0, False
 
     @property
     def rest(self) -> int:
@@ -73,6 +74,9 @@ class Entry:
 
 
 class Reservations:
+    """The books, and what each client and user holds (uncommitted slots,
+    void ones too), kept as counts: a commit moves them by its size."""
+
     def __init__(self, name: str, capacity: int, timeout_s: float = RESERVATION_TIMEOUT_S):
         self.name = name
         self.timeout_s = timeout_s
@@ -82,16 +86,20 @@ class Reservations:
         self.next_rid = 1
         self.pending = 0   # uncommitted slots of live reservations: inserts, to the rate limiter
         self.voided = 0    # uncommitted slots of void ones: reserved until their writer lets go
-        self.by_owner: dict[int, int] = {}  # client -> uncommitted slots (void ones too)
-        self.user_of: dict[int, int] = {}   # client -> its uid, for clients under a user cap
-        self.by_user: dict[int, int] = {}   # uid -> uncommitted slots over its clients
+        self.by_owner: dict[int, int] = {}  # client -> uncommitted slots; dropped when it leaves
+        self.by_user: dict[int, int] = {}   # uid -> the same, over its clients under a user cap
 
     # ---- caps ----
+    def held_by(self, owner: int = -1, user: int | None = None) -> int:
+        """Uncommitted slots (void ones too) of client ``owner``, or of
+        every client of ``user``."""
+        return self.by_user.get(user, 0) if user is not None else self.by_owner.get(owner, 0)
+
     def room(self, owner: int, user: int | None, n: int) -> int:
         """How many of n slots ``owner`` (of ``user``: None for a privileged
         one) may reserve now.  Raises CapacityError at the client's own cap;
         0 at the user's (its other clients may commit)."""
-        mine = self.by_owner.get(owner, 0)
+        mine = self.held_by(owner)
         if mine >= self.client_cap:
             raise CapacityError(
                 f"table {self.name!r}: this client holds {mine} reserved slots it has not committed, "
@@ -99,12 +107,12 @@ class Reservations:
                 "writers' open items, or use more clients")
         n = min(n, self.client_cap - mine)
         if user is not None:
-            n = min(n, self.user_cap - self.by_user.get(user, 0))
+            n = min(n, self.user_cap - self.held_by(user=user))
         return max(0, n)
 
     def capped(self, user: int) -> SlotsBusy:
         """What a reserve of a user at its cap is told when its wait runs out."""
-        return SlotsBusy(f"table {self.name!r}: user {user} holds {self.by_user.get(user, 0)} reserved "
+        return SlotsBusy(f"table {self.name!r}: user {user} holds {self.held_by(user=user)} reserved "
                          f"slots over its connections, its cap ({self.user_cap}: a quarter of the "
                          "table, or 64); its writers must commit first")
 
@@ -112,12 +120,9 @@ class Reservations:
     def open(self, owner: int, slots: np.ndarray, user: int | None, now: float) -> int:
         rid = self.next_rid
         self.next_rid += 1
-        self.entries[rid] = Entry(owner, slots, now)
+        self.entries[rid] = Entry(owner, user, slots, now)
         self.by_age.append((now, rid))
-        self._count(owner, slots.shape[0])
-        if user is not None:
-            self.user_of[owner] = user
-            self.by_user[user] = self.by_user.get(user, 0) + slots.shape[0]
+        self._count(owner, user, slots.shape[0])
         self.pending += slots.shape[0]
         return rid
 
@@ -127,24 +132,28 @@ class Reservations:
             raise ProtocolError(f"table {self.name!r}: reservation {rid} is not yours or not open")
         return e
 
-    def part(self, owner: int, rid: int, offset: int, n: int | None) -> np.ndarray:
-        """The slots ``[offset, offset + n)`` (n None: the rest) of a
-        reservation, which must be the next part to commit; nothing changes."""
+    def part(self, owner: int, rid: int, offset: int, n: int | None) -> tuple[Entry, np.ndarray]:
+        """The reservation and its slots ``[offset, offset + n)`` (n None:
+        the rest), which must be the next part to commit; nothing changes."""
         e = self.entry(owner, rid)
+        rest = e.slots.shape[0] - e.done
         if n is None:
-            n = e.rest
-        if offset != e.done or n < 1 or n > e.rest:
+            n = rest
+        if offset != e.done or n < 1 or n > rest:
             raise ProtocolError(
                 f"table {self.name!r}: commit of [{offset}, {offset + n}) of reservation {rid} "
                 f"is out of order (next is {e.done} of {e.slots.shape[0]})")
-        return e.slots[e.done:e.done + n]
+        return e, e.slots[e.done:e.done + n]
 
-    def settle(self, rid: int, n: int) -> None:
+    def settle(self, rid: int, e: Entry, n: int) -> None:
         """n more slots of ``rid`` are committed (or, for a void one, let go)."""
-        e = self.entries[rid]
         e.done += n
-        self._gone(e, n)
-        if e.rest == 0:
+        if e.void:
+            self.voided -= n
+        else:
+            self.pending -= n
+        self._count(e.owner, e.user, -n)
+        if e.done == e.slots.shape[0]:
             del self.entries[rid]
 
     def close(self, owner: int, rid: int) -> np.ndarray:
@@ -152,31 +161,24 @@ class Reservations:
         e = self.entry(owner, rid)
         del self.entries[rid]
         rest = e.slots[e.done:]
-        self._gone(e, rest.shape[0])
+        if e.void:
+            self.voided -= rest.shape[0]
+        else:
+            self.pending -= rest.shape[0]
+        self._count(e.owner, e.user, -rest.shape[0])
         return rest
 
     def of(self, owner: int) -> list[int]:
         return [rid for rid, e in self.entries.items() if e.owner == owner]
 
-    def _count(self, owner: int, n: int) -> None:
-        left = self.by_owner.get(owner, 0) + n
-        if left:
-            self.by_owner[owner] = left
-        else:
-            self.by_owner.pop(owner, None)
-            user = self.user_of.pop(owner, None)
-            if user is not None and not self.by_user.get(user):
-                self.by_user.pop(user, None)
+    def forget(self, owner: int) -> None:
+        """A client left (its reservations are closed): drop its count."""
+        self.by_owner.pop(owner, None)
 
-    def _gone(self, e: Entry, n: int) -> None:
-        if e.void:
-            self.voided -= n
-        else:
-            self.pending -= n
-        user = self.user_of.get(e.owner)
+    def _count(self, owner: int, user: int | None, n: int) -> None:
+        self.by_owner[owner] = self.by_owner.get(owner, 0) + n
         if user is not None:
-            self.by_user[user] -= n
-        self._count(e.owner, -n)
+            self.by_user[user] = self.by_user.get(user, 0) + n
 
     # ---- expiry ----
     def expire(self, now: float) -> tuple[int, float | None]:

@@ -150,9 +150,10 @@ class Table:
                offset: int = 0, n: int | None = None) -> None:
         """Commit slots ``[offset, offset + n)`` (n None: the rest) of a
         reservation; a writer commits its lease in parts, in order."""
-        part = self.ledger.check_part(owner, rid, offset, n)
+        entry, part = self.ledger.check_part(owner, rid, offset, n)
         n = part.shape[0]
-        if self.ledger.expired(owner, rid, part):  # its writer is done with the slots: let go
+        if entry.void:  # its writer is done with the slots: let go, not committed
+            self.ledger.let_go(rid, entry, part)
             self.publish()
             raise ReservationExpired(
                 f"table {self.spec.name!r}: {n} items were not stored: they were copied into "
@@ -172,7 +173,7 @@ class Table:
         m.times[part] = 0
         m.seqno[part] = np.arange(self.seqno + 1, self.seqno + n + 1, dtype=np.uint64)
         self.seqno += n
-        self.ledger.committed(owner, rid, part)  # the state last: a crash sees whole items
+        self.ledger.committed(rid, entry, part)  # the state last: a crash sees whole items
         self.sampler.add(part, priorities)
         self.remover.add(part, priorities)
         self.order.push(self.keys_of(part))

@@ -62,11 +62,12 @@ def user_cap(capacity: int) -> int:
 
 
 class Entry:
-    __slots__ = ("owner", "user", "slots", "done", "since", "void")
+    __slots__ = ("owner", "user", "slots", "done", "since", "void", "held")
 
-    def __init__(self, owner: int, user: int | None, slots: np.ndarray, since: float):
+    def __init__(self, owner: int, user: int | None, slots: np.ndarray, since: float, held: tuple):
         self.owner, self.user, self.slots, self.since = owner, user, slots, since
         self.done, self.void = 0, False
+        self.held = held  # its client's count, and its user's (or None): one-item lists
 
     @property
     def rest(self) -> int:
@@ -84,16 +85,21 @@ class Reservations:
         self.entries: dict[int, Entry] = {}
         self.by_age: collections.deque = collections.deque()  # (since, rid): the order they expire in
         self.next_rid = 1
+        self.next_expiry: float | None = None  # no reservation expires before this (None: none open)
         self.pending = 0   # uncommitted slots of live reservations: inserts, to the rate limiter
         self.voided = 0    # uncommitted slots of void ones: reserved until their writer lets go
-        self.by_owner: dict[int, int] = {}  # client -> uncommitted slots; dropped when it leaves
-        self.by_user: dict[int, int] = {}   # uid -> the same, over its clients under a user cap
+        # client -> [uncommitted slots] (dropped when it leaves); uid -> the same over its
+        # clients under a user cap.  One-item lists, which each entry holds: a commit
+        # moves them without a look-up
+        self.by_owner: dict[int, list] = {}
+        self.by_user: dict[int, list] = {}
 
     # ---- caps ----
     def held_by(self, owner: int = -1, user: int | None = None) -> int:
         """Uncommitted slots (void ones too) of client ``owner``, or of
         every client of ``user``."""
-        return self.by_user.get(user, 0) if user is not None else self.by_owner.get(owner, 0)
+        got = self.by_user.get(user) if user is not None else self.by_owner.get(owner)
+        return got[0] if got else 0
 
     def room(self, owner: int, user: int | None, n: int) -> int:
         """How many of n slots ``owner`` (of ``user``: None for a privileged
@@ -120,9 +126,13 @@ class Reservations:
     def open(self, owner: int, slots: np.ndarray, user: int | None, now: float) -> int:
         rid = self.next_rid
         self.next_rid += 1
-        self.entries[rid] = Entry(owner, user, slots, now)
+        held = (self.by_owner.setdefault(owner, [0]),
+                None if user is None else self.by_user.setdefault(user, [0]))
+        e = self.entries[rid] = Entry(owner, user, slots, now, held)
         self.by_age.append((now, rid))
-        self._count(owner, user, slots.shape[0])
+        if self.next_expiry is None:
+            self.next_expiry = now + self.timeout_s
+        self._count(e, slots.shape[0])
         self.pending += slots.shape[0]
         return rid
 
@@ -152,7 +162,7 @@ class Reservations:
             self.voided -= n
         else:
             self.pending -= n
-        self._count(e.owner, e.user, -n)
+        self._count(e, -n)
         if e.done == e.slots.shape[0]:
             del self.entries[rid]
 
@@ -165,7 +175,7 @@ class Reservations:
             self.voided -= rest.shape[0]
         else:
             self.pending -= rest.shape[0]
-        self._count(e.owner, e.user, -rest.shape[0])
+        self._count(e, -rest.shape[0])
         return rest
 
     def of(self, owner: int) -> list[int]:
@@ -175,23 +185,29 @@ class Reservations:
         """A client left (its reservations are closed): drop its count."""
         self.by_owner.pop(owner, None)
 
-    def _count(self, owner: int, user: int | None, n: int) -> None:
-        self.by_owner[owner] = self.by_owner.get(owner, 0) + n
-        if user is not None:
-            self.by_user[user] = self.by_user.get(user, 0) + n
+    @staticmethod
+    def _count(e: Entry, n: int) -> None:
+        mine, users = e.held
+        mine[0] += n
+        if users is not None:
+            users[0] += n
 
     # ---- expiry ----
     def expire(self, now: float) -> tuple[int, float | None]:
         """Void every reservation made ``timeout_s`` or more before ``now``;
         returns how many uncommitted slots that voided, and when the next
-        reservation expires (None: none is open)."""
+        reservation expires (None: none is open).  Called every engine pass:
+        nothing to do before ``next_expiry``."""
+        if self.next_expiry is None or now < self.next_expiry:
+            return 0, self.next_expiry
         q, voided = self.by_age, 0
         while q:
             since, rid = q[0]
             e = self.entries.get(rid)
             if e is not None and not e.void:
                 if since + self.timeout_s > now:
-                    return voided, since + self.timeout_s
+                    self.next_expiry = since + self.timeout_s
+                    return voided, self.next_expiry
                 e.void = True
                 self.pending -= e.rest
                 self.voided += e.rest
@@ -201,4 +217,5 @@ class Reservations:
                             "them or its lease ends, and its commit of them is refused",
                             self.name, e.owner, e.rest, self.timeout_s)
             q.popleft()
+        self.next_expiry = None
         return voided, None

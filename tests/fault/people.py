@@ -5,7 +5,9 @@ import os
 import pickle
 import shutil
 import subprocess
+import tempfile
 import traceback
+from pathlib import Path
 
 import pytest
 
@@ -71,3 +73,24 @@ def as_user(ident, fn, *args):
     if out[0] == "err":
         raise out[1]
     return out[1]
+
+
+@pytest.fixture
+def shared_start(start_daemon, users):
+    """start(**options): a daemon of the group GROUP whose socket (and any
+    storage under ``start.dir``) other users can reach: pytest's tmp dirs are
+    0700.  Stopped, then its directory removed, at teardown (a clean stop
+    syncs durable tables into it: before it goes)."""
+    top = Path(tempfile.mkdtemp(prefix="shmrshared"))
+    os.chmod(top, 0o755)
+    started = []
+
+    def start(**options):
+        started.append(start_daemon(socket_dir=top, group=GROUP, **options))
+        return started[-1]
+    start.dir = top
+    yield start
+    for d in started:
+        d.stop()
+    shutil.rmtree(top)
+

@@ -3,9 +3,7 @@ and only the daemon's user, root or the admin group can run admin
 operations.  Real second and third users, made with useradd (root only)."""
 
 import os
-import shutil
 import stat
-import tempfile
 
 import numpy as np
 import pytest
@@ -14,28 +12,20 @@ import shmreplay
 
 from faults import FIELDS, rows
 from waiting import wait_for
-from people import ADMIN, ADMINS, GROUP, MEMBER, STRANGER, as_user, needs_root, users  # noqa: F401 (a fixture)
+from people import (ADMIN, ADMINS, GROUP, MEMBER, STRANGER, as_user, needs_root,  # noqa: F401 (fixtures)
+                    shared_start, users)
 
 pytestmark = needs_root
 
 
 @pytest.fixture
-def shared_daemon(start_daemon, users):
-    """start(**access options): a daemon whose socket other users can reach."""
-    from pathlib import Path
-    sockdir = Path(tempfile.mkdtemp(prefix="shmrsock"))
-    os.chmod(sockdir, 0o755)  # pytest's tmp dirs are 0700: other users could not reach a socket there
-    started = []
-
+def shared_daemon(shared_start):
+    """start(**access options): a daemon of table t whose socket other users can reach."""
     def start(**access):
-        started.append(start_daemon(tables=[{"name": "t", "capacity": 64, "fields": FIELDS}],
-                                    socket_dir=sockdir, group=GROUP, admin_group=ADMINS, **access))
-        return started[-1]
-    start.dir = sockdir
-    yield start
-    for d in started:
-        d.stop()
-    shutil.rmtree(sockdir)
+        return shared_start(tables=[{"name": "t", "capacity": 64, "fields": FIELDS}],
+                            admin_group=ADMINS, **access)
+    start.dir = shared_start.dir
+    return start
 
 
 @pytest.fixture

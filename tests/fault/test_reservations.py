@@ -10,7 +10,6 @@ only its own items, told so at its next call or flush."""
 
 import multiprocessing as mp
 import os
-import tempfile
 
 import numpy as np
 import pytest
@@ -19,7 +18,7 @@ import shmreplay
 from shmreplay.wire.layout import RESERVED
 
 from faults import FIELDS, HANG_S, committed_ids, rows, wait_for
-from people import GROUP, MEMBER, needs_root, users  # noqa: F401 (a fixture)
+from people import GROUP, MEMBER, needs_root, shared_start, users  # noqa: F401 (fixtures)
 from rawclient import commit, reserve
 
 CAP = 256  # of a table of 1,024: a quarter
@@ -57,16 +56,9 @@ def hog(ident, sock, connections, got, done):
 
 
 @pytest.fixture
-def shared_daemon(start_daemon, users):
-    from pathlib import Path
-    sockdir = Path(tempfile.mkdtemp(prefix="shmrsock"))
-    os.chmod(sockdir, 0o755)  # other users must reach the socket
-    d = start_daemon(tables=[{"name": "t", "capacity": 1024, "fields": FIELDS}], socket_dir=sockdir,
-                     group=GROUP, allowed_groups=[GROUP])
-    yield d
-    d.stop()
-    os.unlink(d.socket) if os.path.exists(d.socket) else None
-    os.rmdir(sockdir)
+def shared_daemon(shared_start):
+    return shared_start(tables=[{"name": "t", "capacity": 1024, "fields": FIELDS}],
+                        allowed_groups=[GROUP])
 
 
 @needs_root

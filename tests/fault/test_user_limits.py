@@ -8,12 +8,9 @@ daemon's user."""
 
 import os
 import re
-import shutil
 import socket
 import sys
-import tempfile
 import threading
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -23,7 +20,7 @@ from shmreplay.server.control.config import parse_config
 from shmreplay.wire.control import ClientConnection
 
 from faults import FIELDS, HANG_S, rows, wait_for
-from people import ADMIN, ADMINS, GROUP, MEMBER, STRANGER, as_user, needs_root, users  # noqa: F401 (a fixture)
+from people import ADMIN, ADMINS, GROUP, MEMBER, STRANGER, as_user, needs_root, shared_start, users  # noqa: F401 (fixtures)
 
 SMALL = {"x": ("int64", ())}
 
@@ -44,22 +41,12 @@ def test_the_limits_config_is_checked():
 
 
 @pytest.fixture
-def shared(start_daemon, users):
+def shared(shared_start):
     """start(**options): a daemon whose socket (and storage) other users reach."""
-    top = Path(tempfile.mkdtemp(prefix="shmrlim"))
-    os.chmod(top, 0o755)  # pytest's tmp dirs are 0700: other users could not reach a socket there
-
-    started = []
-
     def start(**options):
-        started.append(start_daemon(socket_dir=top, group=GROUP, admin_group=ADMINS,
-                                    allowed_groups=[GROUP], **options))
-        return started[-1]
-    start.dir = top
-    yield start
-    for d in started:  # a clean stop syncs durable tables into the directory: before it goes
-        d.stop()
-    shutil.rmtree(top)
+        return shared_start(admin_group=ADMINS, allowed_groups=[GROUP], **options)
+    start.dir = shared_start.dir
+    return start
 
 
 def create(sock, names, storage_dir=None, capacity=8, fields=SMALL):

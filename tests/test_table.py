@@ -99,3 +99,27 @@ def test_drift_beyond_the_bound_is_detected_and_rebuilt_from_the_segment(table):
     np.testing.assert_array_equal(mins, good_mins)
     assert table.map.words.mass == good[1]
     assert table.verify_tree()
+
+
+def test_a_commit_restarts_a_reservations_idle_clock(table):
+    """A reservation expires when its writer commits none of it for
+    reservation_timeout_s, not that long after it was granted: a slow
+    writer keeps its lease, a stalled one loses the rest of it."""
+    import time
+    from shmreplay.errors import ReservationExpired
+    rid, slots, _ = table.reserve(1, 4, user=7)  # a member's client
+    books = table.ledger.books
+    e = books.entries[rid]
+    granted, t = e.since, books.timeout_s
+    time.sleep(0.3)  # a slow writer, not a stalled one
+    table.commit(1, rid, None, offset=0, n=1)
+    assert e.since >= granted + 0.3
+    assert books.expire(granted + t + 0.1)[0] == 0 and not e.void  # the grant's deadline is gone
+    assert books.expire(e.since + t) == (3, None) and e.void      # idle since its commit: void
+    assert table.stats["voided_reserved_slots"] == 0  # (Table.expire counts; books.expire does not)
+    with pytest.raises(ReservationExpired, match="1 items were not stored"):
+        table.commit(1, rid, None, offset=1, n=1)
+    assert table.map.state[slots[1]] == FREE and all(table.map.state[slots[2:]] == RESERVED)
+    table.abort(1, rid)  # its writer lets go of the rest
+    assert all(table.map.state[slots[2:]] == FREE) and books.voided == 0
+

@@ -37,7 +37,7 @@ thread at a time, the client's.
 
 from __future__ import annotations
 
-from ..errors import DaemonUnavailable, RateLimited, ReplayError
+from ..errors import CapacityError, DaemonUnavailable, RateLimited, ReplayError
 from ..wire import records as R
 from .pipe import in_slices
 
@@ -110,8 +110,8 @@ class SlotLease:
             seq, self.ahead = self.ahead, None
             try:
                 got = pipe.wait(seq, R.read_reserve_reply, 0.0)
-            except RateLimited:
-                pass  # no room when it was asked: ask again, waiting as this call may
+            except (RateLimited, CapacityError):
+                pass  # no room (or at its cap) when it was asked: ask again, waiting as this call may
         if got is None:
             def attempt(w):
                 return pipe.wait(pipe.send(R.put_reserve, table_id, n, R.timeout_us(w)),

@@ -153,15 +153,14 @@ class Session:
     def _raise_deferred(self) -> None:
         """Raise the error a streamed command (a commit) got.  One that came
         after its reservation expired (the client stalled past the daemon's
-        reservation_timeout_s) may be one of many: every table's own lease
-        is handed back first, so inserts from now on go into new
-        reservations.  (Writers' leases keep theirs: they hold open items,
-        whose commits report their own loss.)"""
+        reservation_timeout_s) may be one of many: every lease of every
+        table is renewed first, so inserts from now on go into new
+        reservations."""
         try:
             self.pipe.raise_deferred()
         except ReservationExpired:
             for t in self._handles.values():
-                t.hand_back(holds=False)
+                t.renew_leases()
             raise
 
     # ---- daemon restarts ----

@@ -105,14 +105,21 @@ class Table:
         self._held = []
         return any([lease.void() for lease in list(self._leases)])
 
-    def hand_back(self, holds: bool = True) -> None:
-        """Hand back unused slots of this handle's lease and (``holds``) the
-        slots ``sample_indices`` holds: the client's flush.  Without
-        ``holds``: after the daemon voided a reservation of this client
-        (``ReservationExpired``), so no more inserts go into one."""
+    def hand_back(self) -> None:
+        """Hand back unused slots of this handle's lease and the slots
+        ``sample_indices`` holds (the client's flush)."""
         self._lease.release()
-        if holds:
-            self.release()
+        self.release()
+
+    def renew_leases(self) -> None:
+        """The daemon voided a reservation of this client
+        (``ReservationExpired``): every lease of this table hands back what
+        it can and starts anew, so no item goes into a void one; a writer's
+        open items are gone (its lease is renewed, as after a reconnect)."""
+        for lease in list(self._leases):
+            lease.release()
+            if lease is not self._lease:
+                lease.void()
 
     def __reduce__(self):
         return (_reopen, (self._client, self.name))

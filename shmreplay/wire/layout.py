@@ -51,7 +51,7 @@ adopted or restarted: its layout, capacity and creation stamp come from
 the meta segment (daemon-written, read-only to clients) or the daemon's
 metadata file.  Its size is the one thing a client can change that
 matters (``ftruncate``): the daemon gives it back the layout's size when it
-adopts the table and whenever a client opens it (``Segment.restore_size``),
+adopts the table and whenever a client opens it (``segment.restore_size``),
 and clients map exactly the layout's size of an object at least that large.
 
 ``H`` is 320 + len(schema) rounded up to 4 KiB.  Every offset follows from

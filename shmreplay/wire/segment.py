@@ -154,11 +154,6 @@ class Segment:
             raise
         return cls(name, mm, len(mm), fd)
 
-    def restore_size(self, size: int) -> bool:
-        """Daemon: give the object back the size its table's layout says, if
-        a client changed it (``restore_size``); True if it had to."""
-        return restore_size(self.fd, self.name, size)
-
     @staticmethod
     def open_owned_fd(path: str, mode: int, gid: int, what: str, empty_ok: bool = False) -> int:
         """An open descriptor of ``path`` once it is checked to be this

@@ -252,6 +252,7 @@ def test_a_members_rows_header_or_size_locks_nobody_out(daemon, users, grow):
     for path in ("/dev/shm" + daemon.segment("victim", "r"), rows_file):
         as_user(users[MEMBER], zero_header_and_resize, path, grow)
     with daemon.connect() as owner:  # a fresh attach: the daemon gave the sizes back
+        owner.create_table("victim", capacity=1 << 16, fields=FIELDS, exist_ok=True)  # that way too
         for name in ("victim", "ondisk", "still"):
             t = owner.table(name)
             t.insert_batch(rows(np.arange(1000, 1010)))

@@ -1,7 +1,8 @@
 """The control plane: the daemon's event loop and what it decides.
 
 ``server.py`` (``ControlServer``: the control socket, tables' life cycle,
-checkpoints, status), ``gate.py`` (accepting connections and deciding who
+status), ``checkpoints.py`` (checkpoints asked for), ``aside.py`` (tables
+set aside at start), ``gate.py`` (accepting connections and deciding who
 comes in), ``connection.py`` (one client's connection: hello, ready, its
 requests in order), ``access.py`` (who may connect and administer),
 ``descriptors.py`` (the descriptor limit and the reserve), ``quotas.py``

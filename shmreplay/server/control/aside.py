@@ -21,14 +21,16 @@ Event-loop thread only (the ``ControlServer`` owns one).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import stat
 import time
 from dataclasses import dataclass, field
 
-from ...errors import TableExists
-from ...wire.rowfile import unlink_file_quiet
+from ...errors import ReplayError, TableExists
+from ...wire.names import SHM_DIR
+from ..disk import safedir
 
 log = logging.getLogger("shmreplayd.recovery")
 
@@ -71,24 +73,47 @@ class SetAside:
                 f"(`shmreplay drop {name}`, admin) to remove it and use the name again")
 
     def drop(self, name: str) -> list[str]:
-        """Forget ``name`` and remove its objects that are the daemon's own;
+        """Forget ``name`` and remove its objects that are the daemon's own
+        regular files, each relative to its directory's descriptor and never
+        through a link (in a storage_dir once it passes safedir's checks);
         returns the paths removed.  Anything else (another user's file, a
-        link) is logged and left."""
+        link, a checkpoint's directory) is logged and left."""
         t = self.tables.pop(name)
         gone = []
         for path in t.objects:
+            where, base = os.path.split(path)
             try:
-                st = os.lstat(path)
-            except FileNotFoundError:
+                with _directory(where) as dfd:
+                    if dfd is None or safedir.entry(dfd, base) is None:
+                        continue
+                    if safedir.is_ours(safedir.entry(dfd, base), stat.S_ISREG) and \
+                            safedir.remove(dfd, base, where):
+                        gone.append(path)
+                        continue
+            except (ReplayError, OSError) as exc:  # its directory is not safe (any more)
+                log.warning("table %s: %s left: %s", name, path, exc)
                 continue
-            if stat.S_ISREG(st.st_mode) and st.st_uid == os.geteuid():
-                unlink_file_quiet(path)
-                gone.append(path)
-            else:
-                log.warning("table %s: %s is not a regular file of the daemon's user; left", name, path)
+            log.warning("table %s: %s is not a regular file of the daemon's user; left", name, path)
         log.info("table %s (set aside) dropped: removed %s", name, ", ".join(gone) or "nothing")
         return gone
 
     def report(self) -> dict:
         return {t.name: {"reason": t.reason, "objects": t.objects, "since": t.since}
                 for t in self.tables.values()}
+
+
+@contextlib.contextmanager
+def _directory(path: str):
+    """A descriptor of the directory an object of a table lies in: /dev/shm
+    (sticky: nobody else can swap an entry of ours), or a storage
+    directory that passes safedir's checks (None if it is gone)."""
+    if path == SHM_DIR:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            yield fd
+        finally:
+            os.close(fd)
+    else:
+        with safedir.opened(path, safedir.ROWS, missing_ok=True) as fd:
+            yield fd
+

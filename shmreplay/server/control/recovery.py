@@ -37,7 +37,7 @@ import time
 
 import numpy as np
 
-from ...errors import ForeignObject, LayoutError, PermissionDenied, ReplayError
+from ...errors import LayoutError, PermissionDenied, ReplayError
 from ...wire import names
 from ...wire.layout import COMMITTED, FREE, HELD, RESERVED, TableMap
 from ...wire.peer import process_alive, process_start
@@ -158,14 +158,16 @@ def table_segments(instance: str) -> list[str]:
     return sorted(out)
 
 
-def segments_from_disk(cfg) -> dict[str, str]:
+def segments_from_disk(cfg) -> tuple[dict[str, str], dict[str, tuple[str, str]]]:
     """After a reboot (or anything else that emptied /dev/shm): copy the
     metadata file of each durable table in an allowed storage directory
     whose meta segment is gone into a new meta segment, for ``adopt``.
-    A file that is not ours is logged and left alone.  Returns segment name
-    -> the file it was copied from."""
+    Returns (segment name -> the file it was copied from, table name ->
+    (why not, the file) for the files that could not be: not ours, not a
+    table, a directory refused, no room in /dev/shm), never raising for one
+    table's file."""
     have = {names.table_of_segment(seg) for seg in table_segments(cfg.instance)}
-    out = {}
+    out, failed = {}, {}
     for tname, path in durable.files(cfg.instance, cfg.storage_dirs).items():
         if tname in have:  # the segment is newer: a daemon was killed, the box was not rebooted
             continue
@@ -173,11 +175,11 @@ def segments_from_disk(cfg) -> dict[str, str]:
         try:
             storage.check_dir(os.path.dirname(path))
             durable.to_segment(seg, durable.read_file(path), cfg.segment_mode, cfg.gid)
-        except (ForeignObject, LayoutError, PermissionDenied) as exc:
-            log.error("table %s: not adopted from %s: %s", tname, path, exc)
+        except (ReplayError, OSError) as exc:  # ForeignObject, LayoutError, ShmFull, a vanished file
+            failed[tname] = (f"not adopted from its metadata file {path}: {exc}", path)
             continue
         out[seg] = path
-    return out
+    return out, failed
 
 
 async def open_tables(srv, restore_dir: str | None) -> None:
@@ -186,8 +188,10 @@ async def open_tables(srv, restore_dir: str | None) -> None:
     never allowed to stop the others."""
     cfg = srv.cfg
     declared = {spec.name: spec for spec in cfg.tables}
-    from_disk = (await srv.loop.run_in_executor(None, segments_from_disk, cfg)
-                 if cfg.durable_file_tables else {})
+    from_disk, failed = (await srv.loop.run_in_executor(None, segments_from_disk, cfg)
+                         if cfg.durable_file_tables else ({}, {}))
+    for tname, (why, path) in failed.items():
+        srv.aside.add(tname, why, [path])
     for seg in await srv.loop.run_in_executor(None, table_segments, cfg.instance):
         await _adopt_one(srv, seg, declared, from_disk.get(seg))
     have = set(await srv.call(srv.engine.table_names))
@@ -228,8 +232,13 @@ async def _adopt_one(srv, seg: str, declared: dict, from_file: str | None) -> No
         return
     tname = tmap.spec.name
     if tname in srv.aside or await srv.call(srv.engine.describe, tname) is not None:
+        # set aside under a name of its own (its segment's token), which keeps
+        # the table of that name usable, and is what `shmreplay drop` takes
         tmap.release()
-        srv.aside.add(tname, f"{seg} holds another copy of a table already adopted", objects)
+        rest = seg.lstrip("/").split(".", 3)[-1]
+        key = rest if rest != tname else f"{tname}.old"
+        srv.aside.add(key, f"{seg} holds another copy of table {tname!r}, which is adopted or set "
+                           "aside already", objects)
         return
     try:
         table = await srv.add_table(tmap.spec, tmap=tmap, recover=True)

@@ -27,13 +27,15 @@ from ...schema import check_table_name, spec_from_wire
 from ...wire import names
 from ...wire.control import PROTOCOL_VERSION
 from ...wire.layout import TableMap
+from ...wire.segment import restore_size
 from ...wire.rowfile import resident_bytes, unlink_file_quiet
-from ..disk import checkpoint, durable, safedir, storage
+from ..disk import durable, safedir, storage
 from ..engine.engine import Engine
 from ..tables import tablestats
 from ..tables.table import Table
 from . import recovery
 from .aside import SetAside
+from .checkpoints import Checkpoints
 from .access import may_administer
 from .config import DaemonConfig
 from .connection import ControlConnection
@@ -60,7 +62,7 @@ class ControlServer:
         self.path: str | None = None
         self.loop: asyncio.AbstractEventLoop | None = None
         self.detaching: set[asyncio.Task] = set()
-        self.checkpointing = asyncio.Lock()
+        self.checkpoints = Checkpoints(self)  # one at a time (checkpoints.py)
         self.adopted: set[str] = set()  # tables taken over from a dead daemon
         self.aside = SetAside()  # tables found, or declared, that cannot be served (aside.py)
         self.syncs = Syncer(self)  # durable file-backed tables' syncs (syncs.py)
@@ -111,45 +113,61 @@ class ControlServer:
             if asked.storage_dir is None:  # not asked for a place: wherever it lives now
                 have = dataclasses.replace(have, storage_dir=spec.storage_dir)
             if exist_ok and have == spec:
+                await self._rows_whole(spec.name)  # a client attaches to it next
                 return existing
             raise TableExists(f"table {spec.name!r} exists already"
                               + (" with a different schema" if exist_ok else ""))
         if spec.name in self.creating:
             raise TableExists(f"table {spec.name!r} is being created by another client")
-        count = len(await self.call(self.engine.table_names))
-        if count + len(self.creating) >= self.cfg.max_tables:
-            raise CapacityError(f"the daemon serves {count} tables, its limit (max_tables "
-                                f"{self.cfg.max_tables}); drop one or raise the limit")
-        self._claim(spec, peer)
-        self.creating.add(spec.name)
+        self.creating.add(spec.name)  # before the next await: a second create must see it
         try:
-            return await self.add_table(spec)
-        except BaseException:
-            self.book.release(spec.name)
-            raise
+            count = len(await self.call(self.engine.table_names))
+            if count + len(self.creating) - 1 >= self.cfg.max_tables:
+                raise CapacityError(f"the daemon serves {count} tables, its limit (max_tables "
+                                    f"{self.cfg.max_tables}); drop one or raise the limit")
+            self._claim(spec, peer)
+            try:
+                return await self.add_table(spec)
+            except BaseException:
+                self.book.release(spec.name)
+                raise
         finally:
             self.creating.discard(spec.name)
 
     async def open_table(self, name: str) -> dict:
         """A client attaches to a table: its description, once its rows
         object has the size its layout says (a client with write access may
-        have changed it; ``Segment.restore_size``)."""
+        have changed it; ``segment.restore_size``)."""
         d = await self.call(self.engine.describe, name)
         if d is None:
             self.aside.refuse(name)
             raise UnknownTable(f"no table named {name!r}")
-        table = await self.call(self.engine.table_named, name)
-        rows = table.map.rows
-        if rows.fd is not None:  # on this thread, where a drop would close it: never concurrently
-            rows.restore_size(table.map.layout.rows_size)
+        await self._rows_whole(name)
         return d
+
+    async def _rows_whole(self, name: str) -> None:
+        """Give a table's rows object the size its layout says, if a client
+        changed it: a look (``fstat``) here, the repair off the event loop
+        (it may reserve gigabytes again), on a duplicate of the daemon's
+        descriptor, which a drop meanwhile does not close."""
+        table = await self.call(self.engine.table_named, name)
+        rows, size = table.map.rows, table.map.layout.rows_size
+        if rows.fd is None or os.fstat(rows.fd).st_size == size:
+            return
+        fd = os.dup(rows.fd)
+        try:
+            await self.loop.run_in_executor(None, restore_size, fd, rows.name, size)
+        finally:
+            os.close(fd)
 
     def _claim(self, spec, peer) -> None:
         """Book the table for its creator (quotas.py); one of anyone but
         root, the daemon's user and the admin group may not eat into the
         descriptor reserve either (descriptors.py)."""
         if peer is not None and not may_administer(self.cfg, peer):
-            why = self.gate.fds.refusal(PER_TABLE, self.gate.in_use(), f"table {spec.name!r}")
+            # the creates in flight (this one among them) will hold theirs too
+            busy = self.gate.in_use() + (len(self.creating) - 1) * PER_TABLE
+            why = self.gate.fds.refusal(PER_TABLE, busy, f"table {spec.name!r}")
             if why is not None:
                 raise why
         self.book.claim(spec, os.geteuid() if peer is None else peer.uid)
@@ -247,32 +265,9 @@ class ControlServer:
         await self.syncs.wait()  # asked for meanwhile
 
     async def checkpoint(self, names: list, directory: str, keep: int = 0) -> list[dict]:
-        """Checkpoint tables (all if ``names`` is empty) into ``directory``,
-        one at a time; inserts and samples pause only for each snapshot."""
-        if not os.path.isabs(directory):
-            raise ReplayError(f"checkpoint directory must be an absolute path, got {directory!r}")
-        reports = []
-        async with self.checkpointing:
-            if not names:
-                names = sorted(await self.call(self.engine.table_names))
-            for name in names:
-                table = await self.call(self.engine.table_named, check_table_name(name))
-                bufs = await self.loop.run_in_executor(None, checkpoint.buffers, table.spec.capacity)
-                snap = await self.call(checkpoint.snapshot, table, bufs)
-                try:
-                    rep = await self.loop.run_in_executor(None, functools.partial(
-                        checkpoint.write, snap, directory, keep,
-                        int(self.cfg.checkpoint_buffer_mb * 2**20),
-                        segment_mode=self.cfg.segment_mode, gid=self.cfg.gid))
-                except OSError as exc:
-                    raise ReplayError(f"checkpoint of table {name!r} into {directory} failed: {exc}")
-                finally:
-                    snap.rows.close()
-                log.info("checkpoint of table %s: %d items (%d evicted during the copy), %.1f MiB "
-                         "in %.2f s to %s; engine paused %.2f ms", name, rep["items"], rep["dropped"],
-                         rep["bytes"] / 2**20, rep["write_s"], rep["path"], 1e3 * rep["pause_s"])
-                reports.append(rep)
-        return reports
+        """Checkpoint tables (all if ``names`` is empty) into ``directory``
+        (``checkpoints.py``)."""
+        return await self.checkpoints.write(names, directory, keep)
 
     async def status(self) -> dict:
         snap = await self.call(self.engine.snapshot)

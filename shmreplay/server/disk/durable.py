@@ -256,12 +256,19 @@ def files(instance: str, dirs) -> dict[str, str]:
             name, path = e[len(prefix):], os.path.join(d, e)
             old = found.get(name)
             if old is not None:
-                newer = max((old, path), key=lambda p: os.lstat(p).st_mtime_ns)
+                newer = max((old, path), key=_mtime)
                 log.warning("table %s: metadata files in two directories, %s and %s; using the "
                             "newer, %s", name, old, path, newer)
                 path = newer
             found[name] = path
     return found
+
+
+def _mtime(path: str) -> int:
+    try:
+        return os.lstat(path).st_mtime_ns
+    except OSError:  # gone since the listing: the other one
+        return -1
 
 
 def to_segment(name: str, data: bytes, mode: int, gid: int) -> None:

@@ -29,7 +29,7 @@ import os
 import threading
 import time
 
-from ...errors import ProtocolError, UnknownTable
+from ...errors import ProtocolError, TableExists, UnknownTable
 from ...wire.channel import new_doorbell, ring
 from ..tables import tablestats
 from ..tables.table import Table, expire
@@ -169,6 +169,8 @@ class Engine:
     # ---- entry points the control plane submits ----
     @entry_point
     def add_table(self, table: Table) -> None:
+        if table.spec.name in self.by_name:  # the control plane's creates are one per name: defend
+            raise TableExists(f"table {table.spec.name!r} is served already")
         self.tables[table.id] = table
         self.by_name[table.spec.name] = table
         self.parking.add_table(table.id)

@@ -1,31 +1,36 @@
-"""Writers' reservations of one table: whose slots, committed how far, for
-how long, and how many any one writer may hold.
+"""Writers' reservations of one table: whose slots, committed how far, how
+long idle, and how much of the table other users may hold.
 
 A reservation (``rid``) is the slots one RESERVE granted a client, which it
-commits in parts, in order.  Two bounds keep one writer from taking a
-table from everyone else (a client that reserves every slot and never
-commits would otherwise evict every item and starve every other writer):
+commits in parts, in order.  Two bounds keep a user from taking a table
+from its owner (a client that reserves every slot and never commits would
+otherwise evict every item and starve every other writer):
 
-* **caps.**  A client holds at most ``client_cap`` uncommitted slots of a
-  table: a small multiple of a lease (clients reserve capacity/256 at a
-  time, at most two leases per writer), never more than a quarter of the
-  table, except that any client may hold 64 (all of a smaller table: a
-  writer of a small queue needs its batch, and one may take a few slots
-  ahead of its commits).  A user who is not the daemon's own (nor root,
-  nor the admin group) holds at most ``user_cap`` over all of its
-  connections: the same quarter (or 64).  A grant
-  is cut to what the caps leave; a client at its own cap is refused at
-  once (only its own commits could make room, and it is waiting), a user
-  at the user cap waits like any writer, for its other connections.
-* **expiry.**  A reservation not committed within ``timeout_s`` is *void*:
-  it stops counting as an insert for the rate limiter, and the slots it
-  still holds stay reserved, never reused, until its writer commits or
-  aborts them (a COMMIT comes after the copy, so it proves the writer has
-  stopped writing there) or its lease ends.  A late writer's commit is
-  refused (``ReservationExpired``, reported by its next call or flush): it
-  loses its own uncommitted items and never tears a committed row.  No
-  clock decides when a stalled writer is done copying, so none frees the
-  slots (as for orphaned leases, ``orphans.py``).  Void slots still count
+* **caps**, for clients of users other than the daemon's own, root and the
+  admin group (the daemon's own users are its trust domain, and one actor
+  of theirs may run many writers).  Such a client holds at most
+  ``client_cap`` uncommitted slots of a table: 64 leases' worth (clients
+  reserve capacity/256 at a time, at most two leases per writer), never
+  more than a quarter of the table, but always 64 (all of a smaller table:
+  a writer of a small queue needs its batch).  Such a user holds at most
+  ``user_cap`` over all of its connections (the same quarter, or 64), and
+  all such users together at most ``others_cap`` (half the table), so the
+  owner always has half of it.  A grant is cut to what the caps leave; at
+  a cap the RESERVE is refused at once, never parked (a parked one would
+  hold up the table's queue of RESERVEs, the owner's among them, and only
+  its own side's commits could make room): ``CapacityError`` at the
+  client's cap, ``SlotsBusy`` at the user's or the others'.
+* **expiry.**  A reservation its writer has not committed any of for
+  ``timeout_s`` (since it was granted, or since its last commit: a slow
+  writer that commits now and then keeps it) is *void*: it stops counting
+  as an insert for the rate limiter, and the slots it still holds stay
+  reserved, never reused, until its writer commits or aborts them (a COMMIT
+  comes after the copy, so it proves the writer has stopped writing there)
+  or its lease ends.  A late writer's commit is refused
+  (``ReservationExpired``, reported by its next call or flush): it loses
+  its own uncommitted items and never tears a committed row.  No clock
+  decides when a stalled writer is done copying, so none frees the slots
+  (as for orphaned leases, ``orphans.py``).  Void slots still count
   against their client's caps.
 
 Owned by a ``SlotLedger``, which marks the slots in the segment; engine
@@ -34,8 +39,8 @@ thread only.
 
 from __future__ import annotations
 
-import collections
 import logging
+import time
 
 import numpy as np
 
@@ -50,24 +55,30 @@ ANY_CAP = 64        # but always this many (all of a smaller table)
 
 
 def client_cap(capacity: int) -> int:
-    """The most uncommitted slots one client may hold in a table."""
+    """The most uncommitted slots one capped client may hold in a table."""
     lease = min(4096, capacity // 256)
     return max(min(capacity, ANY_CAP), min(capacity // 4, CAP_LEASES * max(lease, MIN_CAP_LEASES)))
 
 
 def user_cap(capacity: int) -> int:
-    """The most uncommitted slots one unprivileged user may hold over all of
-    its connections: a quarter of the table (or 64)."""
+    """The most one capped user may hold over all of its connections: a
+    quarter of the table (or 64)."""
     return max(min(capacity, ANY_CAP), capacity // 4)
+
+
+def others_cap(capacity: int) -> int:
+    """The most all capped users together may hold: half the table (or 64)."""
+    return max(min(capacity, ANY_CAP), capacity // 2)
 
 
 class Entry:
     __slots__ = ("owner", "user", "slots", "done", "since", "void", "held")
 
     def __init__(self, owner: int, user: int | None, slots: np.ndarray, since: float, held: tuple):
-        self.owner, self.user, self.slots, self.since = owner, user, slots, since
+        self.owner, self.user, self.slots = owner, user, slots
+        self.since = since  # granted, or last committed to: the idle clock starts here
         self.done, self.void = 0, False
-        self.held = held  # its client's count, and its user's (or None): one-item lists
+        self.held = held    # its client's count and its user's (None: uncapped): one-item lists
 
     @property
     def rest(self) -> int:
@@ -75,61 +86,61 @@ class Entry:
 
 
 class Reservations:
-    """The books, and what each client and user holds (uncommitted slots,
-    void ones too), kept as counts: a commit moves them by its size."""
+    """The books, and what each capped client and user holds (uncommitted
+    slots, void ones too), kept as counts a commit moves by its size."""
 
     def __init__(self, name: str, capacity: int, timeout_s: float = RESERVATION_TIMEOUT_S):
         self.name = name
         self.timeout_s = timeout_s
         self.client_cap, self.user_cap = client_cap(capacity), user_cap(capacity)
+        self.others_cap = others_cap(capacity)
         self.entries: dict[int, Entry] = {}
-        self.by_age: collections.deque = collections.deque()  # (since, rid): the order they expire in
         self.next_rid = 1
         self.next_expiry: float | None = None  # no reservation expires before this (None: none open)
         self.pending = 0   # uncommitted slots of live reservations: inserts, to the rate limiter
         self.voided = 0    # uncommitted slots of void ones: reserved until their writer lets go
-        # client -> [uncommitted slots] (dropped when it leaves); uid -> the same over its
-        # clients under a user cap.  One-item lists, which each entry holds: a commit
-        # moves them without a look-up
+        # capped client -> [uncommitted slots] (dropped when it leaves); capped uid -> the same
+        # over its clients; and all capped users together.  One-item lists each entry holds:
+        # a commit moves them without a look-up
         self.by_owner: dict[int, list] = {}
         self.by_user: dict[int, list] = {}
+        self.others = [0]
 
     # ---- caps ----
     def held_by(self, owner: int = -1, user: int | None = None) -> int:
-        """Uncommitted slots (void ones too) of client ``owner``, or of
-        every client of ``user``."""
+        """Uncommitted slots (void ones too) of capped client ``owner``, or of
+        every client of capped ``user``."""
         got = self.by_user.get(user) if user is not None else self.by_owner.get(owner)
         return got[0] if got else 0
 
     def room(self, owner: int, user: int | None, n: int) -> int:
-        """How many of n slots ``owner`` (of ``user``: None for a privileged
-        one) may reserve now.  Raises CapacityError at the client's own cap;
-        0 at the user's (its other clients may commit)."""
+        """How many of n slots ``owner`` (of ``user``; None: a client of the
+        daemon's own users, uncapped) may reserve now, at least one; raises
+        at a cap (module docstring)."""
+        if user is None:
+            return n
         mine = self.held_by(owner)
         if mine >= self.client_cap:
             raise CapacityError(
                 f"table {self.name!r}: this client holds {mine} reserved slots it has not committed, "
-                f"its cap ({self.client_cap}: a quarter of the table, or 64); commit or close its "
-                "writers' open items, or use more clients")
-        n = min(n, self.client_cap - mine)
-        if user is not None:
-            n = min(n, self.user_cap - self.held_by(user=user))
-        return max(0, n)
-
-    def capped(self, user: int) -> SlotsBusy:
-        """What a reserve of a user at its cap is told when its wait runs out."""
-        return SlotsBusy(f"table {self.name!r}: user {user} holds {self.held_by(user=user)} reserved "
-                         f"slots over its connections, its cap ({self.user_cap}: a quarter of the "
-                         "table, or 64); its writers must commit first")
+                f"its cap ({self.client_cap}); commit or close its writers' open items, or use "
+                "more clients")
+        theirs, together = self.held_by(user=user), self.others[0]
+        if theirs >= self.user_cap or together >= self.others_cap:
+            which = (f"user {user} holds {theirs} reserved slots over its connections, its cap "
+                     f"({self.user_cap}, a quarter of the table)" if theirs >= self.user_cap else
+                     f"users other than the daemon's hold {together} reserved slots, their cap "
+                     f"({self.others_cap}, half of the table)")
+            raise SlotsBusy(f"table {self.name!r}: {which}; those writers must commit first")
+        return min(n, self.client_cap - mine, self.user_cap - theirs, self.others_cap - together)
 
     # ---- the books ----
     def open(self, owner: int, slots: np.ndarray, user: int | None, now: float) -> int:
         rid = self.next_rid
         self.next_rid += 1
-        held = (self.by_owner.setdefault(owner, [0]),
-                None if user is None else self.by_user.setdefault(user, [0]))
+        held = (None, None) if user is None else (self.by_owner.setdefault(owner, [0]),
+                                                  self.by_user.setdefault(user, [0]))
         e = self.entries[rid] = Entry(owner, user, slots, now, held)
-        self.by_age.append((now, rid))
         if self.next_expiry is None:
             self.next_expiry = now + self.timeout_s
         self._count(e, slots.shape[0])
@@ -158,6 +169,7 @@ class Reservations:
     def settle(self, rid: int, e: Entry, n: int) -> None:
         """n more slots of ``rid`` are committed (or, for a void one, let go)."""
         e.done += n
+        e.since = time.monotonic()  # active: the idle clock starts again
         if e.void:
             self.voided -= n
         else:
@@ -185,37 +197,37 @@ class Reservations:
         """A client left (its reservations are closed): drop its count."""
         self.by_owner.pop(owner, None)
 
-    @staticmethod
-    def _count(e: Entry, n: int) -> None:
+    def _count(self, e: Entry, n: int) -> None:
         mine, users = e.held
-        mine[0] += n
         if users is not None:
+            mine[0] += n
             users[0] += n
+            self.others[0] += n
 
     # ---- expiry ----
     def expire(self, now: float) -> tuple[int, float | None]:
-        """Void every reservation made ``timeout_s`` or more before ``now``;
+        """Void every reservation idle for ``timeout_s`` or more at ``now``;
         returns how many uncommitted slots that voided, and when the next
-        reservation expires (None: none is open).  Called every engine pass:
-        nothing to do before ``next_expiry``."""
+        one may expire (None: none is open).  Called every engine pass:
+        nothing to do before ``next_expiry``; then one look at every open
+        reservation (a few per writer), which sets the next."""
         if self.next_expiry is None or now < self.next_expiry:
             return 0, self.next_expiry
-        q, voided = self.by_age, 0
-        while q:
-            since, rid = q[0]
-            e = self.entries.get(rid)
-            if e is not None and not e.void:
-                if since + self.timeout_s > now:
-                    self.next_expiry = since + self.timeout_s
-                    return voided, self.next_expiry
-                e.void = True
-                self.pending -= e.rest
-                self.voided += e.rest
-                voided += e.rest
-                log.warning("table %s: client %d left %d reserved slots uncommitted for %g s; its "
-                            "reservation is void: they stay out of use until it commits or aborts "
-                            "them or its lease ends, and its commit of them is refused",
-                            self.name, e.owner, e.rest, self.timeout_s)
-            q.popleft()
-        self.next_expiry = None
-        return voided, None
+        voided, soonest = 0, None
+        for e in self.entries.values():
+            if e.void:
+                continue
+            at = e.since + self.timeout_s
+            if at > now:
+                soonest = at if soonest is None or at < soonest else soonest
+                continue
+            e.void = True
+            self.pending -= e.rest
+            self.voided += e.rest
+            voided += e.rest
+            log.warning("table %s: client %d committed none of its %d reserved slots for %g s; its "
+                        "reservation is void: they stay out of use until it commits or aborts them "
+                        "or its lease ends, and its commit of them is refused",
+                        self.name, e.owner, e.rest, self.timeout_s)
+        self.next_expiry = soonest
+        return voided, soonest

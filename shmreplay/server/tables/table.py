@@ -85,15 +85,13 @@ class Table:
     def reserve(self, owner: int, n: int, pid: int = 0, start: int = 0,
                 user: int | None = None) -> tuple[int, np.ndarray, bool]:
         """Reserve up to n slots: as many as the writer's caps (``user``: its
-        uid, if under a user cap; ``reservations.py``), the rate limiter and
-        the free or evictable slots allow, at least one; else raise Blocked
-        (or CapacityError at the client's own cap)."""
+        uid, if capped; ``reservations.py``: raises at a cap), the rate
+        limiter and the free or evictable slots allow, at least one; else
+        raise Blocked."""
         if n < 1:
             raise CapacityError(f"table {self.spec.name!r}: cannot reserve {n} slots")
         led, cnt = self.ledger, self.counters
         n = led.books.room(owner, user, n)
-        if n == 0:
-            raise Blocked(led.books.capped(user))
         free = led.free_slots()
         room = cnt.insert_room(led.pending, n)
         if room == 0:

@@ -63,6 +63,13 @@ def tree_sample_stratified(sums, u01, out_idx, out_value):
     out_idx[:] = node - p
 
 
+def tree_draw(sums, mins, u01, beta, out_idx, out_prob, out_weight):
+    tree_sample_stratified(sums, u01, out_idx, out_prob)
+    v = out_prob.copy()
+    out_weight[:] = (v / mins[1]) ** -beta
+    out_prob[:] = v / sums[1]
+
+
 def tree_check(sums, mins):
     p = sums.shape[0] // 2
     leaves = sums[p:]

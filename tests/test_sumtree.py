@@ -161,3 +161,23 @@ def test_check_detects_drift_and_rebuild_repairs_it():
 def test_tree_size_is_the_next_power_of_two(capacity):
     p = fast.tree_size(capacity)
     assert p >= capacity and p & (p - 1) == 0 and (p == 1 or p // 2 < capacity)
+
+
+@settings(max_examples=100, deadline=None)
+@given(tree_and_updates(), st.integers(1, 64), st.integers(0, 2**32 - 1),
+       st.floats(min_value=0.0, max_value=1.0))
+def test_draw_matches_reference(case, n, seed, beta):
+    capacity, initial, idx, vals = case
+    sums, mins = build(fast, capacity, initial)
+    fast.tree_update(sums, mins, idx, vals)
+    if not sums[1] > 0 or not np.isfinite(sums[1]) or not mins[1] > 0:
+        return
+    u = np.random.default_rng(seed).random(n)
+    a = [np.empty(n, np.int64), np.empty(n), np.empty(n)]
+    b = [np.empty(n, np.int64), np.empty(n), np.empty(n)]
+    with np.errstate(over="ignore", divide="ignore"):
+        fast.tree_draw(sums, mins, u, beta, *a)
+        ref.tree_draw(sums, mins, u, beta, *b)
+    for x, y in zip(a, b):
+        np.testing.assert_array_equal(x, y)
+    assert np.all(a[2] <= 1.0), "the smallest positive leaf has weight 1; the others less"

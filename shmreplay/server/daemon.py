@@ -76,7 +76,7 @@ def compile_kernels() -> float:
     sumtree.tree_values(vals, 0.5, vals)
     sumtree.tree_update(sums, mins, idx, vals)
     sumtree.tree_rebuild(sums, mins, vals)
-    sumtree.tree_sample_stratified(sums, np.zeros(2), idx, vals)
+    sumtree.tree_draw(sums, mins, np.zeros(2), 0.4, idx, vals, np.ones(2))
     sumtree.tree_check(sums, mins)
     first_invalid_priority(vals)
     words = np.zeros(16, dtype=np.uint64)

@@ -57,10 +57,9 @@ class PrioritizedSampler:
     def sample(self, u01: np.ndarray, beta: float):
         n = u01.shape[0]
         slots = np.empty(n, dtype=np.int64)
-        values = np.empty(n, dtype=np.float64)
-        sumtree.tree_sample_stratified(self.sums, u01, slots, values)
-        probs = values / self.sums[1]
-        weights = (values / self.mins[1]) ** -beta
+        probs = np.empty(n, dtype=np.float64)
+        weights = np.empty(n, dtype=np.float64)
+        sumtree.tree_draw(self.sums, self.mins, u01, beta, slots, probs, weights)
         return slots, probs, weights
 
     def check(self) -> bool:

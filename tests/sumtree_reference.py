@@ -91,3 +91,41 @@ def first_invalid_priority(priorities):
     pr = np.asarray(priorities, dtype=np.float64)
     bad = np.flatnonzero(~((pr >= 0) & (pr < np.inf)))
     return int(bad[0]) if bad.size else -1
+
+
+# ---- twins of shmreplay.server.tables.treeops ----
+def update_fault(keys, prios, alpha, capacity):
+    from shmreplay.priorities import MAX_TREE_VALUE
+    from shmreplay.server.tables.treeops import BAD_PRIORITY, BAD_SLOT, TOO_LARGE
+    prios = np.asarray(prios, dtype=np.float64)
+    bad = np.flatnonzero(~((prios >= 0) & (prios < np.inf)))
+    if bad.size:
+        return BAD_PRIORITY, int(bad[0])
+    with np.errstate(over="ignore"):
+        big = np.flatnonzero(prios ** alpha > MAX_TREE_VALUE)
+    if big.size:
+        return TOO_LARGE, int(big[0])
+    beyond = np.flatnonzero((np.asarray(keys, np.uint64) & np.uint64(0xFFFFFFFF)) >= capacity)
+    if beyond.size:
+        return BAD_SLOT, int(beyond[0])
+    return 0, -1
+
+
+def apply_update(keys, prios, alpha, gens, state, stored, sums, mins, slots, values):
+    from shmreplay.wire.layout import COMMITTED
+    keys = np.asarray(keys, np.uint64)
+    s = (keys & np.uint64(0xFFFFFFFF)).astype(np.int64)
+    live = (state[s] == COMMITTED) & (gens[s].astype(np.uint64) == keys >> np.uint64(32))
+    s, p = s[live], np.asarray(prios, np.float64)[live]
+    stored[s] = p  # fancy assignment: a later duplicate wins
+    v = np.empty_like(p)
+    tree_values(p, alpha, v)
+    tree_update(sums, mins, s, v)
+    m = s.shape[0]
+    slots[:m], values[:m] = s, v
+    return m, float(p.max()) if m else 0.0
+
+
+def draw_keys(sums, mins, u01, beta, gens, slots, keys, probs, weights):
+    tree_draw(sums, mins, u01, beta, slots, probs, weights)
+    keys[:] = (gens[slots].astype(np.uint64) << np.uint64(32)) | slots.astype(np.uint64)

@@ -181,3 +181,76 @@ def test_draw_matches_reference(case, n, seed, beta):
     for x, y in zip(a, b):
         np.testing.assert_array_equal(x, y)
     assert np.all(a[2] <= 1.0), "the smallest positive leaf has weight 1; the others less"
+
+
+# ---- treeops: a prioritized table's UPDATE and SAMPLE kernels ----
+from shmreplay.server.tables import treeops  # noqa: E402
+from shmreplay.wire.layout import COMMITTED  # noqa: E402
+
+
+@st.composite
+def table_and_update(draw):
+    """A table's per-slot arrays, some slots committed, and an UPDATE whose
+    keys are live, stale (old generation), on uncommitted slots or past
+    the capacity, with priorities valid or not."""
+    capacity = draw(st.integers(1, 200))
+    gens = draw(arrays(np.uint32, capacity, elements=st.integers(0, 5)))
+    state = draw(arrays(np.uint8, capacity, elements=st.integers(0, 3)))
+    k = draw(st.integers(0, 3 * capacity))
+    slots = draw(arrays(np.int64, k, elements=st.integers(0, capacity + 2)))
+    bump = draw(arrays(np.uint32, k, elements=st.sampled_from([0, 0, 0, 1])))
+    g = gens[np.minimum(slots, capacity - 1)] + bump
+    keys = (g.astype(np.uint64) << np.uint64(32)) | slots.astype(np.uint64)
+    prios = draw(arrays(np.float64, k, elements=st.one_of(
+        priorities, st.sampled_from([np.nan, -1.0, np.inf, 1e300]))))
+    alpha = draw(st.sampled_from([0.0, 0.6, 1.0, 2.0]))
+    return capacity, gens, state, keys, prios, alpha
+
+
+@settings(max_examples=300, deadline=None)
+@given(table_and_update())
+def test_update_kernel_matches_reference_and_a_refused_update_writes_nothing(case):
+    capacity, gens, state, keys, prios, alpha = case
+    with np.errstate(over="ignore"):
+        fault = tuple(int(x) for x in treeops.update_fault(keys, prios, alpha, capacity))
+        assert fault == ref.update_fault(keys, prios, alpha, capacity)
+    if fault[0]:
+        return  # the table raises before apply_update runs
+    initial = np.random.default_rng(0).random(capacity)
+    trees, stored = [], []
+    for mod in (treeops, ref):
+        sums, mins = build(fast, capacity, initial)
+        st_ = np.full(capacity, -1.0)
+        slots, values = np.empty(len(keys), np.int64), np.empty(len(keys))
+        live, top = mod.apply_update(keys, prios, alpha, gens, state, st_, sums, mins, slots, values)
+        trees.append((sums, mins, int(live), float(top)))
+        stored.append(st_)
+    np.testing.assert_array_equal(trees[0][0], trees[1][0])
+    np.testing.assert_array_equal(trees[0][1], trees[1][1])
+    assert trees[0][2:] == trees[1][2:]
+    np.testing.assert_array_equal(stored[0], stored[1])
+    s = (keys & np.uint64(0xFFFFFFFF)).astype(np.int64)
+    dead = np.ones(capacity, bool)
+    dead[s[(state[s] == COMMITTED) & (gens[s] == (keys >> np.uint64(32)))]] = False
+    assert np.all(stored[0][dead] == -1.0), "a stale key or an uncommitted slot was written"
+
+
+@settings(max_examples=100, deadline=None)
+@given(tree_and_updates(), st.integers(1, 64), st.integers(0, 2**32 - 1))
+def test_draw_keys_stamp_each_draw_with_its_slots_generation(case, n, seed):
+    capacity, initial, idx, vals = case
+    sums, mins = build(fast, capacity, initial)
+    fast.tree_update(sums, mins, idx, vals)
+    if not sums[1] > 0 or not np.isfinite(sums[1]) or not mins[1] > 0:
+        return
+    gens = np.random.default_rng(seed).integers(0, 2**32, capacity).astype(np.uint32)
+    u = np.random.default_rng(seed).random(n)
+    out = []
+    for mod in (treeops, ref):
+        o = [np.empty(n, np.int64), np.empty(n, np.uint64), np.empty(n), np.empty(n)]
+        with np.errstate(over="ignore", divide="ignore"):
+            mod.draw_keys(sums, mins, u, 0.4, gens, *o)
+        out.append(o)
+    for x, y in zip(*out):
+        np.testing.assert_array_equal(x, y)
+    np.testing.assert_array_equal(out[0][1] >> np.uint64(32), gens[out[0][0]])

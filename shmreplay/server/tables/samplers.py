@@ -14,7 +14,7 @@ from __future__ import annotations
 import numpy as np
 
 from ...wire.records import key_slots
-from . import sumtree
+from . import sumtree, treeops
 
 
 class PrioritizedSampler:
@@ -31,6 +31,12 @@ class PrioritizedSampler:
         self.capacity = capacity
         self.alpha = float(alpha)
         self.sums, self.mins = sumtree.new_trees(capacity)
+        self.scratch = (np.empty(0, np.int64), np.empty(0))  # grown on demand: slots, values
+
+    def _scratch(self, n: int) -> tuple[np.ndarray, np.ndarray]:
+        if self.scratch[0].shape[0] < n:
+            self.scratch = (np.empty(n, np.int64), np.empty(n))
+        return self.scratch
 
     def _values(self, priorities: np.ndarray) -> np.ndarray:
         out = np.empty(priorities.shape[0], dtype=np.float64)
@@ -38,9 +44,28 @@ class PrioritizedSampler:
         return out
 
     ordered = False
+    fused = True  # has update() and draw(): one kernel each (treeops)
 
     def set(self, slots: np.ndarray, priorities: np.ndarray) -> None:
         sumtree.tree_update(self.sums, self.mins, slots, self._values(priorities))
+
+    def update(self, keys: np.ndarray, priorities: np.ndarray, gens: np.ndarray,
+               state: np.ndarray, stored: np.ndarray) -> tuple[int, float]:
+        """A validated UPDATE (``treeops.update_fault``): the live keys'
+        priorities into ``stored`` (the segment's) and the tree.  Returns
+        (live keys, largest live priority)."""
+        slots, values = self._scratch(keys.shape[0])
+        live, top = treeops.apply_update(keys, priorities, self.alpha, gens, state, stored,
+                                         self.sums, self.mins, slots, values)
+        return int(live), float(top)
+
+    def draw(self, n: int, rng, beta: float, gens: np.ndarray):
+        """n stratified draws as (keys, probabilities, weights)."""
+        slots, u01 = self._scratch(n)
+        rng.random(out=u01[:n])
+        keys, probs, weights = np.empty(n, np.uint64), np.empty(n), np.empty(n)
+        treeops.draw_keys(self.sums, self.mins, u01[:n], beta, gens, slots[:n], keys, probs, weights)
+        return keys, probs, weights
 
     add = set
 

@@ -32,8 +32,8 @@ from ...errors import CapacityError, PriorityError, ProtocolError, ReservationEx
 from ...priorities import check_priorities
 from ...schema import TableSpec
 from ...wire.layout import COMMITTED, TableMap
-from ...wire.records import key_slots, make_keys, stale
-from . import tablestats
+from ...wire.records import SLOT_MASK, key_slots, make_keys, stale
+from . import tablestats, treeops
 from .barrier import evict_ahead, evict_for, waits_for_sync, want_sync
 from .counters import Blocked, LimiterCounters
 from .ledger import SlotLedger, SlotLimits
@@ -202,8 +202,12 @@ class Table:
         err = self.counters.sample_refusal(n, self.sampler.mass)
         if err is not None:
             raise Blocked(err)
-        slots, probs, weights, hid = reuse.draw(self, owner, n, beta)
-        keys = self.keys_of(slots)
+        if getattr(self.sampler, "fused", False) and not self.spec.max_times_sampled:
+            keys, probs, weights = self.sampler.draw(n, self.rng, beta, self.map.gens)
+            hid = 0
+        else:
+            slots, probs, weights, hid = reuse.draw(self, owner, n, beta)
+            keys = self.keys_of(slots)
         self.counters.sampled(n)
         self.publish()
         self.stats["samples"] += n
@@ -230,25 +234,37 @@ class Table:
         return soonest if later is None or (soonest is not None and soonest < later) else later
 
     def update_priorities(self, keys: np.ndarray, priorities: np.ndarray) -> int:
-        n = keys.shape[0]
-        check_priorities(priorities, n, f"update_priorities on table {self.spec.name!r}",
-                         self.spec.alpha)
-        slots = key_slots(keys)
-        top = int(slots.max()) if n else 0
-        if top >= self.spec.capacity:
-            raise ProtocolError(
-                f"update_priorities on table {self.spec.name!r}: key names slot {top} "
-                f"beyond capacity {self.spec.capacity}")
-        live = self._alive(keys)
-        slots, priorities = slots[live], priorities[live]
-        stale_n = n - slots.shape[0]
-        if slots.shape[0]:
-            self.map.prios[slots] = priorities
-            self.sampler.set(slots, priorities)
-            self.max_priority = max(self.max_priority, float(priorities.max()))
-            self.map.words.mass = self.sampler.mass
+        """Set the priorities of the keys that still name their item (the
+        others are stale: counted, skipped); returns how many were stale.
+        A refused update (PriorityError, ProtocolError) changes nothing."""
+        n, spec = keys.shape[0], self.spec
+        what = f"update_priorities on table {spec.name!r}"
+        if priorities.shape != (n,):
+            check_priorities(priorities, n, what, spec.alpha)  # raises: says which shape
+        fault, at = treeops.update_fault(keys, priorities, spec.alpha, spec.capacity)
+        if fault == treeops.BAD_SLOT:
+            raise ProtocolError(f"{what}: key names slot {int(keys[at]) & SLOT_MASK} "
+                                f"beyond capacity {spec.capacity}")
+        if fault:
+            check_priorities(priorities, n, what, spec.alpha)  # raises, with the message
+            raise PriorityError(f"{what}: priority[{at}] = {priorities[at]!r} is out of range")
+        m = self.map
+        if getattr(self.sampler, "fused", False):
+            live, top = self.sampler.update(keys, priorities, m.gens, m.state, m.prios)
+        else:
+            mask = self._alive(keys)
+            slots, priorities = key_slots(keys)[mask], priorities[mask]
+            live = slots.shape[0]
+            top = float(priorities.max()) if live else 0.0
+            if live:
+                m.prios[slots] = priorities
+                self.sampler.set(slots, priorities)
+        if live:
+            self.max_priority = max(self.max_priority, top)
+            m.words.mass = self.sampler.mass
+        stale_n = n - live
         self.stats["stale_priority_updates"] += stale_n
-        self.stats["priority_updates"] += n - stale_n
+        self.stats["priority_updates"] += live
         self._count_updates(n)
         return stale_n
 

@@ -100,6 +100,28 @@ def test_idle_daemon_uses_almost_no_cpu(start_daemon):
     assert used < 0.15, f"idle daemon used {used:.2f} s of CPU in 3 s"
 
 
+def test_engine_stays_awake_for_a_busy_learner_and_sleeps_once_it_stops(start_daemon):
+    """A learner sampling back to back finds the engine awake (it spins
+    past its own budget for the learner), and once the learner stops the
+    engine goes back to sleep: busy-polling never outlives the learner.
+    ``learner_spin_us`` is one second here, so on any machine load the
+    learner's gaps are under it; ``spin_us`` 0 leaves only the learner rule."""
+    d = start_daemon(tables=[TABLE], spin_us=0, learner_spin_us=1e6)
+    with d.connect() as c:
+        t = c.table("cfg")
+        for i in range(8):
+            t.insert(**good_row(i))
+        c.flush()
+        before = c.stats()["engine"]
+        for _ in range(20):
+            t.sample(4)
+        during = c.stats()["engine"]
+        assert during["learner_spins"] > before["learner_spins"], during
+        # no more samples: at most two intervals later the engine sleeps
+        wait_for(lambda: c.stats()["engine"]["sleeps"] > during["sleeps"] + 1,
+                 "the engine to sleep once the learner stopped")
+
+
 def test_every_wait_has_a_timeout(start_daemon):
     d = start_daemon(tables=[TABLE])
     c = d.connect(timeout=1.0)

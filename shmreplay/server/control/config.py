@@ -26,7 +26,8 @@ from ..disk.prefetch import METHODS as PREFETCH_METHODS
 from ..tables.ledger import SlotLimits
 
 _INSTANCE = re.compile(r"^[A-Za-z0-9_-]{1,32}$")
-DAEMON_KEYS = {"socket", "instance", "segment_mode", "spin_us", "idle_timeout_s", "log_level", "seed",
+DAEMON_KEYS = {"socket", "instance", "segment_mode", "spin_us", "learner_spin_us", "idle_timeout_s",
+               "log_level", "seed",
                "retain_tables", "checkpoint_dir", "checkpoint_interval_s",
                "checkpoint_keep", "checkpoint_buffer_mb", "group", "allowed_users", "allowed_groups", "admin_group",
                "max_clients", "max_tables", "hold_timeout_s", "reservation_timeout_s", "max_clients_per_user",
@@ -44,6 +45,7 @@ class DaemonConfig:
     instance: str = "default"
     segment_mode: int = 0o660
     spin_us: float = 250.0
+    learner_spin_us: float = 2000.0
     idle_timeout_s: float = 1.0
     log_level: str = "info"
     seed: int | None = None  # seeds every table's sampler (seed + table id): reproducible runs
@@ -147,7 +149,8 @@ def parse_config(doc: dict, where: str = "config") -> DaemonConfig:
         cfg.segment_mode = int(mode, 8) if isinstance(mode, str) else int(mode)
     except ValueError as exc:
         raise SchemaError(f"{where}: segment_mode {mode!r} is not an octal mode") from exc
-    cfg.spin_us = float(d.get("spin_us", cfg.spin_us))
+    cfg.spin_us = _number(d, "spin_us", cfg.spin_us, where, lo=0.0)
+    cfg.learner_spin_us = _number(d, "learner_spin_us", cfg.learner_spin_us, where, lo=0.0)
     cfg.idle_timeout_s = float(d.get("idle_timeout_s", cfg.idle_timeout_s))
     cfg.log_level = str(d.get("log_level", cfg.log_level))
     if "seed" in d:

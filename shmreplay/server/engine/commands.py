@@ -40,6 +40,7 @@ class Commands:
         self.prefetch = prefetch  # disk.prefetch.Prefetcher, or None: told which rows come next
         self.parking = Parking()
         self.count = 0            # records applied
+        self.draws = 0            # SAMPLE requests answered with items
         self._handlers = {R.RESERVE: self._on_draw, R.SAMPLE: self._on_draw, R.ABORT: self._on_abort,
                           R.RELEASE: self._on_release, R.UPDATE: self._on_update, R.FLUSH: self._on_flush}
 
@@ -135,6 +136,7 @@ class Commands:
         else:
             keys, probs, weights, hid = table.sample(w.cl.id, w.n, w.beta)
             w.cl.respond(R.sample_reply(w.seq, keys, probs, weights, hid))
+            self.draws += 1
             slots = None
         if self.prefetch is not None:
             self.prefetch.read(table.id, slots, keys)

@@ -57,11 +57,12 @@ def entry_point(method):
 
 class Engine:
     def __init__(self, spin_us: float = 250.0, idle_timeout: float = 1.0, on_client_error=None,
-                 on_crash=None, prefetch=None):
+                 on_crash=None, prefetch=None, learner_spin_us: float = 2000.0):
         """``prefetch``: the daemon's ``disk.prefetch.Prefetcher`` (None: no
-        read-ahead), told which tables are served and which rows come next."""
+        read-ahead), told which tables are served and which rows come next.
+        ``spin_us``, ``learner_spin_us``: the idler's budgets (``idle.py``)."""
         self.bell = new_doorbell()  # the control plane's: private to this process
-        self.idler = Idler(self.bell, spin_us, idle_timeout)
+        self.idler = Idler(self.bell, spin_us, idle_timeout, learner_spin_us)
         self.on_client_error = on_client_error or (lambda cid, exc: None)
         self.on_crash = on_crash or (lambda: None)
         self.tables: dict[int, Table] = {}
@@ -112,17 +113,23 @@ class Engine:
     # ---- engine thread ----
     def _run(self) -> None:
         try:
+            served = False  # the last pass served a command
             while not self.stopping:
+                draws = self.commands.draws
                 worked = self.calls.run()
                 worked = self._serve_all() or worked
+                if self.commands.draws != draws:
+                    self.idler.sampled()
                 slots_free_at = expire(self.tables.values(), time.monotonic())
                 if self.parking.count:
                     self._cut_off_all(self.commands.settle(time.monotonic()))
                 if worked:
+                    served = True
                     continue
                 rings = [cl.req for cl in self.clients.values()]
-                if self.idler.spin(rings, self.calls):
+                if self.idler.spin(rings, self.calls, served):
                     continue
+                served = False
                 self.idler.sleep(rings, self.calls, earliest(self.parking.next_deadline(), slots_free_at))
         except BaseException:  # the engine dying silently would hang every client
             log.exception("engine thread crashed; the daemon will exit and keep every table")

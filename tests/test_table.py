@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 
 from shmreplay.errors import CapacityError, ProtocolError
-from shmreplay.wire.layout import COMMITTED, FREE, RESERVED, TableMap
+from shmreplay.wire.layout import COMMITTED, FREE, HELD, RESERVED, TableMap
+from shmreplay.wire.records import key_slots
 from shmreplay.schema import make_spec
 from shmreplay.server.tables.counters import Blocked
 from shmreplay.server.tables.table import Table
@@ -123,3 +124,70 @@ def test_a_commit_restarts_a_reservations_idle_clock(table):
     table.abort(1, rid)  # its writer lets go of the rest
     assert all(table.map.state[slots[2:]] == FREE) and books.voided == 0
 
+
+
+# ---- pins: a protected draw's slots are not reused until released ----
+def pinned_table(capacity=8, **opts):
+    spec = make_spec("pins", capacity, {"x": ("int64", ())}, alpha=0.5, **opts)
+    tm = TableMap.create(f"/shmreplay.test{os.getpid()}.pins", spec)
+    return Table(1, spec, tm, seed=0), tm
+
+
+def test_evicting_a_pinned_item_parks_its_slot_until_the_last_pin_goes():
+    t, tm = pinned_table()
+    try:
+        fill(t, 8)
+        keys, _, _, hid = t.sample(7, 2, 0.4, protect=True)
+        pinned = np.unique(key_slots(keys))
+        assert hid and 0 < pinned.shape[0] <= 2
+        gens = tm.gens.copy()
+        # a writer takes the whole table: the pinned items leave it, their
+        # slots are parked (HELD, rows and stamps untouched), the rest reused
+        rid, slots, _ = t.reserve(3, 8)
+        assert set(slots.tolist()) == set(range(8)) - set(pinned.tolist())
+        assert np.all(tm.state[pinned] == HELD) and np.array_equal(tm.gens[pinned], gens[pinned])
+        assert t.stats["parked_pinned_slots"] == pinned.shape[0] and t.ledger.held == pinned.shape[0]
+        with pytest.raises(Blocked):  # nothing left to give: the parked slots are not evictable
+            t.reserve(4, 1)
+        t.release(7, hid)
+        assert np.all(tm.state[pinned] == FREE) and t.ledger.held == 0
+        assert sorted(t.reserve(4, 8)[1].tolist()) == sorted(pinned.tolist())
+    finally:
+        tm.unlink()
+        tm.release()
+
+
+def test_a_pin_outlives_another_learners_hold_on_the_same_slot():
+    """max_times_sampled=1: learner A's draw takes item s out of the table
+    (held for A); learner B pinned s before.  A's release must not free a
+    slot B still reads: it is parked until B releases."""
+    t, tm = pinned_table(capacity=1, max_times_sampled=2)
+    try:
+        fill(t, 1)
+        _, _, _, pin = t.sample(8, 1, 0.4, protect=True)    # B pins slot 0 (1st of 2 uses)
+        _, _, _, held = t.sample(9, 1, 0.4)                 # A: 2nd use, the item leaves
+        assert pin and held and tm.state[0] == HELD
+        t.release(9, held)
+        assert tm.state[0] == HELD and t.ledger.parked[0], "B still reads slot 0"
+        t.release(8, pin)
+        assert tm.state[0] == FREE and t.ledger.held == 0 and not t.ledger.parked[0]
+    finally:
+        tm.unlink()
+        tm.release()
+
+
+def test_pins_of_one_client_stop_at_a_quarter_of_the_table_and_expire():
+    t, tm = pinned_table(capacity=8)
+    try:
+        fill(t, 8)
+        t.ledger.hold_timeout_s = 0.0
+        hids = [t.sample(5, 1, 0.4, protect=True)[3] for _ in range(3)]
+        assert hids[0] and hids[1], "2 slots: a quarter of 8"
+        assert t.ledger.pins_of[5] == 2
+        assert hids[2] == 0, "past the cap a protected draw is a plain one"
+        t.expire(float("inf"))  # the holds run out: pins go with them
+        assert t.ledger.pins_of[5] == 0 and not t.ledger.pinned.any()
+        assert t.ledger.held == 0
+    finally:
+        tm.unlink()
+        tm.release()

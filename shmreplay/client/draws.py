@@ -3,8 +3,13 @@ that turns a draw into a stable batch.
 
 ``draw_batch`` is the only place that draws, gathers the rows
 (``gather.take_rows``), re-checks their stamps (``gather.stale_rows``) and
-draws again the rows whose slot was overwritten meanwhile, within a bounded
-deadline.  ``Table.sample`` and ``Table.finish_sample`` call it, and so,
+draws again the rows whose slot was overwritten meanwhile.  Those redraws
+are *protected*: the daemon pins their slots until the batch is copied
+(``server/tables/ledger.py``), so no writer can overwrite them and the
+second gather is stable however fast writers turn the table over.  A
+sample therefore costs at most two draws and two gathers; the deadline
+stays for what pins cannot cover (a client at its pin cap, a hold that
+expired while the learner was stopped).  ``Table.sample`` and ``Table.finish_sample`` call it, and so,
 through ``finish_sample``, do ``BatchIterator`` and ``Client.sample_many``.
 
 Functions over what they are handed (a ``CommandPipe``, the daemon's id for
@@ -24,10 +29,12 @@ from . import gather
 from .gather import SampleBatch, new_batch, take_rows
 
 
-def send_draw(pipe, table_id: int, k: int, beta: float, wait_s: float) -> int:
+def send_draw(pipe, table_id: int, k: int, beta: float, wait_s: float,
+              protect: bool = False) -> int:
     """Send a SAMPLE of k items the daemon may hold ``wait_s`` for the
-    table's limits; returns its sequence number."""
-    return pipe.send(R.put_sample, table_id, k, R.timeout_us(wait_s), beta)
+    table's limits (``protect``: pinned until released); returns its
+    sequence number."""
+    return pipe.send(R.put_sample, table_id, k, R.timeout_us(wait_s), beta, protect)
 
 
 def receive_draw(pipe, seq: int, k: int, rows, out: SampleBatch, wait_s: float) -> int:
@@ -53,7 +60,7 @@ def draw_batch(pipe, table_id: int, views: dict, fields, gens: np.ndarray, ticke
                n: int, beta: float, out: SampleBatch | None, wait_s: float) -> SampleBatch:
     """A batch of n stable rows: the SAMPLE ``ticket`` sent (None: send one
     now), its rows copied into ``out`` (None: a new batch), then, until no
-    row's stamp moved, those rows drawn and copied again.  Gives up with
+    row's stamp moved, those rows drawn again protected and copied again.  Gives up with
     ReplayTimeout after the pipe's timeout.  Holds are handed back once the
     rows are copied, whatever happens."""
     if out is None:
@@ -81,7 +88,7 @@ def draw_batch(pipe, table_id: int, views: dict, fields, gens: np.ndarray, ticke
             if time.monotonic() > deadline:
                 raise ReplayTimeout(f"could not draw {n} stable rows within {timeout} s")
             out.redraws += k
-            seq = send_draw(pipe, table_id, k, beta, wait_s)
+            seq = send_draw(pipe, table_id, k, beta, wait_s, protect=True)
             hid = receive_draw(pipe, seq, k, rows, out, wait_s)
             if hid:
                 holds.append(hid)

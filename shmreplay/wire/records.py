@@ -251,14 +251,21 @@ def read_abort(rec) -> int:
     return int(rec["a0"])
 
 
-def put_sample(ring, seq: int, table: int, n: int, wait_us: int, beta: float) -> bool:
-    return _put(ring, (), SAMPLE, table, seq, n, wait_us, 0, beta)
+PROTECT = 1  # SAMPLE flag (a2): pin the drawn slots until the hold is released
 
 
-def read_sample(rec) -> tuple[int, int, float]:
-    """(n, timeout in us, beta)."""
+def put_sample(ring, seq: int, table: int, n: int, wait_us: int, beta: float,
+               protect: bool = False) -> bool:
+    return _put(ring, (), SAMPLE, table, seq, n, wait_us, PROTECT if protect else 0, beta)
+
+
+def read_sample(rec) -> tuple[int, int, float, bool]:
+    """(n, timeout in us, beta, protect)."""
     n, beta = check_draw(rec["a0"], rec["f0"])
-    return n, _deadline_us(rec), beta
+    flags = int(rec["a2"])
+    if flags & ~PROTECT:
+        raise ProtocolError(f"SAMPLE flags {flags:#x}: only {PROTECT} (protect) is defined")
+    return n, _deadline_us(rec), beta, bool(flags & PROTECT)
 
 
 def put_release(ring, seq: int, table: int, hid: int) -> bool:

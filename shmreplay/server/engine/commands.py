@@ -97,11 +97,11 @@ class Commands:
     def _on_draw(self, cl, rec, pay, op, tid, seq) -> None:
         """RESERVE and SAMPLE: run now, or park behind the table's limits."""
         if op == R.RESERVE:
-            (n, wait_us), beta = R.read_reserve(rec), 0.0
+            (n, wait_us), beta, protect = R.read_reserve(rec), 0.0, False
         else:
-            n, wait_us, beta = R.read_sample(rec)
+            n, wait_us, beta, protect = R.read_sample(rec)
         table = self.table(tid)
-        w = Waiter(cl, op, seq, n, beta, _deadline(wait_us))
+        w = Waiter(cl, op, seq, n, beta, _deadline(wait_us), protect)
         if self.parking.queued(tid, op):  # keep the order behind a parked one
             self.parking.park(table, w)
             return
@@ -134,7 +134,7 @@ class Commands:
             w.cl.respond(R.reserve_reply(w.seq, rid, slots, contiguous))
             keys = None
         else:
-            keys, probs, weights, hid = table.sample(w.cl.id, w.n, w.beta)
+            keys, probs, weights, hid = table.sample(w.cl.id, w.n, w.beta, w.protect)
             w.cl.respond(R.sample_reply(w.seq, keys, probs, weights, hid))
             self.draws += 1
             slots = None

@@ -25,10 +25,12 @@ from ..tables.counters import Blocked
 class Waiter:
     """A parked RESERVE or SAMPLE."""
 
-    __slots__ = ("cl", "op", "seq", "n", "beta", "deadline")
+    __slots__ = ("cl", "op", "seq", "n", "beta", "deadline", "protect")
 
-    def __init__(self, cl, op: int, seq: int, n: int, beta: float, deadline: float):
+    def __init__(self, cl, op: int, seq: int, n: int, beta: float, deadline: float,
+                 protect: bool = False):
         self.cl, self.op, self.seq, self.n, self.beta, self.deadline = cl, op, seq, n, beta, deadline
+        self.protect = protect
 
 
 class Parking:

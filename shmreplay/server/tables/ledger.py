@@ -19,6 +19,18 @@ must not keep slots for ever.  Its late gather still returns no wrong row:
 a slot is reused only through ``reserve``, which bumps the stamp the
 learner re-reads after its copy.
 
+A *pin* protects the slots of a batch a learner is gathering: a SAMPLE
+marked protected (the client's redraw of rows that writers overwrote
+during its first gather, ``client/draws.py``) pins every slot it drew
+until the learner releases the hold, or the hold expires.  A pinned item
+stays in the table and may be drawn again; if a writer's eviction picks
+it, the item leaves the table but its slot is *parked* (HELD) instead of
+handed out, and the eviction takes the next victim; the last pin to go
+frees a parked slot.  So a protected batch is stable whatever the
+writers do, and a learner's sample costs bounded work: at most one
+plain gather and one protected one.  A client pins at most a quarter of
+the table (``pin_cap``); past that its protected draws are plain ones.
+
 The ledger does not decide which slots to reserve (the table asks the free
 list, then its remover) nor what committed items are; it keeps the books.
 
@@ -45,6 +57,7 @@ from .slotqueue import SlotQueue
 
 log = logging.getLogger("shmreplayd.table")
 
+_NONE = np.empty(0, np.int64)
 MAX_HOLDS = 64  # open holds per client; past this the oldest is released (its batch is long gathered)
 HOLD_TIMEOUT_S = 5.0
 
@@ -63,14 +76,20 @@ class SlotLedger:
         self.free = SlotQueue(tmap.spec.capacity)
         # writers' reservations, their caps and expiry (reservations.py)
         self.books = Reservations(name, tmap.spec.capacity, limits.reservation_timeout_s)
-        self.holds: dict[int, tuple[int, np.ndarray, float]] = {}  # hid -> (owner, slots, since)
+        # hid -> (owner, slots held, since, slots pinned): pins ride on holds
+        self.holds: dict[int, tuple[int, np.ndarray, float, np.ndarray]] = {}
         self.holds_of: dict[int, collections.deque] = {}
         # (since, hid) in the order holds were made, which is the order they
         # expire in; released ones are dropped when they reach the front
         self.by_age: collections.deque = collections.deque()
         self.hold_timeout_s = limits.hold_timeout_s
         self.next_hid = 1
-        self.held = 0     # slots held for learners
+        self.held = 0     # slots held for learners (parked ones among them)
+        cap = tmap.spec.capacity
+        self.pinned = np.zeros(cap, np.uint32)  # pins on each slot
+        self.parked = np.zeros(cap, np.bool_)   # left the table while pinned: freed at the last unpin
+        self.pins_of: dict[int, int] = {}       # client -> slots it pins
+        self.pin_cap = max(1, cap // 4)
         self.orphans: OrphanLeases | None = None  # leased under a dead daemon (orphans.py)
         self.barrier: ReuseBarrier | None = None   # a durable table's (barrier.py)
         self.daemon_pid = os.getpid()
@@ -168,10 +187,41 @@ class SlotLedger:
         """Keep ``slots`` (their items just left the table) for ``owner`` to read."""
         self.map.state[slots] = HELD
         self.held += slots.shape[0]
+        return self._new_hold(owner, slots, _NONE)
+
+    def pin(self, owner: int, slots: np.ndarray, hid: int = 0) -> int:
+        """Protect the slots of a batch ``owner`` drew (duplicates allowed)
+        until it releases hold ``hid`` (0: a new hold); returns the hold id,
+        or ``hid`` unchanged when the owner's pins are at ``pin_cap``."""
+        u = np.unique(slots)
+        mine = self.pins_of.get(owner, 0)
+        if mine + u.shape[0] > self.pin_cap:
+            return hid
+        self.pins_of[owner] = mine + u.shape[0]
+        self.pinned[u] += np.uint32(1)
+        if hid:
+            o, held, since, _ = self.holds[hid]
+            self.holds[hid] = (o, held, since, u)
+            return hid
+        return self._new_hold(owner, _NONE, u)
+
+    def park_pinned(self, slots: np.ndarray) -> np.ndarray:
+        """Of ``slots`` whose items were just evicted, park the pinned ones
+        (HELD until their last pin goes); returns the others."""
+        mask = self.pinned[slots] > 0
+        if not mask.any():
+            return slots
+        p = slots[mask]
+        self.map.state[p] = HELD
+        self.parked[p] = True
+        self.held += p.shape[0]
+        return slots[~mask]
+
+    def _new_hold(self, owner: int, slots: np.ndarray, pins: np.ndarray) -> int:
         hid = self.next_hid
         self.next_hid += 1
         since = time.monotonic()
-        self.holds[hid] = (owner, slots, since)
+        self.holds[hid] = (owner, slots, since, pins)
         self.by_age.append((since, hid))
         mine = self.holds_of.setdefault(owner, collections.deque())
         mine.append(hid)
@@ -180,7 +230,8 @@ class SlotLedger:
         return hid
 
     def release(self, owner: int, hid: int) -> None:
-        """The learner is done reading the rows of hold ``hid``: free the slots."""
+        """The learner is done reading the rows of hold ``hid``: free the
+        held slots nobody pins, and drop its pins."""
         if not 0 < hid < self.next_hid:
             raise ProtocolError(f"table {self.name!r}: RELEASE of hold {hid}, which never existed")
         entry = self.holds.get(hid)
@@ -192,9 +243,20 @@ class SlotLedger:
         mine = self.holds_of.get(owner)
         if mine is not None and hid in mine:
             mine.remove(hid)
-        slots = entry[1]
-        self.held -= slots.shape[0]
-        self.make_free(slots)
+        slots, pins = entry[1], entry[3]
+        if slots.shape[0]:
+            busy = self.pinned[slots] > 0  # another learner still reads them: park
+            self.parked[slots[busy]] = True
+            free = slots[~busy]
+            self.held -= free.shape[0]
+            self.make_free(free)
+        if pins.shape[0]:
+            self.pins_of[owner] -= pins.shape[0]
+            self.pinned[pins] -= np.uint32(1)
+            done = pins[(self.pinned[pins] == 0) & self.parked[pins]]
+            self.parked[done] = False
+            self.held -= done.shape[0]
+            self.make_free(done)
 
     def expire(self, now: float) -> tuple[int, float | None]:
         """Release every hold made ``hold_timeout_s`` or more before ``now``.
@@ -207,9 +269,10 @@ class SlotLedger:
             if entry is not None:
                 if since + self.hold_timeout_s > now:
                     return freed, since + self.hold_timeout_s
-                owner, n = entry[0], entry[1].shape[0]
-                log.warning("table %s: client %d did not release %d held slots within %g s "
-                            "(a hung learner?); freed them", self.name, owner, n, self.hold_timeout_s)
+                owner, n = entry[0], entry[1].shape[0] + entry[3].shape[0]
+                log.warning("table %s: client %d did not release %d held or pinned slots within "
+                            "%g s (a hung learner?); freed them", self.name, owner, n,
+                            self.hold_timeout_s)
                 self.release(owner, hid)
                 freed += n
             q.popleft()
@@ -219,10 +282,11 @@ class SlotLedger:
         """Who holds slots: per client its id, pid (from ``pids``), how many
         slots, and the age of its oldest hold in seconds."""
         now, out = time.monotonic(), {}
-        for owner, slots, since in self.holds.values():  # oldest first
+        for owner, slots, since, pins in self.holds.values():  # oldest first
             h = out.setdefault(owner, {"client": owner, "pid": pids.get(owner, 0), "held": 0,
-                                       "oldest_s": round(now - since, 3)})
+                                       "pinned": 0, "oldest_s": round(now - since, 3)})
             h["held"] += slots.shape[0]
+            h["pinned"] += pins.shape[0]
         return list(out.values())
 
     def release_owner(self, owner: int) -> int:

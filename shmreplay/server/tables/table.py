@@ -126,13 +126,23 @@ class Table:
         return slots if self.ledger.barrier is None else evict_for(self, slots, n)
 
     def evict_items(self, n: int) -> np.ndarray:
-        slots = self.remover.pick(n, self.rng)[0]
-        if slots.shape[0] < n:  # cannot happen while size >= n; defend anyway
-            raise CapacityError(f"table {self.spec.name!r}: remover found {slots.shape[0]} of "
-                                f"{n} items to evict")
-        self.remove_items(slots)
-        self.stats["evictions"] += n
-        return slots
+        """Evict up to n items for a writer and return the slots it may
+        have: a pinned slot is parked instead (``ledger.py``), and the next
+        victim taken, until n or the table is empty (each pass removes at
+        least one item, so this ends)."""
+        got, need = [], n
+        while need > 0 and self.counters.size > 0:
+            slots = self.remover.pick(min(need, self.counters.size), self.rng)[0]
+            if slots.shape[0] == 0:  # cannot happen while size > 0; defend anyway
+                raise CapacityError(f"table {self.spec.name!r}: remover found no item to evict "
+                                    f"of {self.counters.size}")
+            self.remove_items(slots)
+            self.stats["evictions"] += slots.shape[0]
+            kept = self.ledger.park_pinned(slots)
+            self.stats["parked_pinned_slots"] += slots.shape[0] - kept.shape[0]
+            got.append(kept)
+            need -= kept.shape[0]
+        return np.concatenate(got) if got else np.empty(0, np.int64)
 
     def remove_items(self, slots: np.ndarray, sampler_done: bool = False) -> None:
         """The one path by which committed items leave the table
@@ -195,9 +205,11 @@ class Table:
         return n
 
     # ---- readers ----
-    def sample(self, owner: int, n: int, beta: float):
+    def sample(self, owner: int, n: int, beta: float, protect: bool = False):
         """Draw n items: (keys, probabilities, weights, hold id or 0).  Raises
-        Blocked when the limits say not yet; nothing is taken then."""
+        Blocked when the limits say not yet; nothing is taken then.
+        ``protect``: pin the drawn slots until the hold is released
+        (``ledger.pin``), so no writer reuses them while they are read."""
         self.counters.check_sample(n)
         err = self.counters.sample_refusal(n, self.sampler.mass)
         if err is not None:
@@ -208,6 +220,9 @@ class Table:
         else:
             slots, probs, weights, hid = reuse.draw(self, owner, n, beta)
             keys = self.keys_of(slots)
+        if protect:
+            hid = self.ledger.pin(owner, key_slots(keys), hid)
+            self.stats["protected_samples"] += n
         self.counters.sampled(n)
         self.publish()
         self.stats["samples"] += n

@@ -12,7 +12,8 @@ def new_stats() -> dict:
             "removed_after_max_samples": 0, "stale_priority_updates": 0,
             "priority_updates": 0, "reclaimed_reservations": 0, "tree_rebuilds": 0,
             "insert_waits": 0, "sample_waits": 0, "timeouts": 0, "recovered_items": 0,
-            "recovered_orphans": 0, "expired_held_slots": 0, "voided_reserved_slots": 0}
+            "recovered_orphans": 0, "expired_held_slots": 0, "voided_reserved_slots": 0,
+            "protected_samples": 0, "parked_pinned_slots": 0}
 
 
 def describe(t) -> dict:

@@ -1,0 +1,76 @@
+"""Issue 22, item 2: a learner always makes progress, whatever the writers
+do.  A writer process overwrites a small table flat out, and the learner is
+stopped between each copy of its rows and their stamp check until the
+writer has replaced every item the table held (a forced worst case: the
+whole table turns over during every gather).  Unprotected, every row of
+every round is stale and the learner never finishes a batch; with the
+protected redraw (``client/draws.py``: the redrawn slots are pinned until
+the batch is copied) each batch takes one plain round and one protected
+one, and every row is whole.  Counted in work (inserts), never in time."""
+
+import numpy as np
+
+import shmreplay
+from shmreplay.client import gather
+from idrows import FIELDS, rows, torn
+from waiting import HANG_S, reap, wait_for, worker_context
+
+CAPACITY, BATCH, BATCHES = 64, 16, 5
+
+
+def writer_main(sock, stop):
+    with shmreplay.connect(sock) as c:
+        t = c.table("p")
+        i = 0
+        while not stop.is_set():
+            t.insert_batch(rows(np.arange(i, i + 8)), timeout=None)
+            i += 8
+        t.flush()
+
+
+def test_learner_completes_batches_while_the_whole_table_turns_over_during_each_gather(
+        start_daemon, monkeypatch):
+    # holds never expire here: the pins must be what keeps the rows
+    d = start_daemon(tables=[{"name": "p", "capacity": CAPACITY, "sampler": "prioritized",
+                              "fields": FIELDS}], hold_timeout_s=600.0)
+    ctx = worker_context()
+    stop = ctx.Event()
+    writer = ctx.Process(target=writer_main, args=(d.socket, stop))
+    with d.connect() as c:
+        t = c.table("p")
+        t.insert_batch(rows(np.arange(-CAPACITY, 0)))
+        c.flush()
+
+        def inserts():
+            return c.stats()["tables"]["p"]["inserts"]
+
+        check = gather.stale_rows
+        rounds = []
+
+        def after_the_table_turned_over(gens, out):
+            # the rows are copied: let the writer replace every item first
+            start = inserts()
+            wait_for(lambda: inserts() >= start + CAPACITY, "the writer to turn the table over")
+            rounds.append(1)
+            return check(gens, out)
+
+        monkeypatch.setattr(gather, "stale_rows", after_the_table_turned_over)
+        writer.start()
+        try:
+            for k in range(BATCHES):
+                del rounds[:]
+                b = t.sample(BATCH)
+                assert torn(b.data) == 0, "a row mixes two writes"
+                assert np.all(b.data["id"] >= -CAPACITY)
+                # one plain round (all of it overwritten) and one protected round
+                assert len(rounds) == 2, rounds
+                assert 0 < b.redraws <= BATCH, b.redraws
+        finally:
+            stop.set()
+            writer.join(HANG_S)
+            reap([writer])
+        assert writer.exitcode == 0
+        st = c.stats()["tables"]["p"]
+        assert st["protected_samples"] >= BATCHES
+        assert st["parked_pinned_slots"] > 0, "the writer never reached a pinned slot"
+        assert st["held"] == 0 and st["holders"] == [], "every pin is released with its batch"

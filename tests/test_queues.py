@@ -6,6 +6,8 @@ once, in order per actor."""
 import queue
 import time
 
+import pytest
+
 import shmreplay
 from items import F, ids, table_stats
 from waiting import HANG_S, end_all, no_worker_failed, start_all, wait_for, wait_for_exit, worker_context
@@ -101,3 +103,27 @@ def test_queue_delivers_each_item_exactly_once_in_order_per_actor(daemon, client
     st = table_stats(client, "q")
     assert st["limiter"]["inserts"] == st["limiter"]["samples"] == 4 * n and len(q) == 0
     assert st["insert_waits"] > 0
+
+
+def test_a_large_queue_leases_slots_and_still_holds_exactly_its_capacity(client):
+    """Issue 22, item 3: a queue of 1,024 items leases 16 slots at a time
+    (one RESERVE per 16 inserts, not one per insert), and its limiter still
+    admits exactly its capacity: the 1,025th insert waits until an item is
+    sampled, and every item comes out once, in order."""
+    q = client.create_queue("bigq", 1024, F)
+    assert q.lease_size == 16
+    for i in range(1024):
+        q.insert(v=i, timeout=HANG_S)
+    with pytest.raises(shmreplay.RateLimited):
+        q.insert(v=1024, timeout=0.2)
+    client.flush()
+    st = table_stats(client, "bigq")
+    assert len(q) == 1024 and st["limiter"]["inserts"] == 1024
+    assert st["reservations"] <= 1024 // 16 + 4, st["reservations"]
+    assert ids(q.sample(7)) == list(range(7))
+    q.insert(v=1024, timeout=HANG_S)  # room again
+    client.flush()
+    got = []
+    while len(got) < 1024 - 7 + 1:
+        got.extend(ids(q.sample(1)))
+    assert got == list(range(7, 1025))

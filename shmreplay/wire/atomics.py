@@ -12,12 +12,14 @@ Callable from any thread or process; each call is one indivisible access.
 
 from __future__ import annotations
 
+import platform
 import time
 
 import numba
 import numpy as np
 from numba import types
 from numba.core import cgutils
+from llvmlite import ir
 from numba.extending import intrinsic
 
 from ..numbaconf import JIT
@@ -49,6 +51,26 @@ def _store(typingctx, arr, idx, val):
         ptr = _pointer(context, builder, aryty, args[0], args[1])
         v = context.cast(builder, args[2], sig.args[2], aryty.dtype)
         builder.store_atomic(v, ptr, ordering="seq_cst", align=aryty.dtype.bitwidth // 8)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+_X86 = platform.machine().lower() in ("x86_64", "amd64", "i686", "x86")
+
+
+@intrinsic
+def _pause(typingctx):
+    """x86 ``pause`` in a spin loop: the core stops speculating past the
+    load and gives its execution units to the other hardware thread (or a
+    vCPU sharing the core); elsewhere nothing."""
+    sig = types.void()
+
+    def codegen(context, builder, sig, args):
+        if _X86:
+            fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), []),
+                                                "llvm.x86.sse2.pause")
+            builder.call(fn, [])
         return context.get_dummy_value()
 
     return sig, codegen
@@ -91,6 +113,7 @@ def spin_until_changed(words, i, old, iterations):
         v = _load(words, i)
         if v != old:
             return v
+        _pause()
     return old
 
 

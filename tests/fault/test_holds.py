@@ -74,8 +74,8 @@ SEQ_FIELDS = {"obs": ("uint8", (3, 8)), "length": ("int32", ())}
 @reporting
 def sequence_writer(sock, steps, timeout, out):
     """Append ``steps`` steps of one episode with a ``SequenceWriter``; each
-    step starts a sequence, so each takes a slot, most from its lease.  It
-    stops itself after the first step, with one slot of its lease left."""
+    step starts a sequence, so each takes a slot.  It stops itself after
+    the first step."""
     with shmreplay.connect(sock, timeout=20) as c:
         w = shmreplay.SequenceWriter(c.table("s"), length=3, period=1, timeout=timeout)
         for i in range(steps):
@@ -89,10 +89,15 @@ def sequence_writer(sock, steps, timeout, out):
 
 
 def test_a_writer_without_timeout_waits_out_a_hung_learner_and_one_with_a_timeout_raises(start_daemon):
-    d, admin, s = full_table(start_daemon, {"name": "s", "capacity": 512, "sampler": "uniform",
+    # 200 items: under 256, a writer reserves per call (no lease ahead), so
+    # once the learner holds every committed item each step needs a slot
+    # nothing can give
+    cap = 200
+    d, admin, s = full_table(start_daemon, {"name": "s", "capacity": cap, "sampler": "uniform",
                                             "fields": SEQ_FIELDS},
-                             {"obs": np.zeros((512, 3, 8), np.uint8), "length": np.full(512, 3, np.int32)},
+                             {"obs": np.zeros((cap, 3, 8), np.uint8), "length": np.full(cap, 3, np.int32)},
                              hold_timeout_s=3600.0)
+    assert s.lease_size == 0
     out, learner_out = CTX.SimpleQueue(), CTX.SimpleQueue()
     learner = writer = None
 
@@ -100,28 +105,28 @@ def test_a_writer_without_timeout_waits_out_a_hung_learner_and_one_with_a_timeou
         return admin.stats()["tables"]["s"]
 
     try:
-        # the writer's first step leases 2 slots (evicting 2 items); then the
+        # the writer's first step takes a slot (evicting an item); then the
         # learner holds every committed item: nothing is free or evictable
         writer = CTX.Process(target=sequence_writer, args=(d.socket, 4, None, out), daemon=True)
         writer.start()
         assert received(out, "the first step") == ("step", 0)
         wait_for(lambda: _stopped(writer.pid), "the writer to stop itself")
-        learner = start_learner(d, "s", 510, "indices", learner_out)
-        wait_for(lambda: table()["held"] == 510, "the learner to hold every committed item")
+        learner = start_learner(d, "s", cap - 1, "indices", learner_out)
+        wait_for(lambda: table()["held"] == cap - 1, "the learner to hold every committed item")
         with pytest.raises(shmreplay.SlotsBusy) as err:
             s.insert_batch({"obs": np.zeros((1, 3, 8), np.uint8), "length": np.ones(1, np.int32)},
                            timeout=0.5)
         assert isinstance(err.value, shmreplay.RateLimited) and isinstance(err.value, shmreplay.CapacityError)
-        # the writer's next steps need a slot beyond its lease: with no
-        # timeout it re-asks, slice after slice, instead of raising
+        # the writer's next step needs a slot: with no timeout it re-asks,
+        # slice after slice, instead of raising
         waits = table()["insert_waits"]
         os.kill(writer.pid, signal.SIGCONT)
-        assert received(out, "the second step") == ("step", 1)
         wait_for(lambda: table()["insert_waits"] >= waits + 3 or not out.empty(),
                  "the writer to wait three slices for a slot")
         assert out.empty(), out.get()
         os.kill(learner.pid, signal.SIGKILL)  # its holds go back: room at last
-        assert [received(out, "the last steps") for _ in range(3)] == [("step", 2), ("step", 3), ("done",)]
+        assert [received(out, "the last steps") for _ in range(4)] == [
+            ("step", 1), ("step", 2), ("step", 3), ("done",)]
         assert table()["held"] == 0
     finally:
         for p in (learner, writer):

@@ -111,19 +111,25 @@ def update_fault(keys, prios, alpha, capacity):
     return 0, -1
 
 
-def apply_update(keys, prios, alpha, gens, state, stored, sums, mins, slots, values):
+def store_live(keys, prios, gens, state, stored, slots, values):
     from shmreplay.wire.layout import COMMITTED
     keys = np.asarray(keys, np.uint64)
     s = (keys & np.uint64(0xFFFFFFFF)).astype(np.int64)
     live = (state[s] == COMMITTED) & (gens[s].astype(np.uint64) == keys >> np.uint64(32))
     s, p = s[live], np.asarray(prios, np.float64)[live]
     stored[s] = p  # fancy assignment: a later duplicate wins
-    v = np.empty_like(p)
-    tree_values(p, alpha, v)
-    tree_update(sums, mins, s, v)
     m = s.shape[0]
-    slots[:m], values[:m] = s, v
+    slots[:m], values[:m] = s, p
     return m, float(p.max()) if m else 0.0
+
+
+def apply_update(keys, prios, alpha, gens, state, stored, sums, mins, slots, values):
+    m, top = store_live(keys, prios, gens, state, stored, slots, values)
+    v = np.empty(m)
+    tree_values(values[:m], alpha, v)
+    tree_update(sums, mins, slots[:m], v)
+    values[:m] = v
+    return m, top
 
 
 def draw_keys(sums, mins, u01, beta, gens, slots, keys, probs, weights):

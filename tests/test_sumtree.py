@@ -229,6 +229,15 @@ def test_update_kernel_matches_reference_and_a_refused_update_writes_nothing(cas
     np.testing.assert_array_equal(trees[0][1], trees[1][1])
     assert trees[0][2:] == trees[1][2:]
     np.testing.assert_array_equal(stored[0], stored[1])
+    outs = []
+    for mod in (treeops, ref):  # store_live alone: what a sampler without a kernel gets
+        st_ = np.full(capacity, -1.0)
+        slots, values = np.empty(len(keys), np.int64), np.empty(len(keys))
+        m, top = mod.store_live(keys, prios, gens, state, st_, slots, values)
+        outs.append((int(m), float(top), st_, slots[:m].copy(), values[:m].copy()))
+    assert outs[0][:2] == outs[1][:2]
+    for x, y in zip(outs[0][2:], outs[1][2:]):
+        np.testing.assert_array_equal(x, y)
     s = (keys & np.uint64(0xFFFFFFFF)).astype(np.int64)
     dead = np.ones(capacity, bool)
     dead[s[(state[s] == COMMITTED) & (gens[s] == (keys >> np.uint64(32)))]] = False

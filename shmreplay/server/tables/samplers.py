@@ -17,7 +17,30 @@ from ...wire.records import key_slots
 from . import sumtree, treeops
 
 
-class PrioritizedSampler:
+class KeyedUpdates:
+    """``update`` for a sampler without a kernel of its own: the live keys'
+    priorities stored (``treeops.store_live``), then ``set``."""
+
+    scratch = (np.empty(0, np.int64), np.empty(0))  # grown on demand: slots, values
+
+    def _scratch(self, n: int) -> tuple[np.ndarray, np.ndarray]:
+        if self.scratch[0].shape[0] < n:
+            self.scratch = (np.empty(n, np.int64), np.empty(n))
+        return self.scratch
+
+    def update(self, keys: np.ndarray, priorities: np.ndarray, gens: np.ndarray,
+               state: np.ndarray, stored: np.ndarray) -> tuple[int, float]:
+        """A validated UPDATE (``treeops.check_update``): the live keys'
+        priorities into ``stored`` (the segment's) and this sampler.
+        Returns (live keys, largest live priority)."""
+        slots, values = self._scratch(keys.shape[0])
+        live, top = treeops.store_live(keys, priorities, gens, state, stored, slots, values)
+        if live:
+            self.set(slots[:live].copy(), values[:live].copy())
+        return int(live), float(top)
+
+
+class PrioritizedSampler(KeyedUpdates):
     """P(i) = p_i^alpha / sum_j p_j^alpha, stratified over the batch.
 
     Importance weights are ``(P(i) / P_min) ** -beta``, i.e. normalised so
@@ -31,12 +54,6 @@ class PrioritizedSampler:
         self.capacity = capacity
         self.alpha = float(alpha)
         self.sums, self.mins = sumtree.new_trees(capacity)
-        self.scratch = (np.empty(0, np.int64), np.empty(0))  # grown on demand: slots, values
-
-    def _scratch(self, n: int) -> tuple[np.ndarray, np.ndarray]:
-        if self.scratch[0].shape[0] < n:
-            self.scratch = (np.empty(n, np.int64), np.empty(n))
-        return self.scratch
 
     def _values(self, priorities: np.ndarray) -> np.ndarray:
         out = np.empty(priorities.shape[0], dtype=np.float64)
@@ -44,16 +61,13 @@ class PrioritizedSampler:
         return out
 
     ordered = False
-    fused = True  # has update() and draw(): one kernel each (treeops)
+    fused = True  # draw(): one kernel (treeops), and so is update()
 
     def set(self, slots: np.ndarray, priorities: np.ndarray) -> None:
         sumtree.tree_update(self.sums, self.mins, slots, self._values(priorities))
 
     def update(self, keys: np.ndarray, priorities: np.ndarray, gens: np.ndarray,
                state: np.ndarray, stored: np.ndarray) -> tuple[int, float]:
-        """A validated UPDATE (``treeops.update_fault``): the live keys'
-        priorities into ``stored`` (the segment's) and the tree.  Returns
-        (live keys, largest live priority)."""
         slots, values = self._scratch(keys.shape[0])
         live, top = treeops.apply_update(keys, priorities, self.alpha, gens, state, stored,
                                          self.sums, self.mins, slots, values)
@@ -98,7 +112,7 @@ class PrioritizedSampler:
         sumtree.tree_rebuild(self.sums, self.mins, leaves)
 
 
-class UniformSampler:
+class UniformSampler(KeyedUpdates):
     """Every committed item equally likely, draws independent (with replacement).
 
     Members sit in a dense array with a position index, so add, remove and
@@ -199,7 +213,7 @@ class OrderCount:
         self.count = slots.shape[0]
 
 
-class OrderSampler(OrderCount):
+class OrderSampler(KeyedUpdates, OrderCount):
     """fifo: the oldest committed item; lifo: the newest (Reverb's Fifo/Lifo).
     Probabilities and weights are 1."""
 

@@ -36,6 +36,14 @@ class Selector(Protocol):
     def remove(self, slots: np.ndarray) -> None:
         """Slots leave (evicted, sampled for the last time)."""
 
+    def update(self, keys: np.ndarray, priorities: np.ndarray, gens: np.ndarray,
+               state: np.ndarray, stored: np.ndarray) -> tuple[int, float]:
+        """Samplers: a validated UPDATE by key; the priorities of keys still
+        naming their item go into ``stored`` (the segment's) and the
+        sampler; returns (live keys, largest live priority).  The
+        prioritized sampler also has ``draw(n, rng, beta, gens)``: keys,
+        probabilities and weights in one kernel (``fused``)."""
+
     @property
     def mass(self) -> float:
         """> 0 iff something can be picked."""

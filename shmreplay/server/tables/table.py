@@ -28,11 +28,11 @@ import logging
 
 import numpy as np
 
-from ...errors import CapacityError, PriorityError, ProtocolError, ReservationExpired
+from ...errors import CapacityError, PriorityError, ReservationExpired
 from ...priorities import check_priorities
 from ...schema import TableSpec
 from ...wire.layout import COMMITTED, TableMap
-from ...wire.records import SLOT_MASK, key_slots, make_keys, stale
+from ...wire.records import key_slots, make_keys, stale
 from . import tablestats, treeops
 from .barrier import evict_ahead, evict_for, waits_for_sync, want_sync
 from .counters import Blocked, LimiterCounters
@@ -252,28 +252,10 @@ class Table:
         """Set the priorities of the keys that still name their item (the
         others are stale: counted, skipped); returns how many were stale.
         A refused update (PriorityError, ProtocolError) changes nothing."""
-        n, spec = keys.shape[0], self.spec
-        what = f"update_priorities on table {spec.name!r}"
-        if priorities.shape != (n,):
-            check_priorities(priorities, n, what, spec.alpha)  # raises: says which shape
-        fault, at = treeops.update_fault(keys, priorities, spec.alpha, spec.capacity)
-        if fault == treeops.BAD_SLOT:
-            raise ProtocolError(f"{what}: key names slot {int(keys[at]) & SLOT_MASK} "
-                                f"beyond capacity {spec.capacity}")
-        if fault:
-            check_priorities(priorities, n, what, spec.alpha)  # raises, with the message
-            raise PriorityError(f"{what}: priority[{at}] = {priorities[at]!r} is out of range")
+        n = keys.shape[0]
+        treeops.check_update(keys, priorities, self.spec)
         m = self.map
-        if getattr(self.sampler, "fused", False):
-            live, top = self.sampler.update(keys, priorities, m.gens, m.state, m.prios)
-        else:
-            mask = self._alive(keys)
-            slots, priorities = key_slots(keys)[mask], priorities[mask]
-            live = slots.shape[0]
-            top = float(priorities.max()) if live else 0.0
-            if live:
-                m.prios[slots] = priorities
-                self.sampler.set(slots, priorities)
+        live, top = self.sampler.update(keys, priorities, m.gens, m.state, m.prios)
         if live:
             self.max_priority = max(self.max_priority, top)
             m.words.mass = self.sampler.mass

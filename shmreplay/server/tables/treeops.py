@@ -11,9 +11,11 @@ for ~40; fused, each is the tree's cost plus ~10 us (docs/performance.md,
 * ``update_fault`` validates an UPDATE before anything is written, so a
   refused update changes nothing (the table then builds the error message
   the slow way: ``priorities.check_priorities``).
-* ``apply_update`` writes the priorities of the keys that still name the
+* ``store_live`` writes the priorities of the keys that still name the
   committed item they were made for (a key whose slot was reused since is
-  *stale* and skipped), and returns how many were live and the largest.
+  *stale* and skipped), and returns how many were live and the largest;
+  ``apply_update`` does that and updates the tree (any other sampler takes
+  the live slots from ``store_live``).
 * ``draw_keys`` draws (``sumtree.tree_draw``) and stamps each slot with its
   generation: the keys a learner gets.
 
@@ -26,8 +28,9 @@ from __future__ import annotations
 import numba
 import numpy as np
 
+from ...errors import PriorityError, ProtocolError
 from ...numbaconf import JIT
-from ...priorities import MAX_TREE_VALUE
+from ...priorities import MAX_TREE_VALUE, check_priorities
 from ...wire.layout import COMMITTED
 from ...wire.records import SLOT_BITS, SLOT_MASK
 from .sumtree import tree_draw, tree_update
@@ -35,6 +38,23 @@ from .sumtree import tree_draw, tree_update
 BAD_PRIORITY, TOO_LARGE, BAD_SLOT = 1, 2, 3
 _MASK = np.uint64(SLOT_MASK)   # numpy scalars: numba keeps keys unsigned
 _BITS = np.uint64(SLOT_BITS)
+
+
+def check_update(keys: np.ndarray, priorities: np.ndarray, spec) -> None:
+    """Raise unless an UPDATE of table ``spec`` may run: PriorityError for a
+    priority (the message ``check_priorities`` gives), ProtocolError for a
+    key past the capacity (no client makes one)."""
+    n = keys.shape[0]
+    what = f"update_priorities on table {spec.name!r}"
+    if priorities.shape != (n,):
+        check_priorities(priorities, n, what, spec.alpha)  # raises: says which shape
+    fault, at = update_fault(keys, priorities, spec.alpha, spec.capacity)
+    if fault == BAD_SLOT:
+        raise ProtocolError(f"{what}: key names slot {int(keys[at]) & SLOT_MASK} "
+                            f"beyond capacity {spec.capacity}")
+    if fault:
+        check_priorities(priorities, n, what, spec.alpha)  # raises, with the message
+        raise PriorityError(f"{what}: priority[{at}] = {priorities[at]!r} is out of range")
 
 
 @numba.njit(**JIT)
@@ -59,24 +79,37 @@ def update_fault(keys, prios, alpha, capacity):
 
 
 @numba.njit(**JIT)
-def apply_update(keys, prios, alpha, gens, state, stored, sums, mins, slots, values):
-    """Apply a validated update: for each live key, in order (a later
-    duplicate wins), the raw priority into ``stored`` and its tree value
-    into the tree.  ``slots`` and ``values`` are scratch of at least
-    len(keys).  Returns (live keys, largest live priority or 0)."""
+def store_live(keys, prios, gens, state, stored, slots, values):
+    """Of a validated update, the keys that still name the committed item
+    they were made for (a key whose slot was reused since is *stale* and
+    skipped): each one's raw priority into ``stored``, in order (a later
+    duplicate wins), and its slot and priority into the scratch ``slots``
+    and ``values`` (at least len(keys) each).  Returns (live keys, largest
+    live priority or 0)."""
     m = 0
     top = 0.0
     for k in range(keys.shape[0]):
         key = keys[k]
         s = np.int64(key & _MASK)
         if state[s] != COMMITTED or np.uint64(gens[s]) != key >> _BITS:
-            continue  # stale: the slot holds another item now
+            continue
         p = prios[k]
         stored[s] = p
         slots[m] = s
-        values[m] = p ** alpha if p > 0.0 else 0.0
+        values[m] = p
         top = max(top, p)
         m += 1
+    return m, top
+
+
+@numba.njit(**JIT)
+def apply_update(keys, prios, alpha, gens, state, stored, sums, mins, slots, values):
+    """``store_live``, then each live priority's tree value ``p ** alpha``
+    (0 for 0) into the tree: a prioritized table's whole UPDATE."""
+    m, top = store_live(keys, prios, gens, state, stored, slots, values)
+    for k in range(m):
+        p = values[k]
+        values[k] = p ** alpha if p > 0.0 else 0.0
     tree_update(sums, mins, slots[:m], values[:m])
     return m, top
 

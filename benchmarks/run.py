@@ -1,8 +1,9 @@
 #!/usr/bin/env python3
-"""The benchmark suite: shmreplay vs cpprb (and any other peer installed) on
-the three workloads of shared/WORKLOADS.md, numpy's ceilings in the same run.
+"""The benchmark suite: shmreplay vs cpprb, TorchRL, Reverb and Flashbax (each
+peer that works here; the others are listed with the reason) on the three
+workloads of shared/WORKLOADS.md, numpy's ceilings in the same run.
 
-    pip install -e ".[bench]"
+    pip install -e ".[bench]"        # shmreplay + cpprb; the other peers: docs/performance.md, Peers
     python benchmarks/run.py [--quick] [--workload dqn-atari] [--out FILE]
 
 Prints a table of ratios, checks them against the targets of issue 3 and
@@ -99,8 +100,10 @@ def main(argv=None) -> int:
     ap.add_argument("--seconds", type=float, help="per single-client cell (default 3)")
     ap.add_argument("--mp-seconds", type=float, help="per multiprocess cell (default 10)")
     ap.add_argument("--out", help="JSON file (default benchmarks/results/<time>.json)")
+    ap.add_argument("--capacity", type=int, help="items per table instead of each workload's (smoke runs)")
     a = ap.parse_args(argv)
-    report = runner.run(a.quick, a.seconds, a.mp_seconds, a.workload, log=lambda s: print(s, flush=True))
+    report = runner.run(a.quick, a.seconds, a.mp_seconds, a.workload, log=lambda s: print(s, flush=True),
+                        capacity=a.capacity)
     runner.finish(report, runner.table(report), TARGETS, check_targets, a.out,
                   os.path.dirname(os.path.abspath(__file__)))
     return 0

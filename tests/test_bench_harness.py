@@ -77,3 +77,27 @@ def test_capacity_cells_and_report_run_on_a_small_file(tmp_path):
     assert "| np.memmap gather | not dropped |" in text and "learner flat out: 2,000 samples/s" in text
     lines = cap.targets(report)
     assert len(lines) == 4 and lines[2].startswith("PASS seed row inserts") and lines[3].startswith("MISS")
+
+
+def test_a_peer_without_its_venv_is_reported_with_the_reason_and_the_table_says_so(monkeypatch):
+    """No peer venv is needed: the venv pythons point nowhere, and
+    available() names the reason instead of raising; the table gives every
+    peer a column (n/a where a peer has no multiprocess mode)."""
+    from shmreplay.bench import peers, runner
+    monkeypatch.setenv("SHMREPLAY_PEERS_PYTHON", "/nonexistent/peers/python")
+    monkeypatch.setenv("SHMREPLAY_FLASHBAX_PYTHON", "/nonexistent/flashbax/python")
+    status = peers.available()
+    assert status["shmreplay"] is None
+    for name in ("torchrl", "reverb", "flashbax"):
+        assert "no python at /nonexistent/" in status[name]
+    report = {"peer_status": {"torchrl": {"missing": status["torchrl"]},
+                              "flashbax": {"versions": {"flashbax": "0"}}},
+              "results": [
+                  {"cell": "mp2", "peer": "shmreplay", "workload": "sac-mujoco", "batches_per_s": 900.0},
+                  {"cell": "mp2", "peer": "flashbax", "workload": "sac-mujoco", "na": "no multi-process mode"},
+              ]}
+    text = runner.table(report)
+    assert "| shmreplay | cpprb | torchrl | reverb | flashbax |" in text
+    assert "| sac-mujoco | mp2 | batches_per_s | 900 |  | not run |  | n/a |" in text
+    assert "torchrl: not run: no python at /nonexistent/peers/python" in text
+    assert "n/a: flashbax: no multi-process mode" in text

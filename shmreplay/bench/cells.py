@@ -23,6 +23,7 @@ Prints one JSON line.  Cells:
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import time
@@ -166,10 +167,12 @@ def cell_daemon_cpu(w: Workload, seconds: float) -> dict:
     return {"core_fraction_at_1k_inserts": busy, "inserts_per_s": rate, "core_fraction_idle": idle}
 
 
-def run(cell: str, peer_name: str, wkey: str, seconds: float) -> dict:
+def run(cell: str, peer_name: str, wkey: str, seconds: float, capacity: int | None = None) -> dict:
     if cell == "copy":
         return cell_copy(seconds)
     w = WORKLOADS[wkey]
+    if capacity:  # smoke tests, or a peer that cannot hold the workload's capacity
+        w = dataclasses.replace(w, capacity=capacity)
     if cell in ("insert1", "insert64"):
         return cell_insert(peers.make(peer_name), w, int(cell[6:]), seconds)
     if cell == "sample":
@@ -195,8 +198,11 @@ def main(argv=None) -> int:
     ap.add_argument("peer")
     ap.add_argument("workload")
     ap.add_argument("--seconds", type=float, default=3.0)
+    ap.add_argument("--capacity", type=int, help="items, instead of the workload's (reported)")
     a = ap.parse_args(argv)
-    result = run(a.cell, a.peer, a.workload, a.seconds)
+    result = run(a.cell, a.peer, a.workload, a.seconds, a.capacity)
+    if a.capacity:
+        result["capacity"] = a.capacity
     print(json.dumps({"cell": a.cell, "peer": a.peer, "workload": a.workload, **result}), flush=True)
     return 0
 

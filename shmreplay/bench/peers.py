@@ -8,12 +8,17 @@ actor processes.
                                 then a priority update of its keys
     mp_run(actors, chunk, s)    actors insert chunks for s seconds while this
                                 process samples and updates; returns rates
+
+shmreplay and cpprb are here; TorchRL, Reverb and Flashbax are in their own
+modules and run under their own venv's python (peerenv.py).
 """
 
 from __future__ import annotations
 
+import importlib
 import multiprocessing as mp
 import os
+import queue
 import signal
 import subprocess
 import sys
@@ -22,6 +27,7 @@ import time
 
 import numpy as np
 
+from . import peerenv
 from .workloads import WORKLOADS, Workload
 
 BETA = 0.4
@@ -29,6 +35,9 @@ BETA = 0.4
 # every library's actors at +5 so the learner (0) is not starved on 2 cores.
 DAEMON_NICE = -5
 ACTOR_NICE = 5
+# the classes of the peers that live in their own module (and venv)
+ELSEWHERE = {"torchrl": "torchrlpeer.TorchrlPeer", "reverb": "reverbpeer.ReverbPeer",
+             "flashbax": "flashbaxpeer.FlashbaxPeer"}
 
 
 def nice(increment: int) -> None:
@@ -38,29 +47,25 @@ def nice(increment: int) -> None:
         pass
 
 
-def available() -> list[str]:
-    """shmreplay and every peer library that works here.  TorchRL counts
-    only if its prioritized buffer can be built: its sum tree is a C++
-    extension, and a wheel built against another torch imports fine but
-    fails there (seen: torchrl 0.13/0.14 against torch 2.13.0+cpu)."""
-    import importlib.util
-    names = ["shmreplay"]
-    if importlib.util.find_spec("cpprb") is not None:
-        names.append("cpprb")
-    if importlib.util.find_spec("torchrl") is not None:
-        probe = subprocess.run(
-            [sys.executable, "-c", "from torchrl.data import PrioritizedSampler; PrioritizedSampler(8, 0.6, 0.4)"],
-            capture_output=True, timeout=120)
-        if probe.returncode == 0:
-            names.append("torchrl")
-    return names
+def available() -> dict:
+    """Every library of the suite -> None when it works here, else why not
+    (a missing venv, an import error, a prioritized buffer that cannot be
+    built: TorchRL's sum tree is a C++ extension, and a wheel built against
+    another torch imports fine but fails there).  Never raises."""
+    out = {}
+    for name in peerenv.SPECS:
+        out[name] = peerenv.probe(name).get("missing")
+    return out
 
 
 def make(name: str):
-    return {"shmreplay": ShmreplayPeer, "cpprb": CpprbPeer, "torchrl": TorchrlPeer}[name]()
+    if name in ELSEWHERE:
+        module, cls = ELSEWHERE[name].split(".")
+        return getattr(importlib.import_module(f"{__package__}.{module}"), cls)()
+    return {"shmreplay": ShmreplayPeer, "cpprb": CpprbPeer}[name]()
 
 
-def _new_priorities(n: int, rng) -> np.ndarray:
+def new_priorities(n: int, rng) -> np.ndarray:
     return rng.uniform(0.1, 2.0, size=n)
 
 
@@ -128,7 +133,7 @@ class ShmreplayPeer:
 
     def sample_update(self, beta: float = BETA) -> dict:
         b = self.batch = self.table.sample(self.w.batch, beta=beta, out=self.batch)
-        self.table.update_priorities(b.keys, _new_priorities(self.w.batch, self.rng))
+        self.table.update_priorities(b.keys, new_priorities(self.w.batch, self.rng))
         return b.data
 
     def sample_update_iter(self, beta: float = BETA) -> dict:
@@ -136,7 +141,7 @@ class ShmreplayPeer:
         if getattr(self, "it", None) is None:
             self.it = self.table.iterate(self.w.batch, beta=beta, prefetch=2)
         b = next(self.it)
-        self.table.update_priorities(b.keys, _new_priorities(self.w.batch, self.rng))
+        self.table.update_priorities(b.keys, new_priorities(self.w.batch, self.rng))
         return b.data
 
     def close(self) -> None:
@@ -150,7 +155,7 @@ class ShmreplayPeer:
         start, out = ctx.Event(), ctx.Queue()
         procs = [ctx.Process(target=_shm_actor, args=(self.daemon.socket, self.w.key, chunk, seconds, a,
                                                       start, out)) for a in range(actors)]
-        return _run_mp(procs, start, out, seconds, self.sample_update_iter, self.size)
+        return run_mp(procs, start, out, seconds, self.sample_update_iter, self.size)
 
 
 def _shm_actor(sock, wkey, chunk, seconds, seed, start, out):
@@ -160,6 +165,7 @@ def _shm_actor(sock, wkey, chunk, seconds, seed, start, out):
     rows = w.rows(chunk, seed)
     with shmreplay.connect(sock, timeout=120) as c:
         t = c.table("bench")
+        out.put(None)  # attached
         start.wait()
         n, t0 = 0, time.perf_counter()
         while time.perf_counter() - t0 < seconds:
@@ -202,7 +208,7 @@ class CpprbPeer:
 
     def sample_update(self, beta: float = BETA) -> dict:
         s = self.rb.sample(self.w.batch, beta=beta)
-        self.rb.update_priorities(s["indexes"], _new_priorities(self.w.batch, self.rng))
+        self.rb.update_priorities(s["indexes"], new_priorities(self.w.batch, self.rng))
         return s
 
     def close(self) -> None:
@@ -214,18 +220,19 @@ class CpprbPeer:
         start, out = ctx.Event(), ctx.Queue()
         procs = [ctx.Process(target=_cpprb_actor, args=(self.rb, self.w.key, chunk, seconds, a, start, out))
                  for a in range(actors)]
-        return _run_mp(procs, start, out, seconds, self.sample_update, self.size)
+        return run_mp(procs, start, out, seconds, self.sample_update, self.size)
 
 
 def _cpprb_actor(rb, wkey, chunk, seconds, seed, start, out):
-    _actor_loop(lambda rows: rb.add(**rows), wkey, chunk, seconds, seed, start, out)
+    actor_loop(lambda rows: rb.add(**rows), wkey, chunk, seconds, seed, start, out)
 
 
-def _actor_loop(put, wkey, chunk, seconds, seed, start, out):
+def actor_loop(put, wkey, chunk, seconds, seed, start, out):
     """A peer's actor process: put(rows) chunks for `seconds` (or until put
     returns False), report how many items went in."""
     nice(ACTOR_NICE)
     rows = WORKLOADS[wkey].rows(chunk, seed)
+    out.put(None)  # ready
     start.wait()
     n, t0 = 0, time.perf_counter()
     while time.perf_counter() - t0 < seconds:
@@ -235,112 +242,21 @@ def _actor_loop(put, wkey, chunk, seconds, seed, start, out):
     out.put(n)
 
 
-# ------------------------------------------------------------------ torchrl
-
-class TorchrlPeer:
-    """TorchRL's TensorDictPrioritizedReplayBuffer over a LazyTensorStorage
-    (its in-memory storage), batches as TensorDicts built once from the same
-    numpy rows (torch.from_numpy shares them, so no copy is added).
-
-    TorchRL's prioritized sampler lives in the process that built the
-    buffer, so the multiprocess cell uses the pattern its users use: actors
-    send their chunks over a multiprocessing queue and the learner extends
-    the buffer with whatever arrived before each sample."""
-
-    name = "torchrl"
-
-    def open(self, w: Workload) -> None:
-        import torch
-        from torchrl.data import LazyTensorStorage, TensorDictPrioritizedReplayBuffer
-        torch.set_num_threads(1)  # one learner thread, like the other peers
-        self.torch = torch
-        self.w = w
-        self.rng = np.random.default_rng(1)
-        self.rb = TensorDictPrioritizedReplayBuffer(
-            alpha=0.6, beta=BETA, storage=LazyTensorStorage(w.capacity), batch_size=w.batch)
-        self._tds = {}
-
-    def _td(self, rows: dict, n: int):
-        key = (id(rows), n)
-        if key not in self._tds:
-            self._tds[key] = _to_td(rows, n)
-        return self._tds[key]
-
-    def insert(self, rows: dict, n: int) -> None:
-        td = self._td(rows, n)
-        if n == 1:
-            self.rb.add(td[0])
-        else:
-            self.rb.extend(td)
-
-    def settle(self) -> None:
-        pass
-
-    def size(self) -> int:
-        return len(self.rb)
-
-    def sample_update(self, beta: float = BETA) -> dict:
-        s = self.rb.sample()
-        self.rb.update_priority(s["index"], self.torch.from_numpy(_new_priorities(self.w.batch, self.rng)))
-        return s
-
-    def close(self) -> None:
-        self.rb = None
-
-    def mp_run(self, actors: int, chunk: int, seconds: float) -> dict:
-        import queue
-        ctx = mp.get_context("spawn")
-        # a short queue: what is still in it at the end was counted by the
-        # actors but never inserted (at most 8 chunks)
-        start, out, q = ctx.Event(), ctx.Queue(), ctx.Queue(maxsize=8)
-        procs = [ctx.Process(target=_queue_actor, args=(q, self.w.key, chunk, seconds, a, start, out))
-                 for a in range(actors)]
-
-        def drain() -> None:
-            while True:
-                try:
-                    rows = q.get_nowait()
-                except queue.Empty:
-                    return
-                self.rb.extend(_to_td(rows, chunk))
-
-        def sampleable() -> int:  # the learner starts once a batch is stored
-            drain()
-            return len(self.rb) if len(self.rb) >= self.w.batch else 0
-
-        def drain_sample_update():
-            drain()
-            return self.sample_update()
-        return _run_mp(procs, start, out, seconds, drain_sample_update, sampleable)
-
-
-def _to_td(rows: dict, n: int):
-    import torch
-    from tensordict import TensorDict
-    return TensorDict({k: torch.from_numpy(np.ascontiguousarray(v[:n])) for k, v in rows.items()},
-                      batch_size=[n])
-
-
-def _queue_actor(q, wkey, chunk, seconds, seed, start, out):
-    import queue
-
-    def put(rows) -> bool:
-        # the learner stops draining when its time is up; an actor blocked on
-        # a full queue then gives up instead of hanging the cell
-        try:
-            q.put(rows, timeout=seconds + 5)
-            return True
-        except queue.Full:
-            return False
-    _actor_loop(put, wkey, chunk, seconds, seed, start, out)
-
-
 # ------------------------------------------------------------------ shared
 
-def _run_mp(procs, start, out, seconds, sample_update, size) -> dict:
+def run_mp(procs, start, out, seconds, sample_update, size) -> dict:
+    """Start the actors; once every one has reported ready (None on `out`:
+    attached, its rows built, its library imported), start the clock, run
+    the learner loop for `seconds`, and collect each actor's item count."""
     for p in procs:
         p.start()
-    time.sleep(1.0)  # let every actor attach before the clock starts
+    deadline, ready = time.perf_counter() + 300, 0
+    while ready < len(procs):
+        try:
+            ready += out.get(timeout=1.0) is None
+        except queue.Empty:
+            if time.perf_counter() > deadline or not all(p.is_alive() for p in procs):
+                raise RuntimeError("actor processes did not get ready") from None
     start.set()
     t0 = time.perf_counter()
     while size() == 0 and time.perf_counter() - t0 < seconds:

@@ -8,6 +8,8 @@ Prints one JSON line.  Cells:
     sample_it           shmreplay only: the same loop through t.iterate(prefetch=2)
     mp2, mp4            2 or 4 actor processes inserting chunks of 16 while one
                         learner samples and updates; inserts/s and batches/s
+    qmp2, qmp4          the same into a queue (shmreplay: create_queue, each item
+                        sampled once, in order; a peer without queues: its mp cell)
     gather              numpy ceiling: np.take(ring, idx, out=, mode="clip"); also
                         the same gather split over two threads
     write               ceiling for inserts: chunks of 64 rows copied from a
@@ -179,8 +181,11 @@ def run(cell: str, peer_name: str, wkey: str, seconds: float, capacity: int | No
         return cell_sample(peers.make(peer_name), w, seconds)
     if cell == "sample_it":
         return cell_sample(peers.make(peer_name), w, seconds, prefetch=True)
-    if cell in ("mp2", "mp4"):
-        return cell_mp(peers.make(peer_name), w, int(cell[2:]), seconds)
+    if cell in ("mp2", "mp4", "qmp2", "qmp4"):
+        peer = peers.make(peer_name)
+        if cell.startswith("q") and peer_name == "shmreplay":
+            peer.queue = True
+        return cell_mp(peer, w, int(cell[-1]), seconds)
     if cell == "gather":
         return cell_gather(w, seconds)
     if cell == "write":

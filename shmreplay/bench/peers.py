@@ -108,14 +108,18 @@ class Daemon:
 
 class ShmreplayPeer:
     name = "shmreplay"
+    queue = False  # the qmp cells: a queue (each item sampled once, in order)
 
     def open(self, w: Workload) -> None:
         import shmreplay
         self.w = w
         self.daemon = Daemon()
         self.client = shmreplay.connect(self.daemon.socket, timeout=120)
-        self.table = self.client.create_table("bench", capacity=w.capacity, fields=w.fields,
-                                              sampler="prioritized", alpha=0.6)
+        if self.queue:
+            self.table = self.client.create_queue("bench", w.capacity, w.fields)
+        else:
+            self.table = self.client.create_table("bench", capacity=w.capacity, fields=w.fields,
+                                                  sampler="prioritized", alpha=0.6)
         self.batch = None
         self.rng = np.random.default_rng(1)
 
@@ -141,7 +145,8 @@ class ShmreplayPeer:
         if getattr(self, "it", None) is None:
             self.it = self.table.iterate(self.w.batch, beta=beta, prefetch=2)
         b = next(self.it)
-        self.table.update_priorities(b.keys, new_priorities(self.w.batch, self.rng))
+        if not self.queue:
+            self.table.update_priorities(b.keys, new_priorities(self.w.batch, self.rng))
         return b.data
 
     def close(self) -> None:

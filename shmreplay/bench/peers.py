@@ -174,7 +174,10 @@ def _shm_actor(sock, wkey, chunk, seconds, seed, start, out):
         start.wait()
         n, t0 = 0, time.perf_counter()
         while time.perf_counter() - t0 < seconds:
-            t.insert_batch(rows)
+            try:  # a full queue holds an insert until the learner takes items,
+                t.insert_batch(rows, timeout=0.5)  # and it stops at the end
+            except shmreplay.RateLimited:
+                continue
             n += chunk
         t.flush()
     out.put(n)

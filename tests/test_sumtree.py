@@ -207,7 +207,7 @@ def table_and_update(draw):
     return capacity, gens, state, keys, prios, alpha
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=150, deadline=None)
 @given(table_and_update())
 def test_update_kernel_matches_reference_and_a_refused_update_writes_nothing(case):
     capacity, gens, state, keys, prios, alpha = case

@@ -253,6 +253,9 @@ class Table:
         others are stale: counted, skipped); returns how many were stale.
         A refused update (PriorityError, ProtocolError) changes nothing."""
         n = keys.shape[0]
+        # the payload is the client's ring, which it may still write: check
+        # and apply one private copy (the kernel indexes without bounds checks)
+        keys, priorities = keys.copy(), priorities.copy()
         treeops.check_update(keys, priorities, self.spec)
         m = self.map
         live, top = self.sampler.update(keys, priorities, m.gens, m.state, m.prios)

@@ -33,6 +33,9 @@ import tempfile
 import time
 
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, HERE)
+
+from shmreplay.bench import runner  # noqa: E402
 METRICS = ("items_per_s", "batches_per_s", "inserts_per_s", "median_us")  # median_us: lower is better
 
 
@@ -48,9 +51,8 @@ def run_cell(tree: str, cell: str, workload: str, seconds: float, timeout: float
     env = dict(os.environ, PYTHONPATH=tree)
     cmd = [sys.executable, "-m", "shmreplay.bench.cells", cell, peer, workload,
            "--seconds", str(seconds)] + (["--capacity", str(capacity)] if capacity else [])
-    try:
-        out = subprocess.run(cmd, cwd=tree, env=env, capture_output=True, text=True, timeout=timeout)
-    except subprocess.TimeoutExpired:
+    out = runner.run_group(cmd, timeout, cwd=tree, env=env)  # a hung cell leaves nothing
+    if out is None:
         return {"error": f"timed out after {timeout} s"}
     if out.returncode != 0:
         return {"error": out.stderr.strip()[-500:] or f"exit code {out.returncode}"}

@@ -35,6 +35,17 @@ def build(mod, capacity, values):
     return sums, mins
 
 
+def updated(case, need_min=False):
+    """The tree of ``case`` after its updates, or None if nothing can be
+    drawn from it (no positive finite total; ``need_min``: no positive min)."""
+    capacity, initial, idx, vals = case
+    sums, mins = build(fast, capacity, initial)
+    fast.tree_update(sums, mins, idx, vals)
+    if not sums[1] > 0 or not np.isfinite(sums[1]) or (need_min and not mins[1] > 0):
+        return None
+    return sums, mins
+
+
 @settings(max_examples=300, deadline=None)
 @given(tree_and_updates())
 def test_update_with_duplicates_matches_reference(case):
@@ -58,11 +69,10 @@ def test_update_with_duplicates_matches_reference(case):
 @settings(max_examples=300, deadline=None)
 @given(tree_and_updates(), st.integers(1, 64), st.integers(0, 2**32 - 1))
 def test_stratified_sample_matches_reference_and_never_draws_zero(case, n, seed):
-    capacity, initial, idx, vals = case
-    sums, mins = build(fast, capacity, initial)
-    fast.tree_update(sums, mins, idx, vals)
-    if not sums[1] > 0 or not np.isfinite(sums[1]):
+    capacity = case[0]
+    if (tree := updated(case)) is None:
         return
+    sums, mins = tree
     u = np.random.default_rng(seed).random(n)
     i1, v1 = np.empty(n, np.int64), np.empty(n)
     i2, v2 = np.empty(n, np.int64), np.empty(n)
@@ -167,11 +177,9 @@ def test_tree_size_is_the_next_power_of_two(capacity):
 @given(tree_and_updates(), st.integers(1, 64), st.integers(0, 2**32 - 1),
        st.floats(min_value=0.0, max_value=1.0))
 def test_draw_matches_reference(case, n, seed, beta):
-    capacity, initial, idx, vals = case
-    sums, mins = build(fast, capacity, initial)
-    fast.tree_update(sums, mins, idx, vals)
-    if not sums[1] > 0 or not np.isfinite(sums[1]) or not mins[1] > 0:
+    if (tree := updated(case, need_min=True)) is None:
         return
+    sums, mins = tree
     u = np.random.default_rng(seed).random(n)
     a = [np.empty(n, np.int64), np.empty(n), np.empty(n)]
     b = [np.empty(n, np.int64), np.empty(n), np.empty(n)]
@@ -247,11 +255,10 @@ def test_update_kernel_matches_reference_and_a_refused_update_writes_nothing(cas
 @settings(max_examples=100, deadline=None)
 @given(tree_and_updates(), st.integers(1, 64), st.integers(0, 2**32 - 1))
 def test_draw_keys_stamp_each_draw_with_its_slots_generation(case, n, seed):
-    capacity, initial, idx, vals = case
-    sums, mins = build(fast, capacity, initial)
-    fast.tree_update(sums, mins, idx, vals)
-    if not sums[1] > 0 or not np.isfinite(sums[1]) or not mins[1] > 0:
+    capacity = case[0]
+    if (tree := updated(case, need_min=True)) is None:
         return
+    sums, mins = tree
     gens = np.random.default_rng(seed).integers(0, 2**32, capacity).astype(np.uint32)
     u = np.random.default_rng(seed).random(n)
     out = []

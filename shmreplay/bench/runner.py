@@ -12,11 +12,12 @@ from __future__ import annotations
 import json
 import os
 import platform
+import signal
 import subprocess
 import sys
 import time
 
-from . import peerenv, peers
+from . import peerenv
 
 FULL = {
     "sac-mujoco": ["insert1", "insert64", "sample", "mp2", "mp4"],
@@ -30,6 +31,30 @@ SHMREPLAY_ONLY = [("sample_it", "sac-mujoco"), ("sample_it", "dqn-atari"), ("sam
                   ("rtt", "sac-mujoco"), ("daemon_cpu", "sac-mujoco")]
 
 
+def run_group(cmd: list, timeout: float, **kw) -> subprocess.CompletedProcess | None:
+    """Run a cell's process in a session of its own; None if it ran past
+    ``timeout``.  Then the whole session (the cell, its private daemon,
+    its actors) gets SIGTERM, so the daemon unlinks its segments, and
+    SIGKILL 10 s later: a cell that hangs leaves no process or segment."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True, **kw)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        for sig, wait in ((signal.SIGTERM, 10), (signal.SIGKILL, 10)):
+            try:
+                os.killpg(proc.pid, sig)
+            except ProcessLookupError:
+                break
+            try:
+                proc.communicate(timeout=wait)
+                break
+            except subprocess.TimeoutExpired:
+                continue
+        return None
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
 def run_cell(cell: str, peer: str, workload: str, seconds: float, timeout: float = 180,
              capacity: int | None = None) -> dict:
     """One cell in its own process: this interpreter for shmreplay, cpprb
@@ -41,10 +66,8 @@ def run_cell(cell: str, peer: str, workload: str, seconds: float, timeout: float
     if peer in peerenv.SPECS and peerenv.SPECS[peer].env is not None:
         timeout = max(timeout, 900)  # Reverb fills 1M items at ~5,000 items/s
     t0 = time.monotonic()
-    try:
-        out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
-                             env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3"))
-    except subprocess.TimeoutExpired:  # cpprb's multiprocess buffer has deadlocked here once
+    out = run_group(cmd, timeout, env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3"))
+    if out is None:  # cpprb's multiprocess buffer has deadlocked here once
         return {"cell": cell, "peer": peer, "workload": workload, "error": f"timed out after {timeout} s"}
     lines = [line for line in out.stdout.strip().splitlines() if line.startswith("{")]
     if out.returncode != 0 or not lines:

@@ -21,6 +21,7 @@ class KeyedUpdates:
     """``update`` for a sampler without a kernel of its own: the live keys'
     priorities stored (``treeops.store_live``), then ``set``."""
 
+    fused = False  # True: also draw(n, rng, beta, gens), one kernel (PrioritizedSampler)
     scratch = (np.empty(0, np.int64), np.empty(0))  # grown on demand: slots, values
 
     def _scratch(self, n: int) -> tuple[np.ndarray, np.ndarray]:
@@ -36,7 +37,7 @@ class KeyedUpdates:
         slots, values = self._scratch(keys.shape[0])
         live, top = treeops.store_live(keys, priorities, gens, state, stored, slots, values)
         if live:
-            self.set(slots[:live].copy(), values[:live].copy())
+            self.set(slots[:live], values[:live])  # set() keeps neither array
         return int(live), float(top)
 
 

@@ -214,7 +214,7 @@ class Table:
         err = self.counters.sample_refusal(n, self.sampler.mass)
         if err is not None:
             raise Blocked(err)
-        if getattr(self.sampler, "fused", False) and not self.spec.max_times_sampled:
+        if self.sampler.fused and not self.spec.max_times_sampled:
             keys, probs, weights = self.sampler.draw(n, self.rng, beta, self.map.gens)
             hid = 0
         else:

@@ -169,3 +169,88 @@ def test_sequence_writer_on_a_rate_limited_table_waits_for_the_learner(client):
     w.close()
     t.flush()
     assert len(t) == 4
+
+
+RENAMED = {"observation": ("float32", (2,)), "a": ("int32", ()), "r": ("float32", ()),
+           "gamma_t": ("float32", ()), "next_observation": ("float32", (2,)), "step": ("int64", ())}
+ROLES = {"obs": "observation", "action": "a", "reward": "r", "discount": "gamma_t",
+         "next_obs": "next_observation"}
+
+
+def test_nstep_writer_takes_the_tables_own_field_names(client):
+    t = client.create_table("renamed", 100, RENAMED)
+    rng = np.random.default_rng(5)
+    obs = rng.normal(size=(7, 2)).astype(np.float32)
+    steps = [(obs[i], i % 3, float(i + 1), obs[i + 1]) for i in range(6)]
+    with shmreplay.NStepWriter(t, n=3, gamma=0.5, fields=ROLES) as w:
+        for i, (o, a, r, o2) in enumerate(steps):
+            w.append(obs=o, action=a, reward=r, next_obs=o2, terminated=i == 5, step=i)
+    t.flush()
+    got, _ = committed(t)
+    want = nstep_reference([(steps, "terminated")], 3, 0.5)
+    np.testing.assert_array_equal(got["observation"], [s[0] for s in want])
+    np.testing.assert_array_equal(got["a"], [s[1] for s in want])
+    np.testing.assert_allclose(got["r"], [s[2] for s in want], rtol=1e-6)
+    np.testing.assert_allclose(got["gamma_t"], [s[3] for s in want])
+    np.testing.assert_array_equal(got["next_observation"], [s[4] for s in want])
+    np.testing.assert_array_equal(got["step"], np.arange(6))  # an extra field, from the first step
+
+
+def test_nstep_writer_field_map_errors_say_what_to_write(client):
+    t = client.create_table("renamed", 100, RENAMED)
+    with pytest.raises(shmreplay.FieldError, match=r"lacks the n-step field\(s\) obs, .*map the roles"):
+        shmreplay.NStepWriter(t, n=3)
+    with pytest.raises(shmreplay.FieldError, match=r"unknown writer role\(s\) \['observation'\]"):
+        shmreplay.NStepWriter(t, n=3, fields={"observation": "observation"})
+    with pytest.raises(shmreplay.FieldError, match="the reward field 'step' must be a scalar float"):
+        shmreplay.NStepWriter(t, n=3, fields={**ROLES, "reward": "step"})
+
+
+def _close_under_a_closed_limiter(path, kind, out):
+    """A writer with items open on a table whose rate limiter admits no
+    more, closed as a process that is shutting down would."""
+    c = shmreplay.connect(path)
+    t = c.table(kind)
+    if kind == "seq":
+        w = shmreplay.SequenceWriter(t, length=4, period=2, timeout=0.2)
+        step = dict(x=1)
+    else:
+        w = shmreplay.NStepWriter(t, n=3, timeout=0.2)
+        step = dict(obs=[1, 1], action=1, reward=1.0, next_obs=[1, 1])
+    try:
+        while True:
+            w.append(**step)
+    except shmreplay.RateLimited:
+        pass
+    out.put(len(w.open))
+    w.close(timeout=5.0)
+    c.close()
+    out.put("closed")
+
+
+@pytest.mark.parametrize("kind", ["seq", "nstep"])
+def test_writer_close_never_waits_for_the_rate_limiter(start_daemon, kind):
+    import multiprocessing
+    d = start_daemon()
+    fields = ({"x": ("int64", (4,)), "length": ("int32", ())} if kind == "seq" else NSTEP)
+    limits = dict(samples_per_insert=1.0, error_buffer=(0.0, 3.0))
+    with d.connect() as c:
+        t = c.create_table(kind, 100, fields, **limits)
+        ctx = multiprocessing.get_context("spawn")
+        out = ctx.Queue()
+        p = ctx.Process(target=_close_under_a_closed_limiter, args=(d.socket, kind, out))
+        p.start()
+        try:
+            assert out.get(timeout=120) > 0  # items were open when close() was called
+            assert out.get(timeout=120) == "closed"
+        finally:
+            p.join(60)
+            if p.is_alive():
+                p.kill()
+                p.join()
+        assert p.exitcode == 0
+        c.flush()
+        # the limiter admitted 3 items: SequenceWriter commits all 3 (the open
+        # ones padded), the n-step writer the one transition that had n steps
+        got, _ = committed(t)
+        assert len(got["length" if kind == "seq" else "reward"]) == (3 if kind == "seq" else 1)

@@ -192,10 +192,12 @@ class SlotLease:
         session.pipe.send(R.put_commit, self._table_id, rid, 1, pos, prio)
         self.taken -= 1
 
-    def release(self, abandoned=()) -> None:
+    def release(self, abandoned=(), timeout: float | None = None) -> None:
         """Hand back the slots not handed out, and those of ``abandoned``
         items ((rid, pos, slot) taken but never to be committed; none may
-        precede a committed one in its reservation)."""
+        precede a committed one in its reservation).  Waits at most
+        ``timeout`` (None: the client's) for a reservation asked ahead
+        (never parked in the daemon: ``_ask_ahead``)."""
         session = self._session
         session.check_fork()  # a forked child must not send its parent's ids on its parent's channel
         if self.renewed:  # voided (reconnect, fork): the abandoned items' ids are dead
@@ -205,7 +207,8 @@ class SlotLease:
         if self.ahead is not None:
             seq, self.ahead = self.ahead, None
             try:
-                rids.add(session.pipe.wait(seq, R.read_reserve_reply, session.pipe.timeout)[0])
+                rids.add(session.pipe.wait(seq, R.read_reserve_reply,
+                                           session.pipe.timeout if timeout is None else timeout)[0])
             except ReplayError:
                 pass  # the RESERVE failed: nothing to hand back
         cur, self.cur = self.cur, None

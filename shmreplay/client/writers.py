@@ -43,6 +43,16 @@ def _as_step(table, field, value, shape) -> np.ndarray:
     return a
 
 
+def _roles(table, roles, given) -> dict:
+    """A writer's role -> field name map: ``given`` overrides the defaults
+    (each role's own name)."""
+    given = dict(given or {})
+    unknown = sorted(set(given) - set(roles))
+    if unknown:
+        raise FieldError(f"table {table.name!r}: unknown writer role(s) {unknown}; the roles are {list(roles)}")
+    return {r: str(given.get(r, r)) for r in roles}
+
+
 class SequenceWriter:
     """Fixed-length overlapping sequences from a per-step stream.
 
@@ -145,10 +155,15 @@ class SequenceWriter:
             self._commit(self.open.popleft())
         self.t = 0
 
-    def close(self) -> None:
-        """End the episode (open sequences are committed, padded) and hand back unused slots."""
-        self.end_episode()
-        self.lease.release()
+    def close(self, timeout: float | None = None) -> None:
+        """End the episode (open sequences are committed, padded, into the
+        slots they already hold) and hand back unused slots.  Never waits
+        for the rate limiter; ``timeout`` (default: the client's) bounds the
+        wait for a reservation reply already on its way."""
+        try:
+            self.end_episode()
+        finally:
+            self.lease.release((), timeout)
 
     def __enter__(self) -> "SequenceWriter":
         return self
@@ -160,9 +175,13 @@ class SequenceWriter:
 class NStepWriter:
     """n-step transitions from a per-step stream (Ape-X, Rainbow, R2D2's TD targets).
 
-    The table needs fields ``obs`` and ``next_obs`` (same shape and dtype),
-    ``action``, and scalar float ``reward`` and ``discount``; any other field
-    is taken from the step the transition starts at.  For the transition
+    The table needs an observation and a next-observation field (same
+    shape and dtype), an action field, and scalar float reward and discount
+    fields; any other field is taken from the step the transition starts
+    at.  They are called ``obs``, ``next_obs``, ``action``, ``reward`` and
+    ``discount`` unless ``fields`` maps these roles to the table's own names
+    (``fields={"obs": "observation", "next_obs": "next_observation"}``);
+    ``append`` takes the roles' names either way.  For the transition
     starting at step t, with m = min(n, steps left in the episode)::
 
         reward   = r_t + gamma r_{t+1} + ... + gamma^(m-1) r_{t+m-1}
@@ -176,26 +195,34 @@ class NStepWriter:
         w.append(obs=o, action=a, reward=r, next_obs=o2, terminated=term, truncated=trunc)
     """
 
-    REQUIRED = ("obs", "action", "reward", "discount", "next_obs")
+    ROLES = ("obs", "action", "reward", "discount", "next_obs")
 
     def __init__(self, table, n: int = 3, gamma: float = 0.99, priority_fn=None,
-                 timeout: float | None = None):
+                 timeout: float | None = None, fields: dict | None = None):
         if not isinstance(n, int) or n < 1:
             raise ReplayError(f"n must be an int >= 1, got {n!r}")
         if not 0.0 <= gamma <= 1.0:
             raise ReplayError(f"gamma must be in [0, 1], got {gamma}")
         spec = table.spec
         names = {f.name: f for f in spec.fields}
-        missing = [k for k in self.REQUIRED if k not in names]
+        role = _roles(table, self.ROLES, fields)
+        missing = [f"{r} ({role[r]!r})" if role[r] != r else r for r in self.ROLES if role[r] not in names]
         if missing:
-            raise FieldError(f"table {table.name!r} lacks the n-step field(s) {missing}")
+            raise FieldError(f"table {table.name!r} lacks the n-step field(s) {', '.join(missing)}; "
+                             f"it has {sorted(names)}: map the roles to them with fields={{role: name}}")
         for k in ("reward", "discount"):
-            if names[k].shape != () or names[k].dtype.kind != "f":
-                raise FieldError(f"table {table.name!r}: field {k!r} must be a scalar float")
-        if names["obs"].shape != names["next_obs"].shape or names["obs"].dtype != names["next_obs"].dtype:
-            raise FieldError(f"table {table.name!r}: obs and next_obs must have the same shape and dtype")
-        self.extras = [f.name for f in spec.fields if f.name not in self.REQUIRED]
-        self.step_shapes = {k: names[k].shape for k in ("obs", "action", "next_obs", *self.extras)}
+            f = names[role[k]]
+            if f.shape != () or f.dtype.kind != "f":
+                raise FieldError(f"table {table.name!r}: the {k} field {f.name!r} must be a scalar float")
+        o, o2 = names[role["obs"]], names[role["next_obs"]]
+        if o.shape != o2.shape or o.dtype != o2.dtype:
+            raise FieldError(f"table {table.name!r}: the obs and next_obs fields ({o.name!r}, "
+                             f"{o2.name!r}) must have the same shape and dtype")
+        self.role = role
+        self.extras = [f.name for f in spec.fields if f.name not in role.values()]
+        # step values by the table's field names; the roles' values arrive by role
+        self.step_shapes = {role[k]: names[role[k]].shape for k in ("obs", "action", "next_obs")}
+        self.step_shapes.update({k: names[k].shape for k in self.extras})
         self.table, self.n, self.gamma, self.priority_fn = table, n, float(gamma), priority_fn
         self.timeout = timeout
         self.lease = table.lease()
@@ -207,8 +234,8 @@ class NStepWriter:
         if extras.keys() != set(self.extras):
             raise FieldError(f"table {self.table.name!r}: extra step fields must be exactly "
                              f"{sorted(self.extras)}, got {sorted(extras)}")
-        t = self.table
-        step = {"obs": obs, "action": action, "next_obs": next_obs, **extras}
+        t, role = self.table, self.role
+        step = {role["obs"]: obs, role["action"]: action, role["next_obs"]: next_obs, **extras}
         arrays = {k: _as_step(t, k, v, self.step_shapes[k]) for k, v in step.items()}
         r = float(reward)
         if not np.isfinite(r):
@@ -224,7 +251,8 @@ class NStepWriter:
         lease.check()
         rid, pos, slot = lease.take(deadline_of(self.timeout))
         views = lease.views
-        for k in ("obs", "action", *self.extras):
+        role = self.role
+        for k in (role["obs"], role["action"], *self.extras):
             views[k][slot] = arrays[k]
         self.open.append([rid, pos, slot, 0.0, 0])
         for item in self.open:
@@ -232,31 +260,33 @@ class NStepWriter:
             item[4] += 1
         if terminated or truncated:
             while self.open:
-                self._commit(self.open.popleft(), arrays["next_obs"], bool(terminated))
+                self._commit(self.open.popleft(), arrays[role["next_obs"]], bool(terminated))
             return
         if self.open[0][4] == self.n:
-            self._commit(self.open.popleft(), arrays["next_obs"], False)
+            self._commit(self.open.popleft(), arrays[role["next_obs"]], False)
 
     def _commit(self, item, next_obs, terminated: bool) -> None:
         rid, pos, slot, ret, m = item
-        v = self.lease.views
-        v["reward"][slot] = ret
-        v["discount"][slot] = 0.0 if terminated else self.gamma ** m
-        v["next_obs"][slot] = next_obs
+        v, role = self.lease.views, self.role
+        v[role["reward"]][slot] = ret
+        v[role["discount"]][slot] = 0.0 if terminated else self.gamma ** m
+        v[role["next_obs"]][slot] = next_obs
         prio = None
         if self.priority_fn is not None:
             prio = self.priority_fn({f: v[f][slot] for f in v})
         self.lease.commit(rid, pos, prio)
 
-    def close(self) -> None:
+    def close(self, timeout: float | None = None) -> None:
         """Drop unfinished transitions (their slots go back) and unused slots.
 
         A transition is finished only by n steps or the episode's end; one
-        cut short by close() has no next_obs to bootstrap from."""
+        cut short by close() has no next_obs to bootstrap from.  Never
+        waits for the rate limiter; ``timeout`` (default: the client's)
+        bounds the wait for a reservation reply already on its way."""
         # open items are the newest taken, so nothing committed follows them
         abandoned = [] if self.lease.renewed else [item[:3] for item in self.open]
         self.open.clear()
-        self.lease.release(abandoned)
+        self.lease.release(abandoned, timeout)
 
     def __enter__(self) -> "NStepWriter":
         return self

@@ -1,0 +1,200 @@
+"""``shmreplay.Server``: a private daemon for one program, as ``reverb.Server``.
+
+    with shmreplay.Server(tables=[dict(name="replay", capacity=100_000,
+                                       fields={"obs": ("float32", (4,))})]) as server:
+        client = server.connect()
+        ...
+
+A ``Server`` starts ``shmreplayd`` as a child process on a private socket
+in a fresh 0700 temporary directory, under an instance name of its own,
+so it shares nothing with a system daemon or another program's Server.  It
+returns once the daemon serves and every table in ``tables`` exists (made
+with ``Client.create_table``, so they take its forms and raise its
+errors).  ``stop()`` (and leaving the ``with`` block) shuts it down with
+SIGTERM, waits, and checks that nothing of its instance is left in
+/dev/shm; a daemon that fails to start raises ``ServerFailed`` with the
+tail of its log.
+
+The daemon is the child of the thread that made the Server and gets
+SIGTERM if that thread dies (``PR_SET_PDEATHSIG``), so a program killed
+with SIGKILL leaves no daemon running behind it (its segments stay until
+``shmreplay cleanup --instance``; the daemon's own SIGTERM path removes
+them when it gets to run).  Make a Server from the main thread, or from a
+thread that outlives it.
+
+Who calls it: the program that owns it, from one thread.  ``connect()``
+may be called as often as needed; each ``Client`` is for one thread (and
+is picklable into child processes, which connect by the same socket).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import itertools
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+from ..errors import DaemonUnavailable, ReplayError
+from ..wire.names import SHM_DIR
+from .client import Client, connect
+
+START_TIMEOUT_S = 120.0   # the first start on a machine compiles the kernels (seconds)
+STOP_TIMEOUT_S = 60.0
+_counter = itertools.count()
+_PR_SET_PDEATHSIG = 1
+
+
+class ServerFailed(ReplayError):
+    """The private daemon did not start, or did not stop cleanly."""
+
+
+def _die_with_parent() -> None:  # runs in the child between fork and exec
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    except (OSError, AttributeError):
+        pass  # not Linux: the daemon outlives a killed parent, as a Popen would
+
+
+def _toml_value(v) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, str):
+        return json.dumps(v)
+    if isinstance(v, (int, float)):
+        return repr(v)
+    if isinstance(v, (list, tuple)):
+        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
+    raise ReplayError(f"daemon option value {v!r}: give a bool, number, string or list of them")
+
+
+class Server:
+    """A private ``shmreplayd`` (see the module docstring)."""
+
+    def __init__(self, tables=(), config: str | None = None, instance: str | None = None,
+                 timeout: float = START_TIMEOUT_S, python: str | None = None, **daemon_options):
+        """``tables``: dicts of ``Client.create_table``'s arguments (name,
+        capacity, fields, sampler, ...), or ``("queue", dict)`` pairs for
+        ``create_queue``.  ``config``: a shmreplayd TOML file (its socket
+        and instance are overridden); or ``daemon_options``: keys of its
+        ``[daemon]`` section (``learner_spin_us=0``, ``log_level="info"``),
+        not both.  ``instance``: the shared-memory name prefix (default
+        ``local<pid>x<n>``).  ``python``: the interpreter to run the daemon
+        with (default this one)."""
+        if config is not None and daemon_options:
+            raise ReplayError("give daemon options in the config file or as keywords, not both")
+        self.instance = instance or f"local{os.getpid()}x{next(_counter)}"
+        self.dir = tempfile.mkdtemp(prefix="shmreplay-server-")
+        self.socket = os.path.join(self.dir, "shmreplay.sock")
+        self.log_path = os.path.join(self.dir, "shmreplayd.log")
+        self.proc: subprocess.Popen | None = None
+        self._clients: list[Client] = []
+        try:
+            if config is None:
+                config = os.path.join(self.dir, "shmreplayd.toml")
+                with open(config, "w") as f:
+                    f.write("[daemon]\n" + "".join(f"{k} = {_toml_value(v)}\n"
+                                                   for k, v in daemon_options.items()))
+            self.config = str(config)
+            with open(self.log_path, "wb") as log:
+                self.proc = subprocess.Popen(
+                    [python or sys.executable, "-m", "shmreplay.server.daemon", "--config", self.config,
+                     "--socket", self.socket, "--instance", self.instance],
+                    stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                    env={**os.environ, "SHMREPLAY_SOCKET": self.socket}, preexec_fn=_die_with_parent)
+            admin = self._wait_ready(timeout)
+            try:
+                for t in tables:
+                    if isinstance(t, tuple) and t and t[0] == "queue":
+                        admin.create_queue(**t[1])
+                    else:
+                        admin.create_table(**t)
+            finally:
+                admin.close()
+        except BaseException:
+            self.stop(check=False)
+            raise
+
+    def _wait_ready(self, timeout: float) -> Client:
+        deadline = time.monotonic() + timeout
+        while True:
+            if self.proc.poll() is not None:
+                raise ServerFailed(f"shmreplayd exited with code {self.proc.returncode} during "
+                                   f"startup; its log ends:\n{self.log_tail()}")
+            try:
+                return connect(self.socket, timeout=30.0)
+            except DaemonUnavailable:
+                if time.monotonic() > deadline:
+                    raise ServerFailed(f"shmreplayd did not serve within {timeout} s; its log "
+                                       f"ends:\n{self.log_tail()}") from None
+                time.sleep(0.02)
+
+    # ---- use ----
+    def connect(self, timeout: float = 30.0, reconnect: bool = False) -> Client:
+        """A new ``Client`` of this daemon (closed by ``stop`` if still open)."""
+        if self.proc is None or self.proc.poll() is not None:
+            raise DaemonUnavailable("this Server is stopped")
+        c = connect(self.socket, timeout=timeout, reconnect=reconnect)
+        self._clients.append(c)
+        return c
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def log_tail(self, lines: int = 30) -> str:
+        try:
+            with open(self.log_path, errors="replace") as f:
+                return "".join(f.readlines()[-lines:])
+        except OSError:
+            return "(no log)"
+
+    def leftovers(self) -> list[str]:
+        """This instance's objects in /dev/shm (none once stopped cleanly)."""
+        mark = f"shmreplay.{self.instance}."
+        return sorted(n for n in os.listdir(SHM_DIR) if n.startswith(mark) or n.startswith("sem." + mark))
+
+    # ---- stop ----
+    def stop(self, check: bool = True) -> int:
+        """SIGTERM the daemon and wait (a daemon that does not stop in
+        STOP_TIMEOUT_S is killed); remove the temporary directory.  With
+        ``check``, raise ServerFailed if it did not exit 0 or left objects
+        in /dev/shm.  Returns its exit code; idempotent."""
+        for c in self._clients:
+            try:
+                c.close()
+            except ReplayError:
+                pass  # the daemon may already be gone; stop is what was asked
+        self._clients = []
+        proc, code = self.proc, 0
+        if proc is not None:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+            try:
+                code = proc.wait(STOP_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                code = proc.wait()
+        tail = self.log_tail()
+        shutil.rmtree(self.dir, ignore_errors=True)
+        left = self.leftovers() if proc is not None else []
+        self.proc = None
+        if check and proc is not None and (code != 0 or left):
+            raise ServerFailed(f"shmreplayd exited with code {code}, left {left or 'nothing'} in "
+                               f"/dev/shm; its log ends:\n{tail}")
+        return code
+
+    def __enter__(self) -> "Server":
+        return self
+
+    def __exit__(self, exc_type, *_) -> None:
+        self.stop(check=exc_type is None)
+
+    def __del__(self):
+        if getattr(self, "proc", None) is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)

@@ -13,7 +13,7 @@ plus shared pure logic at the root (errors, schema, rate-limiter
 predicates, priority checks).  docs/layout.md, "Where things are", maps it.
 """
 
-from .client import Client, NStepWriter, SampleBatch, SequenceWriter, Server, ServerFailed, Table, connect
+from .client import Client, NStepWriter, ParameterBoard, SampleBatch, SequenceWriter, Server, ServerFailed, Table, connect
 from .errors import (
     CapacityError, DaemonUnavailable, DiskFull, EmptyTable, ForeignObject, FieldError, LayoutError, PriorityError,
     PermissionDenied, ProtocolError, RateLimited, ReplayError, ReplayTimeout, SchemaError, ShmFull,
@@ -22,7 +22,7 @@ from .errors import (
 from .version import __version__
 
 __all__ = [
-    "connect", "Client", "Server", "ServerFailed", "Table", "SampleBatch", "SequenceWriter", "NStepWriter",
+    "connect", "Client", "Server", "ServerFailed", "ParameterBoard", "Table", "SampleBatch", "SequenceWriter", "NStepWriter",
     "ReplayError", "ProtocolError", "DaemonUnavailable", "ReplayTimeout", "UnknownTable",
     "TableExists", "SchemaError", "FieldError", "PriorityError", "CapacityError", "ShmFull",
     "LayoutError", "EmptyTable", "RateLimited", "SlotsBusy", "PermissionDenied", "DiskFull",

@@ -135,6 +135,12 @@ class Table:
     def capacity(self) -> int:
         return self.spec.capacity
 
+    @property
+    def inserts(self) -> int:
+        """Items committed to this table so far (the daemon's counter in
+        shared memory: no round trip; a snapshot)."""
+        return self._words.inserts
+
     # ---- rate-limiter probes (no round trip: the daemon's counters are in the segment) ----
     def can_insert(self, n: int = 1) -> bool:
         """True if an insert of n items would run now without waiting for

@@ -204,7 +204,7 @@ class Table:
 
     # ---- reading ----
     def iterate(self, batch_size: int, beta: float = 0.4, prefetch: int = 2,
-                timeout: float | None = None):
+                timeout: float | None = None, check_reuse: bool = False, buffers=None):
         """Prefetching batches for a learner loop (``iterator.BatchIterator``)::
 
             with table.iterate(256, beta=0.4) as batches:
@@ -212,8 +212,13 @@ class Table:
                     ...train...
                     table.update_priorities(b.keys, new_priorities)
 
-        ``timeout`` bounds each batch's wait for the table's limits."""
-        return BatchIterator(self, batch_size, beta, prefetch, timeout)
+        **A batch is valid until the next one is asked for**: its buffers
+        are then refilled; copy what must outlive the step.
+        ``check_reuse=True`` (debug) raises instead if something still
+        references a batch's arrays a step later.  ``timeout`` bounds each
+        batch's wait for the table's limits.  ``buffers``: see
+        ``BatchIterator`` (``shmreplay.torch.iterate`` uses it)."""
+        return BatchIterator(self, batch_size, beta, prefetch, timeout, buffers, check_reuse)
 
     def _check_draw(self, batch_size, beta) -> tuple[int, float]:
         n, beta = R.check_draw(batch_size, beta, "batch_size {n}", self._session.max_batch)

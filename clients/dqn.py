@@ -1,0 +1,187 @@
+"""What the example programs share: environments, Q-networks, the Double-DQN
+learner step, the Ape-X epsilon ladder, and the progress report (one line
+a second, a CSV and a PNG learning curve at the end).
+
+Not a program: ``apex_dqn.py`` and ``seed_learner.py`` import it (run them
+from anywhere: their own folder is on ``sys.path``).  Needs the examples
+extra: ``pip install "shmreplay[examples]"`` (torch, gymnasium,
+matplotlib); Atari ids also need ``shmreplay[atari]``.
+"""
+
+from __future__ import annotations
+
+import collections
+import csv
+import os
+import time
+
+import numpy as np
+import torch
+from torch import nn
+
+
+# ---- environments ----
+def make_env(env_id: str, seed: int):
+    """A gymnasium env; Atari ids (``ALE/...``) get the standard DQN
+    wrappers: 84x84 grayscale, frame skip 4, 4-frame stack, uint8."""
+    import gymnasium as gym
+    if env_id.startswith("ALE/"):
+        import ale_py
+        gym.register_envs(ale_py)
+        env = gym.make(env_id, frameskip=1, repeat_action_probability=0.0)
+        env = gym.wrappers.AtariPreprocessing(env, frame_skip=4, screen_size=84, grayscale_obs=True,
+                                              noop_max=30, terminal_on_life_loss=False)
+        env = gym.wrappers.FrameStackObservation(env, 4)
+    else:
+        env = gym.make(env_id)
+    if not hasattr(env.action_space, "n"):
+        raise SystemExit(f"{env_id}: DQN needs a discrete action space, this one is {env.action_space}")
+    env.reset(seed=seed)
+    env.action_space.seed(seed)
+    return env
+
+
+def env_fields(env_id: str) -> tuple[dict, int]:
+    """The replay table's fields for ``env_id`` and its number of actions."""
+    env = make_env(env_id, 0)
+    space = env.observation_space
+    dtype = "uint8" if space.dtype == np.uint8 else "float32"
+    shape = tuple(space.shape)
+    env.close()
+    fields = {"obs": (dtype, shape), "action": ("int64", ()), "reward": ("float32", ()),
+              "discount": ("float32", ()), "next_obs": (dtype, shape)}
+    return fields, int(env.action_space.n)
+
+
+def epsilon_ladder(count: int, base: float = 0.4, alpha: float = 7.0) -> list[float]:
+    """Ape-X's per-actor exploration: eps_i = base ** (1 + alpha * i / (count - 1))."""
+    if count == 1:
+        return [base]
+    return [base ** (1 + alpha * i / (count - 1)) for i in range(count)]
+
+
+# ---- networks ----
+def q_network(obs_shape: tuple, actions: int) -> nn.Module:
+    """An MLP for vector observations; the Nature-DQN CNN for 4x84x84 frames."""
+    if len(obs_shape) == 3:
+        c = obs_shape[0]
+        return nn.Sequential(
+            nn.Conv2d(c, 32, 8, stride=4), nn.ReLU(), nn.Conv2d(32, 64, 4, stride=2), nn.ReLU(),
+            nn.Conv2d(64, 64, 3, stride=1), nn.ReLU(), nn.Flatten(),
+            nn.Linear(64 * 7 * 7, 512), nn.ReLU(), nn.Linear(512, actions))
+    n = int(np.prod(obs_shape))
+    return nn.Sequential(nn.Flatten(), nn.Linear(n, 128), nn.ReLU(), nn.Linear(128, 128), nn.ReLU(),
+                         nn.Linear(128, actions))
+
+
+def as_input(obs: torch.Tensor) -> torch.Tensor:
+    """Frames (uint8) scaled to [0, 1]; vectors as float32."""
+    return obs.float().div_(255.0) if obs.dtype == torch.uint8 else obs.float()
+
+
+class DoubleDQN:
+    """The learner: Double DQN on n-step transitions with importance
+    weights (prioritized replay), a target network synced every
+    ``target_every`` updates, Huber loss, Adam, gradient clipping."""
+
+    def __init__(self, obs_shape, actions, lr=5e-4, target_every=250, device="cpu"):
+        self.device = torch.device(device)
+        self.online = q_network(obs_shape, actions).to(self.device)
+        self.target = q_network(obs_shape, actions).to(self.device)
+        self.target.load_state_dict(self.online.state_dict())
+        self.opt = torch.optim.Adam(self.online.parameters(), lr=lr)
+        self.target_every, self.updates = target_every, 0
+
+    def step(self, data: dict, weights: torch.Tensor) -> np.ndarray:
+        """One update on a batch (tensors); returns |TD error| per row (the
+        new priorities)."""
+        obs, nxt = as_input(data["obs"]), as_input(data["next_obs"])
+        action = data["action"].long()
+        with torch.no_grad():
+            best = self.online(nxt).argmax(1, keepdim=True)
+            target = data["reward"] + data["discount"] * self.target(nxt).gather(1, best).squeeze(1)
+        q = self.online(obs).gather(1, action.unsqueeze(1)).squeeze(1)
+        td = target - q
+        loss = (weights * nn.functional.smooth_l1_loss(q, target, reduction="none")).mean()
+        self.opt.zero_grad(set_to_none=True)
+        loss.backward()
+        nn.utils.clip_grad_norm_(self.online.parameters(), 10.0)
+        self.opt.step()
+        self.updates += 1
+        if self.updates % self.target_every == 0:
+            self.target.load_state_dict(self.online.state_dict())
+        return td.detach().abs().cpu().numpy()
+
+
+def greedy(net: nn.Module, obs: np.ndarray) -> np.ndarray:
+    with torch.no_grad():
+        return net(as_input(torch.from_numpy(obs))).argmax(1).numpy()
+
+
+def td_priority(net: nn.Module):
+    """An actor-side initial priority for an n-step item (Ape-X): |TD
+    error| under the actor's copy of the network."""
+    def priority(item: dict) -> float:
+        with torch.no_grad():
+            both = as_input(torch.from_numpy(np.stack([item["obs"], item["next_obs"]])))
+            q = net(both)
+            target = float(item["reward"]) + float(item["discount"]) * float(q[1].max())
+            return abs(target - float(q[0, int(item["action"])])) + 1e-3
+    return priority
+
+
+# ---- progress ----
+class Progress:
+    """Once a second: env steps/s, inserts/s, batches/s, the recent return;
+    at the end a CSV and a PNG learning curve under ``out_dir``."""
+
+    def __init__(self, out_dir: str, name: str, window: int = 20):
+        self.out_dir, self.name = out_dir, name
+        os.makedirs(out_dir, exist_ok=True)
+        self.returns: collections.deque = collections.deque(maxlen=window)
+        self.episodes = 0
+        self.rows: list[dict] = []
+        self.t0 = self.last_t = time.monotonic()
+        self.last = (0, 0, 0)
+
+    def episode(self, ret: float) -> None:
+        self.returns.append(float(ret))
+        self.episodes += 1
+
+    @property
+    def recent(self) -> float:
+        """Mean return of the last ``window`` counted episodes (nan before the first)."""
+        return float(np.mean(self.returns)) if self.returns else float("nan")
+
+    def tick(self, env_steps: int, inserts: int, batches: int, extra: str = "") -> None:
+        now = time.monotonic()
+        dt = max(now - self.last_t, 1e-9)
+        rates = [(a - b) / dt for a, b in zip((env_steps, inserts, batches), self.last)]
+        row = dict(seconds=round(now - self.t0, 2), env_steps=env_steps, inserts=inserts, batches=batches,
+                   episodes=self.episodes, recent_return=round(self.recent, 2))
+        self.rows.append(row)
+        print(f"[{row['seconds']:7.1f}s] env steps/s {rates[0]:7.0f}  inserts/s {rates[1]:7.0f}  "
+              f"batches/s {rates[2]:6.1f}  episodes {self.episodes:5d}  recent return "
+              f"{self.recent:6.1f}{extra}", flush=True)
+        self.last_t, self.last = now, (env_steps, inserts, batches)
+
+    def save(self) -> tuple[str, str]:
+        """Write ``<name>.csv`` and ``<name>.png``; returns their paths."""
+        path = os.path.join(self.out_dir, self.name)
+        with open(path + ".csv", "w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=list(self.rows[0]) if self.rows else ["seconds"])
+            w.writeheader()
+            w.writerows(self.rows)
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        fig, ax = plt.subplots(figsize=(6, 3.5), dpi=100)
+        ax.plot([r["seconds"] for r in self.rows], [r["recent_return"] for r in self.rows])
+        ax.set_xlabel("seconds")
+        ax.set_ylabel(f"mean return, last {self.returns.maxlen} episodes")
+        ax.set_title(self.name)
+        ax.grid(alpha=0.3)
+        fig.tight_layout()
+        fig.savefig(path + ".png")
+        plt.close(fig)
+        return path + ".csv", path + ".png"

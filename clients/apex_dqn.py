@@ -23,7 +23,8 @@ return: the mean of the last 20 episodes of the envs whose epsilon is at
 most 0.01 (the near-greedy end of the ladder; Ape-X's other envs explore).
 At the end it writes ``apex_dqn.csv`` and ``apex_dqn.png`` (the learning
 curve) under ``--out``.  Exit code 0: ``--target-return`` reached;
-1: ``--max-minutes`` passed first; 2: an actor failed.
+1: ``--max-minutes`` passed (or ``--max-batches`` were done) first; 2: an
+actor failed.
 """
 
 from __future__ import annotations
@@ -55,12 +56,14 @@ def parse(argv=None):
     ap.add_argument("--target-return", type=float, default=475.0)
     ap.add_argument("--max-minutes", type=float, default=15.0)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--max-batches", type=int, default=None,
+                    help="stop after this many learner batches (a smoke run; exit code 1)")
     ap.add_argument("--capacity", type=int, default=None, help="default 100,000 (20,000 for Atari)")
     ap.add_argument("--batch", type=int, default=128)
     ap.add_argument("--n-step", type=int, default=3)
     ap.add_argument("--gamma", type=float, default=0.99)
     ap.add_argument("--lr", type=float, default=5e-4)
-    ap.add_argument("--samples-per-insert", type=float, default=8.0)
+    ap.add_argument("--samples-per-insert", type=float, default=8.0, help="0: no rate limit")
     ap.add_argument("--min-size", type=int, default=1000)
     ap.add_argument("--beta", type=float, default=0.4)
     ap.add_argument("--sync-every", type=int, default=100, help="actor steps between weight refreshes")
@@ -140,8 +143,9 @@ def main(argv=None) -> int:
     capacity = args.capacity or (20_000 if atari else 100_000)
     spi = args.samples_per_insert
     table = dict(name="replay", capacity=capacity, fields=fields, sampler="prioritized", alpha=0.6,
-                 remover="fifo", min_size_to_sample=args.min_size, samples_per_insert=spi,
-                 error_buffer=max(2.0 * args.batch, 200.0 * spi))
+                 remover="fifo", min_size_to_sample=args.min_size)
+    if spi > 0:  # 0: no limit (actors and learner each as fast as they go)
+        table.update(samples_per_insert=spi, error_buffer=max(2.0 * args.batch, 200.0 * spi))
     eps = dqn.epsilon_ladder(args.actors * args.envs)
     progress = dqn.Progress(args.out, "apex_dqn")
     ctx = mp.get_context("spawn")
@@ -204,7 +208,7 @@ def main(argv=None) -> int:
                     batches += 1
                     if batches % args.publish_every == 0:
                         board.publish(srt.numpy_state(learner.online))
-                    if report():
+                    if report() or batches == args.max_batches:
                         break
         stop.set()
         for p in procs:
@@ -219,7 +223,7 @@ def main(argv=None) -> int:
         print(f"apex_dqn: reached a mean return of {progress.recent:.1f} (>= {args.target_return:g}) "
               f"after {reached:.1f} s, {steps:,} env steps, {batches:,} batches", flush=True)
     elif code == 1:
-        print(f"apex_dqn: {args.max_minutes:g} min passed; recent return {progress.recent:.1f} "
+        print(f"apex_dqn: stopped ({args.max_minutes:g} min or --max-batches); recent return {progress.recent:.1f} "
               f"after {steps:,} env steps, {batches:,} batches", flush=True)
     print(f"apex_dqn: wrote {csv_path} and {png_path}", flush=True)
     return code

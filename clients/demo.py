@@ -3,7 +3,8 @@
 
     python clients/demo.py [--seconds 15] [--actors 2] [--chunk 1] [--batch 256]
 
-Starts ``shmreplayd`` with daemon/shmreplayd.toml on a private socket,
+Starts ``shmreplayd`` with daemon/shmreplayd.toml on a private socket
+(``shmreplay.Server``),
 runs ``--actors`` copies of clients/actor.py and one clients/learner.py
 against its "demo" table, prints inserts/s and learner batches/s once a
 second from the daemon's counters, then stops everything with SIGTERM and
@@ -18,25 +19,10 @@ import os
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
-
-
-def wait_for_daemon(sock: str, proc: subprocess.Popen, timeout: float):
-    import shmreplay
-    deadline = time.monotonic() + timeout
-    while True:
-        if proc.poll() is not None:
-            raise SystemExit(f"shmreplayd exited with code {proc.returncode} during startup")
-        try:
-            return shmreplay.connect(sock, timeout=10.0)
-        except shmreplay.DaemonUnavailable:
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(0.1)
 
 
 def main(argv=None) -> int:
@@ -48,16 +34,14 @@ def main(argv=None) -> int:
     ap.add_argument("--batch", type=int, default=256)
     args = ap.parse_args(argv)
 
-    tmp = tempfile.mkdtemp(prefix="shmreplay-demo-")
-    sock = os.path.join(tmp, "shmreplay.sock")
+    import shmreplay
     instance = f"demo{os.getpid()}"
-    env = dict(os.environ, SHMREPLAY_SOCKET=sock)
-    print(f"starting shmreplayd ({args.config}, socket {sock})", flush=True)
-    daemon = subprocess.Popen([sys.executable, "-m", "shmreplay.server.daemon", "--config", args.config,
-                               "--socket", sock, "--instance", instance], env=env)
+    print(f"starting shmreplayd ({args.config})", flush=True)
+    server = shmreplay.Server(config=args.config, instance=instance)
+    env = dict(os.environ, SHMREPLAY_SOCKET=server.socket)
     workers = []
     try:
-        client = wait_for_daemon(sock, daemon, timeout=120.0)
+        client = server.connect()
         print(f"daemon up; {args.actors} actor(s) x chunk {args.chunk}, 1 learner x batch "
               f"{args.batch}, {args.seconds:.0f} s", flush=True)
         for i in range(args.actors):
@@ -87,8 +71,7 @@ def main(argv=None) -> int:
             if w.poll() is None:
                 w.send_signal(signal.SIGTERM)
             w.wait(timeout=30)
-        daemon.send_signal(signal.SIGTERM)
-        code = daemon.wait(timeout=60)
+        code = server.stop(check=False)
     inserts = sum(r["inserted"] for r in results if r["role"] == "actor")
     ins_rate = sum(r["inserts_per_s"] for r in results if r["role"] == "actor")
     learner = next(r for r in results if r["role"] == "learner")
@@ -99,7 +82,6 @@ def main(argv=None) -> int:
           f"{learner['redrawn_rows']} rows redrawn")
     left = [n for n in os.listdir("/dev/shm") if f".{instance}." in n]
     print(f"daemon exited with code {code}; shared memory left behind: {left or 'none'}")
-    os.rmdir(tmp) if not os.listdir(tmp) else None
     return 0 if code == 0 and not left else 1
 
 

@@ -19,6 +19,8 @@ from .errors import (
     PermissionDenied, ProtocolError, RateLimited, ReplayError, ReplayTimeout, SchemaError, ShmFull,
     ReservationExpired, SlotsBusy, TableExists, UnknownTable,
 )
+from .client.inference import InferenceBatch, InferenceClient, InferenceServer
+from .errors import InferenceClosed
 from .version import __version__
 
 __all__ = [
@@ -27,4 +29,5 @@ __all__ = [
     "TableExists", "SchemaError", "FieldError", "PriorityError", "CapacityError", "ShmFull",
     "LayoutError", "EmptyTable", "RateLimited", "SlotsBusy", "PermissionDenied", "DiskFull",
     "ForeignObject", "ReservationExpired",
+    "InferenceServer", "InferenceClient", "InferenceBatch", "InferenceClosed",
 ]

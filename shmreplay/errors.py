@@ -137,12 +137,20 @@ class PermissionDenied(ReplayError, PermissionError):
     code = 15
 
 
+class InferenceClosed(ReplayError):
+    """An inference channel's other side is gone: its server closed it or
+    died (an env's call, or its attach), or this handle was closed."""
+
+    code = 20
+
+
 _BY_CODE = {
     cls.code: cls
     for cls in (
         ReplayError, ProtocolError, DaemonUnavailable, ReplayTimeout, UnknownTable,
         TableExists, SchemaError, PermissionDenied, FieldError, PriorityError, CapacityError, ShmFull,
         LayoutError, EmptyTable, RateLimited, SlotsBusy, ForeignObject, DiskFull, ReservationExpired,
+        InferenceClosed,
     )
 }
 _BY_NAME = {cls.__name__: cls for cls in _BY_CODE.values()}

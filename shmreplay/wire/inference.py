@@ -1,0 +1,394 @@
+"""The inference channel's bytes: one segment, its names, its slot words.
+
+An inference channel (``client/inference.py``; docs/protocol.md,
+"Inference channel") is one POSIX shared-memory segment and ``slots + 1``
+named semaphores, all made by the learner process (the server) with
+O_CREX and mode 0600 under ``/<prefix>.<token>`` (``channel_name``)::
+
+    /<prefix>.<token>        the segment (its name is the channel's address)
+    /<prefix>.<token>.d      the server's doorbell: an env posts it after a request if the server sleeps
+    /<prefix>.<token>.r<i>   slot i's reply bell: the server posts it after a response
+
+The segment (every offset a multiple of 64, ``Layout``)::
+
+    0      header, 16 x uint64: MAGIC, VERSION, server pid, server start
+           time, OPEN/CLOSED, slots, segment size, schema length, the
+           offsets and strides of the three areas below; word 15: the
+           server sleeps (an env that posts then rings its doorbell)
+    128    schema: JSON {"request": [[name, dtype, shape], ...], "response": [...]}
+    C      control: one 64-byte line per slot; word 0 its state word, word 1
+           its env's start time (clock ticks since boot)
+    R      requests: slot i's at R + i * req_stride, each field at its offset
+    P      responses: slot i's at P + i * resp_stride
+
+A state word is ``pid << 8 | code``: the env process holding the slot and
+where its request is (``word``).  Who writes which transition is in the
+protocol doc; every word the server reads may have been written by any
+process of the user, so the server decides from its own books and takes
+a word only as a claim to check (``alive``, the start time, the codes).
+
+``check_values`` checks what a caller hands in against the fields (a
+``FieldError`` saying what to do).  Pure functions, constants, and
+``cas`` (beside ``wire/atomics.py``'s loads and stores) and ``pause`` for
+kernels over the words; any thread.
+"""
+
+from __future__ import annotations
+
+import json
+import mmap
+import os
+import platform
+import re
+import secrets
+import stat
+from dataclasses import dataclass
+
+import numba
+import numpy as np
+import posix_ipc
+from llvmlite import ir
+from numba import types
+from numba.core import cgutils
+from numba.extending import intrinsic
+
+from ..errors import FieldError, ForeignObject, InferenceClosed, LayoutError
+from ..fields import Field, cannot_store, parse_fields, unconvertible
+from ..numbaconf import JIT
+from .atomics import store
+from .names import SHM_DIR
+from .segment import check_owned, unlink_quiet
+
+MAGIC = int.from_bytes(b"SHMRINF\x01", "little")
+VERSION = 1
+HEADER_BYTES, LINE = 128, 64
+# header words
+H_MAGIC, H_VERSION, H_PID, H_START, H_STATE, H_SLOTS, H_SIZE, H_SCHEMA = range(8)
+H_CTRL, H_REQ, H_REQ_STRIDE, H_RESP, H_RESP_STRIDE = range(8, 13)
+H_SLEEPING = 15  # the server sets it (then looks once more) before it sleeps on its doorbell
+OPEN, CLOSED = 1, 2
+# a slot's control line: its state word, then its env's start time
+SLOT_WORDS, W_STATE, W_START = LINE // 8, 0, 1
+# state codes (the low byte of a state word); FREE is the whole word 0
+FREE, ATTACHING, IDLE, POSTED, TAKEN, DONE = 0, 1, 2, 3, 4, 5
+CHECK_S = 0.05     # the longest sleep between two looks at whether the other side lives
+PID_MAX = 1 << 22  # the kernel's largest pid_max
+MAX_SLOTS = 1024
+MAX_PREFIX = 180   # a semaphore's name is sem.<prefix>.<token>.r<i>: within NAME_MAX
+_PREFIX = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*")
+_ADDRESS = re.compile(r"/[A-Za-z0-9_][A-Za-z0-9_.-]*\.[0-9a-f]{16}")
+
+
+def word(pid: int, code: int) -> int:
+    return (int(pid) << 8) | code
+
+
+def default_prefix() -> str:
+    """``shmreplay.inf.<pid>``: ``shmreplay cleanup`` reads the pid from such a
+    name (``wire/names.py`` ``pid_in_name``) and removes what a dead learner left."""
+    return f"shmreplay.inf.{os.getpid()}"
+
+
+def channel_name(prefix: str | None) -> str:
+    """A new channel's segment name: ``/<prefix>.<16 random hex digits>``."""
+    prefix = default_prefix() if prefix is None else prefix
+    if not isinstance(prefix, str) or len(prefix) > MAX_PREFIX or not _PREFIX.fullmatch(prefix):
+        raise ValueError(f"prefix {prefix!r}: use at most {MAX_PREFIX} letters, digits, '_', '.' "
+                         "or '-' (no '/'), e.g. 'shmreplay.inf.myrun'")
+    return f"/{prefix}.{secrets.token_hex(8)}"
+
+
+def check_address(address) -> str:
+    if not isinstance(address, str) or len(address) > MAX_PREFIX + 18 or not _ADDRESS.fullmatch(address):
+        raise ValueError(f"{address!r} is not an inference channel's address: pass the "
+                         "InferenceServer's .address (a str such as '/shmreplay.inf.123.<token>')")
+    return address
+
+
+def doorbell_name(base: str) -> str:
+    return base + ".d"
+
+
+def reply_name(base: str, slot: int) -> str:
+    return f"{base}.r{slot}"
+
+
+def all_names(base: str, slots: int) -> tuple[list[str], list[str]]:
+    """(segments, semaphores) of the channel ``base``."""
+    return [base], [doorbell_name(base)] + [reply_name(base, i) for i in range(slots)]
+
+
+def unlink_all(made: tuple[list, list], pid: int) -> None:
+    """Unlink the segments and semaphores named in ``made`` (what a server
+    created: never another's) and forget them; only in process ``pid`` (a
+    forked child's exit must not unlink its parent's channel)."""
+    if os.getpid() != pid:
+        return
+    for name in made[0]:
+        unlink_quiet(name)
+    for name in made[1]:
+        try:
+            posix_ipc.unlink_semaphore(name)
+        except posix_ipc.ExistentialError:
+            pass
+    made[0].clear()
+    made[1].clear()
+
+
+def shut(made: tuple[list, list], pid: int, live: list) -> None:
+    """A server's end (close, its object collected, or the interpreter's
+    exit): mark the channel closed, wake every env (``live``: the words and
+    the reply bells, once serving), unlink every name it made.  Only in
+    process ``pid``: a forked child's exit ends nothing of its parent's."""
+    if os.getpid() != pid:
+        return
+    if live:
+        words, replies = live
+        store(words, H_STATE, CLOSED)
+        for sem in replies:
+            ring(sem)
+    unlink_all(made, pid)
+
+
+def open_segment(base: str) -> mmap.mmap:
+    """An env's mapping of channel ``base``, once it is checked to be a
+    regular file of this user with mode 0600 (what a server makes)."""
+    try:
+        shm = posix_ipc.SharedMemory(base)  # no O_CREAT: only an existing one
+    except posix_ipc.ExistentialError:
+        raise InferenceClosed(f"no inference channel {base}: its server closed or sealed it (a "
+                              "sealed channel takes no new envs), or it never existed") from None
+    try:
+        st = os.fstat(shm.fd)
+        check_owned(SHM_DIR + base, st, 0o600)
+        return mmap.mmap(shm.fd, st.st_size)
+    finally:
+        shm.close_fd()
+
+
+def open_semaphore(name: str):
+    """An existing semaphore of the channel, once its file is checked to be
+    this user's and no one else's (sem_open's mode went through the umask)."""
+    path = f"{SHM_DIR}/sem.{name[1:]}"
+    try:
+        st = os.lstat(path)
+        sem = posix_ipc.Semaphore(name)
+    except (OSError, posix_ipc.ExistentialError):
+        raise InferenceClosed(f"semaphore {name} of the inference channel is gone: its server "
+                              "closed or sealed it") from None
+    if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o077:
+        sem.close()
+        raise ForeignObject(f"{path} is not a semaphore an InferenceServer of this user made "
+                            f"(mode {stat.S_IMODE(st.st_mode):04o}, uid {st.st_uid}): not using it")
+    return sem
+
+
+def ring(sem) -> None:
+    """Post ``sem`` (a userspace increment unless someone sleeps on it)."""
+    try:
+        sem.release()
+    except (posix_ipc.Error, OSError, ValueError):  # a full count: the sleeper wakes anyway
+        pass
+
+
+def drain(sem, most: int) -> None:
+    """Take up to ``most`` posts left on ``sem`` (wake-ups already served)."""
+    for _ in range(most):
+        try:
+            if sem.value <= 0:
+                return
+            sem.acquire(0)
+        except posix_ipc.BusyError:
+            return
+
+
+def _align(x: int, a: int = LINE) -> int:
+    return (x + a - 1) // a * a
+
+
+def _field_offsets(fields: tuple[Field, ...]) -> tuple[dict[str, int], int]:
+    """Each field's offset in a slot's area (16-aligned), and the area's stride."""
+    offs, pos = {}, 0
+    for f in fields:
+        offs[f.name] = pos
+        pos = _align(pos + f.item_bytes, 16)
+    return offs, _align(max(pos, 1))
+
+
+@dataclass(frozen=True)
+class Layout:
+    request: tuple[Field, ...]
+    response: tuple[Field, ...]
+    slots: int
+    schema: bytes
+    ctrl: int
+    req: int
+    req_stride: int
+    resp: int
+    resp_stride: int
+    size: int
+    req_offs: dict
+    resp_offs: dict
+
+
+def plan(request, response, slots) -> Layout:
+    """The layout of a channel with these fields (any form ``fields.py`` reads)."""
+    if isinstance(slots, bool) or not isinstance(slots, (int, np.integer)) or not 1 <= slots <= MAX_SLOTS:
+        raise ValueError(f"slots={slots!r}: give the number of env processes, 1 to {MAX_SLOTS}")
+    req, resp = parse_fields(request), parse_fields(response)
+    schema = json.dumps({"request": [f.to_wire() for f in req],
+                         "response": [f.to_wire() for f in resp]}).encode()
+    req_offs, req_stride = _field_offsets(req)
+    resp_offs, resp_stride = _field_offsets(resp)
+    ctrl = _align(HEADER_BYTES + len(schema))
+    req_at = ctrl + slots * LINE
+    resp_at = req_at + slots * req_stride
+    return Layout(req, resp, int(slots), schema, ctrl, req_at, req_stride, resp_at, resp_stride,
+                  resp_at + slots * resp_stride, req_offs, resp_offs)
+
+
+def write_header(buf, lay: Layout, pid: int, start: int) -> None:
+    """The creator's header (before any name is published: nobody reads it yet)."""
+    h = np.ndarray((16,), np.uint64, buf)
+    h[:] = 0
+    h[[H_MAGIC, H_VERSION, H_PID, H_START, H_STATE, H_SLOTS, H_SIZE, H_SCHEMA, H_CTRL, H_REQ,
+       H_REQ_STRIDE, H_RESP, H_RESP_STRIDE]] = [
+        MAGIC, VERSION, pid, start, OPEN, lay.slots, lay.size, len(lay.schema), lay.ctrl, lay.req,
+        lay.req_stride, lay.resp, lay.resp_stride]
+    buf[HEADER_BYTES:HEADER_BYTES + len(lay.schema)] = lay.schema
+
+
+def read_layout(buf, name: str) -> tuple[Layout, int, int]:
+    """(layout, server pid, server start) of a mapped channel, checked: the
+    layout its schema gives must be the one its header states."""
+    if len(buf) < HEADER_BYTES:
+        raise LayoutError(f"{name} is {len(buf)} bytes: not an inference channel")
+    h = [int(x) for x in np.ndarray((16,), np.uint64, buf)]
+    if h[H_MAGIC] != MAGIC or h[H_VERSION] != VERSION:
+        raise LayoutError(f"{name} is not an inference channel of this build (magic/version "
+                          f"{h[H_MAGIC]:#x}/{h[H_VERSION]}, expected {MAGIC:#x}/{VERSION})")
+    try:
+        n = h[H_SCHEMA]
+        if not 0 < n <= len(buf) - HEADER_BYTES:
+            raise ValueError(f"schema length {n}")
+        schema = json.loads(bytes(buf[HEADER_BYTES:HEADER_BYTES + n]))
+        lay = plan(schema["request"], schema["response"], h[H_SLOTS])
+    except Exception as exc:  # whatever the bytes are, the answer is one error
+        raise LayoutError(f"{name}: its schema does not read ({exc})") from None
+    stated = (h[H_SIZE], h[H_CTRL], h[H_REQ], h[H_REQ_STRIDE], h[H_RESP], h[H_RESP_STRIDE])
+    if stated != (lay.size, lay.ctrl, lay.req, lay.req_stride, lay.resp, lay.resp_stride) \
+            or len(buf) != lay.size:
+        raise LayoutError(f"{name}: its header does not match its schema (segment {len(buf)} bytes)")
+    return lay, h[H_PID], h[H_START]
+
+
+def views(buf, lay: Layout):
+    """(words, control words, {request field: (slots, *shape) view},
+    {response field: view}) over a mapped channel; ``words``: the header
+    and everything up to the end of the control lines (slot k's state word
+    is ``words[lay.ctrl // 8 + k * SLOT_WORDS]``), for atomics over both."""
+    hdr = np.ndarray(((lay.ctrl + lay.slots * LINE) // 8,), np.uint64, buf)
+    ctrl = np.ndarray((lay.slots * SLOT_WORDS,), np.uint64, buf, lay.ctrl)
+
+    def area(fields, offs, at, stride):
+        return {f.name: np.ndarray((lay.slots, *f.shape), f.dtype, buf, at + offs[f.name],
+                                   (stride, *np.empty(f.shape, f.dtype).strides)) for f in fields}
+    return (hdr, ctrl, area(lay.request, lay.req_offs, lay.req, lay.req_stride),
+            area(lay.response, lay.resp_offs, lay.resp, lay.resp_stride))
+
+
+def check_values(fields, data: dict, n, what: str) -> list:
+    """[(name, array)] of ``data`` against ``fields``: one item's values
+    (``n`` None) or n items' along a leading axis; FieldError otherwise."""
+    names = {f.name for f in fields}
+    if data.keys() != names:
+        parts = [f"missing field(s) {sorted(names - data.keys())}"] if names - data.keys() else []
+        parts += [f"unknown field(s) {sorted(data.keys() - names)}"] if data.keys() - names else []
+        raise FieldError(f"{what}: {', '.join(parts)}; its fields are {sorted(names)}")
+    out = []
+    for f in fields:
+        v, want = data[f.name], f.shape if n is None else (n, *f.shape)
+        try:
+            a = v if isinstance(v, np.ndarray) else np.asarray(v)
+        except Exception as exc:
+            raise FieldError(f"{what} field {f.name!r}: {unconvertible(v, exc, str(want))}") from exc
+        if a.dtype != f.dtype and not np.can_cast(a.dtype, f.dtype, "same_kind"):
+            raise FieldError(f"{what} field {f.name!r}: {cannot_store(a.dtype, f.dtype)}")
+        if a.shape != want:
+            raise FieldError(f"{what} field {f.name!r}: shape {a.shape}, expected {want}")
+        out.append((f.name, a))
+    return out
+
+
+def process_state(pid: int) -> tuple[str, int]:
+    """(state letter, start time in clock ticks) of process ``pid``, ("", 0) if gone."""
+    if not 0 < pid < PID_MAX:
+        return "", 0
+    try:
+        fd = os.open(f"/proc/{pid}/stat", os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            stat = os.read(fd, 4096)
+        finally:
+            os.close(fd)
+        rest = stat[stat.rindex(b")") + 2:].split()
+        return rest[0].decode(), int(rest[19])
+    except (OSError, ValueError, IndexError):
+        return "", 0
+
+
+def alive(pid: int, start: int = 0) -> bool:
+    """Is ``pid`` a running process (not a zombie), the one that started at
+    ``start`` when that is known (nonzero)?  A reused pid is not alive."""
+    state, now = process_state(pid)
+    return now != 0 and state not in ("Z", "X", "x") and (start == 0 or now == start)
+
+
+# ---- atomics beside wire/atomics.py's: compare-and-swap, and a spin's pause ----
+def _item_pointer(context, builder, aryty, ary_value, idx):
+    ary = context.make_array(aryty)(context, builder, ary_value)
+    return cgutils.get_item_pointer(context, builder, aryty, ary, [idx])
+
+
+@intrinsic
+def _cas(typingctx, arr, idx, expected, new):
+    sig = arr.dtype(arr, types.intp, expected, new)
+
+    def codegen(context, builder, sig, args):
+        aryty = sig.args[0]
+        ptr = _item_pointer(context, builder, aryty, args[0], args[1])
+        exp = context.cast(builder, args[2], sig.args[2], aryty.dtype)
+        val = context.cast(builder, args[3], sig.args[3], aryty.dtype)
+        pair = builder.cmpxchg(ptr, exp, val, "seq_cst", "seq_cst")
+        return builder.extract_value(pair, 0)
+
+    return sig, codegen
+
+
+_X86 = platform.machine().lower() in ("x86_64", "amd64", "i686", "x86")
+
+
+@intrinsic
+def _pause(typingctx):
+    sig = types.void()
+
+    def codegen(context, builder, sig, args):
+        if _X86:
+            fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), []),
+                                                "llvm.x86.sse2.pause")
+            builder.call(fn, [])
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@numba.njit(**JIT)
+def cas(words, i, expected, new):
+    """Atomically: if ``words[i] == expected`` set it to ``new``; returns
+    the value found (``expected`` when it succeeded).  seq_cst."""
+    return _cas(words, i, np.uint64(expected), np.uint64(new))
+
+
+@numba.njit(**JIT)
+def pause():
+    """x86 ``pause`` (elsewhere nothing): one beat of a spin loop."""
+    _pause()

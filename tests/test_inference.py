@@ -206,6 +206,7 @@ def test_an_env_killed_with_its_request_posted_is_lost_not_hung():
             while not seen:
                 b = srv.receive(timeout=HANG_S)
                 seen = b.lost.tolist()
+                assert not set(seen) & set(b.slots.tolist())
                 if len(b):  # taken before its death was seen: answering it is harmless
                     srv.respond(b.slots, action=[0])
             assert seen == [0] and state(ctrl, 0) == (0, 0)
@@ -487,3 +488,36 @@ def test_a_server_dropped_without_close_unlinks_its_names():
     del srv
     gc.collect()
     assert names_of(address) == set()
+
+
+def test_an_env_dying_while_a_batch_fills_is_dropped_from_it():
+    import threading
+    with server(slots=2) as srv:
+        go = FORK.Event()
+        env = FORK.Process(target=env_until_told, args=(srv.address, go, 1))
+        new = None
+        try:
+            env.start()
+            srv.wait_attached(1, timeout=HANG_S)
+            ctrl = raw_ctrl(srv.address)
+            go.set()
+
+            def kill_once_taken():
+                wait_for(lambda: state(ctrl, 0) == (env.pid, wi.TAKEN), "its request taken")
+                env.kill()
+
+            killer = threading.Thread(target=kill_once_taken)
+            killer.start()
+            # waits for a second request that never comes: the death ends the wait
+            b = srv.receive(min_batch=2, max_wait_s=HANG_S, timeout=HANG_S)
+            killer.join(HANG_S)
+            assert b.lost.tolist() == [0] and len(b) == 0 and b.data["obs"].shape == (0, 4)
+            assert state(ctrl, 0) == (0, 0)
+            srv.respond(b.slots, action=np.zeros(0, np.int64))  # nothing to answer
+            new = FORK.Process(target=env_main, args=(srv.address, 3, 5))
+            new.start()
+            serve(srv, 5)
+            new.join(HANG_S)
+            assert new.exitcode == 0
+        finally:
+            reap([env, *([new] if new else [])])

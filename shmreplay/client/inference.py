@@ -45,7 +45,8 @@ SPIN_US = 50     # spin this long on the shared words before sleeping on a semap
 class InferenceBatch:
     """What ``receive`` took: ``slots`` (int64, one per request), ``data``
     (field -> array of shape (len(slots), *shape), copies), ``lost`` (slots
-    whose env died since the last receive; freed, ready for a new env)."""
+    whose env died since the last receive; freed, ready for a new env; never
+    also in ``slots``)."""
 
     slots: np.ndarray
     data: dict
@@ -141,9 +142,10 @@ class InferenceServer(_Handle):
 
     # ---- the API ----
     def receive(self, min_batch: int = 1, max_wait_s: float = 0.002, timeout: float | None = None):
-        """Wait until a request is posted (or an env is found dead), then up
-        to ``max_wait_s`` more for ``min_batch`` requests; take every request
-        posted by then.  ReplayTimeout if none came within ``timeout``."""
+        """Wait until a request is posted, then up to ``max_wait_s`` more for
+        ``min_batch`` requests; take every request posted by then.  Returns
+        at once when an env is found dead (``lost``).  ReplayTimeout if
+        nothing came within ``timeout``."""
         self._usable()
         if isinstance(min_batch, bool) or not isinstance(min_batch, (int, np.integer)) or min_batch < 1:
             raise ValueError(f"min_batch must be an int >= 1, got {min_batch!r}")
@@ -154,13 +156,13 @@ class InferenceServer(_Handle):
         while True:
             taken += self._books.take(self._spin_passes if spun else 1)
             now = time.monotonic()
+            if self._books.lost:  # told at once, with whatever was taken
+                break
             if taken:
                 first = first or now
                 if len(taken) >= min_batch or now - first >= max_wait_s:
                     break
                 until = first + max_wait_s
-            elif self._books.lost:
-                break
             elif deadline is not None and now >= deadline:
                 raise ReplayTimeout(f"no env posted a request within {timeout} s "
                                     f"({self.attached} of {self._lay.slots} slots attached)")
@@ -169,9 +171,12 @@ class InferenceServer(_Handle):
             if spun:
                 taken += self._sleep(until)
             spun = not spun
+        lost = self._books.take_lost()
+        if lost.size and taken:  # a request of an env found dead since: nobody to answer
+            taken = self._books.forget(taken, lost)
         slots = np.array(taken, np.int64)
         data = {name: v[slots] for name, v in self._reqv.items()}
-        return InferenceBatch(slots, data, self._books.take_lost())
+        return InferenceBatch(slots, data, lost)
 
     def respond(self, slots, **fields) -> None:
         """Answer the requests of ``slots`` (some or all of a batch's) with

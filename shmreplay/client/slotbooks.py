@@ -242,6 +242,14 @@ class SlotBooks:
         self.counts["served"] += n
         return woken[:n]
 
+    def forget(self, taken: list[int], lost: np.ndarray) -> list[int]:
+        """``taken`` less the slots in ``lost``, whose requests need no answer."""
+        gone = set(lost.tolist())
+        for k in gone.intersection(taken):
+            self.pending[k] = 0
+            self.requiet(k)
+        return [k for k in taken if k not in gone]
+
     def take_lost(self) -> np.ndarray:
         lost, self.lost = np.array(self.lost, np.int64), []
         return lost

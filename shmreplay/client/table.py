@@ -137,8 +137,7 @@ class Table:
 
     @property
     def inserts(self) -> int:
-        """Items committed to this table so far (the daemon's counter in
-        shared memory: no round trip; a snapshot)."""
+        """Items committed so far (shared memory: no round trip; a snapshot)."""
         return self._words.inserts
 
     # ---- rate-limiter probes (no round trip: the daemon's counters are in the segment) ----
@@ -212,12 +211,9 @@ class Table:
                     ...train...
                     table.update_priorities(b.keys, new_priorities)
 
-        **A batch is valid until the next one is asked for**: its buffers
-        are then refilled; copy what must outlive the step.
-        ``check_reuse=True`` (debug) raises instead if something still
-        references a batch's arrays a step later.  ``timeout`` bounds each
-        batch's wait for the table's limits.  ``buffers``: see
-        ``BatchIterator`` (``shmreplay.torch.iterate`` uses it)."""
+        **A batch is valid until the next one is asked for** (then it is
+        refilled); ``check_reuse=True`` checks that.  ``timeout`` bounds
+        each batch's wait for the limits; ``buffers``: ``BatchIterator``."""
         return BatchIterator(self, batch_size, beta, prefetch, timeout, buffers, check_reuse)
 
     def _check_draw(self, batch_size, beta) -> tuple[int, float]:

@@ -191,3 +191,44 @@ def test_pins_of_one_client_stop_at_a_quarter_of_the_table_and_expire():
     finally:
         tm.unlink()
         tm.release()
+
+
+def test_a_rate_limited_table_without_reuse_limits_evicts_past_parked_pins():
+    """samples_per_insert without max_times_sampled: a learner's parked
+    pins (items that left the table already) do not stall writers."""
+    t, tm = pinned_table(capacity=8, samples_per_insert=1.0, error_buffer=(-100.0, 100.0))
+    try:
+        fill(t, 8)
+        _, _, _, hid = t.sample(7, 2, 0.4, protect=True)
+        assert hid and t.ledger.pinned.any()
+        rid, slots, _ = t.reserve(3, 8)            # evicts every item, parks the pinned ones
+        assert 0 < t.ledger.held < 8 and slots.shape[0] == 8 - t.ledger.held
+        t.commit(3, rid, None)
+        _, more, _ = t.reserve(3, 2)               # before: Blocked until the learner's release
+        assert more.shape[0] == 2 and t.stats["evictions"] == 8 + 2
+        t.release(7, hid)
+    finally:
+        tm.unlink()
+        tm.release()
+
+
+def test_a_queue_waits_for_the_slots_of_a_void_reservation_instead_of_evicting_unsampled_items():
+    t, tm = pinned_table(capacity=8, sampler="fifo", remover="fifo", max_times_sampled=1,
+                         samples_per_insert=1.0, error_buffer=(0.0, 8.0))
+    try:
+        t.ledger.books.timeout_s = 0.0
+        t.reserve(1, 2)                             # a writer that stalls: its reservation goes void
+        t.expire(float("inf"))
+        assert t.ledger.books.voided == 2 and t.ledger.pending == 0
+        fill(t, 6, owner=2)                         # the other writer fills the free slots
+        assert t.size == 6
+        with pytest.raises(Blocked):                # the limiter has room, the slots are void:
+            t.reserve(2, 1)                         # wait, do not evict an unsampled item
+        assert t.stats["evictions"] == 0
+        keys, _, _, hid = t.sample(5, 1, 0.4)       # the learner takes one: its slot is freed
+        t.release(5, hid)
+        _, slots, _ = t.reserve(2, 1)
+        assert list(slots) == [int(key_slots(keys)[0])] and t.stats["evictions"] == 0
+    finally:
+        tm.unlink()
+        tm.release()

@@ -96,17 +96,10 @@ class Table:
         room = cnt.insert_room(led.pending, n)
         if room == 0:
             raise Blocked(cnt.insert_refusal(led.pending))
-        # a full table evicts what its remover picks even while slots are
-        # held, so a hung learner stops no writer; but a rate-limited table
-        # whose items leave when sampled (a queue) admits an insert because
-        # a sampled item made room, and evicting an unsampled item for it
-        # would lose that item: it waits for the held slots (at most
-        # hold_timeout_s), and for slots of void reservations (its limiter
-        # stopped counting them; samples free other slots meanwhile).  A
-        # table without max_times_sampled evicts as usual: its only held
-        # slots are parked pins, whose items left the table already.  A
-        # durable table with its headroom retired waits for the sync that
-        # frees it (barrier.py)
+        # a full table evicts while slots are held (a hung learner stops no
+        # writer); a rate-limited queue (max_times_sampled) would lose an
+        # unsampled item: it waits for held and void-reserved slots instead.
+        # Other tables' held slots are parked pins.  Durable: see barrier.py
         waits = ((self.spec.rate_limited and self.spec.max_times_sampled and (led.held or led.books.voided))
                  or (led.barrier is not None and waits_for_sync(self)))
         k = min(room, free + (0 if waits else cnt.size))

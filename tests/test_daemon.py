@@ -227,7 +227,10 @@ def test_tells_systemd_when_ready_and_when_stopping(tmp_path):
         with shmreplay.connect(str(tmp_path / "n.sock")) as c:  # READY means serving
             assert c.stats()["daemon_pid"] == proc.pid
         proc.send_signal(signal.SIGTERM)
-        assert sink.recv(256) == b"STOPPING=1"
+        msg = sink.recv(256)
+        while msg.startswith(b"STATUS="):  # refreshed every 10 s without a watchdog
+            msg = sink.recv(256)
+        assert msg == b"STOPPING=1"
         assert proc.wait(60) == 0
     finally:
         if proc.poll() is None:

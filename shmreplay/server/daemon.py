@@ -15,7 +15,8 @@ Startup, in order (nothing is served until all of it succeeded):
   5. bring up the tables (control/recovery.py): adopt the segments a dead daemon
      left, else restore the newest checkpoint, else create them
   6. listen on the control socket; start periodic checkpoints and syncs;
-     tell systemd READY=1
+     tell systemd READY=1, then ping its watchdog while the engine answers
+     (control/watchdog.py)
 
 Shutdown (SIGTERM, SIGINT or the admin ``shutdown`` op, all of which set
 one event in ``Daemon.run``), in order:
@@ -42,7 +43,6 @@ import asyncio
 import logging
 import os
 import signal
-import socket
 import sys
 import time
 
@@ -58,6 +58,7 @@ from ..wire.segment import shmem_huge_pages
 from .control import descriptors, recovery
 from .control.config import DaemonConfig, check_instance, load_config
 from .control.server import ControlServer
+from .control.watchdog import Watchdog, notify
 from .disk import ownership
 from .disk.prefetch import Prefetcher
 from .engine.engine import Engine
@@ -87,21 +88,6 @@ def compile_kernels() -> float:
     return time.monotonic() - t0
 
 
-def sd_notify(state: str) -> None:
-    """systemd's notify protocol; a no-op when not run by systemd."""
-    addr = os.environ.get("NOTIFY_SOCKET")
-    if not addr:
-        return
-    if addr.startswith("@"):
-        addr = "\0" + addr[1:]
-    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as s:
-        try:
-            s.connect(addr)
-            s.sendall(state.encode())
-        except OSError as exc:
-            log.warning("sd_notify(%s) failed: %s", state, exc)
-
-
 class Daemon:
     def __init__(self, cfg: DaemonConfig, socket_path: str, restore_dir: str | None = None):
         self.cfg = cfg
@@ -116,6 +102,7 @@ class Daemon:
         self.failed = False
         self.started = False
         self.stop_reason = ""
+        self.watchdog: Watchdog | None = None
 
     def _stop(self, reason: str) -> None:
         self.stop_reason = reason
@@ -130,8 +117,11 @@ class Daemon:
         log.info("kernels ready in %.2f s", compile_kernels())
         mode = shmem_huge_pages()
         if mode not in ("advise", "always", "within_size", "force"):
-            log.info("shared-memory huge pages are %r: learners gather large rows ~30%% slower; "
-                     "echo advise > /sys/kernel/mm/transparent_hugepage/shmem_enabled", mode)
+            # only root can change it: tell root; anyone else reads it in the docs
+            log.log(logging.INFO if os.geteuid() == 0 else logging.DEBUG,
+                    "shared-memory huge pages are %r: learners gather large rows ~30%% slower "
+                    "(docs/operations.md, 'Capacity planning': echo advise > "
+                    "/sys/kernel/mm/transparent_hugepage/shmem_enabled)", mode)
         cfg = self.cfg
         descriptors.raise_limit()  # before anything is opened: clients and tables both need them
         self.lock = ownership.InstanceLock.acquire(cfg.instance)
@@ -158,7 +148,9 @@ class Daemon:
         n = len(await self.control.call(self.engine.table_names))
         log.info("serving %s with %d table(s)", self.socket_path, n)
         self.started = True
-        sd_notify("READY=1")
+        self.watchdog = Watchdog(self.control, self.engine)
+        self.periodic.append(loop.create_task(self.watchdog.run()))
+        notify("READY=1")
 
     async def _checkpoint_periodically(self) -> None:
         cfg = self.cfg
@@ -179,7 +171,7 @@ class Daemon:
                     pass
 
     async def shutdown(self) -> None:
-        sd_notify("STOPPING=1")
+        notify("STOPPING=1")
         for task in self.periodic:
             task.cancel()
         await asyncio.gather(*self.periodic, return_exceptions=True)

@@ -13,15 +13,40 @@ plus shared pure logic at the root (errors, schema, rate-limiter
 predicates, priority checks).  docs/layout.md, "Where things are", maps it.
 """
 
-from .client import Client, NStepWriter, ParameterBoard, SampleBatch, SequenceWriter, Server, ServerFailed, Table, connect
 from .errors import (
-    CapacityError, DaemonUnavailable, DiskFull, EmptyTable, ForeignObject, FieldError, LayoutError, PriorityError,
-    PermissionDenied, ProtocolError, RateLimited, ReplayError, ReplayTimeout, SchemaError, ShmFull,
-    ReservationExpired, SlotsBusy, TableExists, UnknownTable,
+    CapacityError, DaemonUnavailable, DiskFull, EmptyTable, ForeignObject, FieldError, InferenceClosed,
+    LayoutError, PermissionDenied, PriorityError, ProtocolError, RateLimited, ReplayError, ReplayTimeout,
+    ReservationExpired, SchemaError, ShmFull, SlotsBusy, TableExists, UnknownTable,
 )
-from .client.inference import InferenceBatch, InferenceClient, InferenceServer
-from .errors import InferenceClosed
 from .version import __version__
+
+# The client's classes load on first use (PEP 562), so ``import shmreplay``
+# costs milliseconds and loads neither numba nor the daemon's code: the
+# command line and a program that only names the errors never pay for them.
+# A client pays numba's import (the command ring's atomic loads and stores,
+# wire/atomics.py) when it first touches one of these.
+_LAZY = {
+    "connect": "client", "Client": "client", "Server": "client", "ServerFailed": "client",
+    "ParameterBoard": "client", "Table": "client", "SampleBatch": "client",
+    "SequenceWriter": "client", "NStepWriter": "client",
+    "InferenceServer": "client.inference", "InferenceClient": "client.inference",
+    "InferenceBatch": "client.inference",
+}
+
+
+def __getattr__(name: str):
+    where = _LAZY.get(name)
+    if where is None:
+        raise AttributeError(f"module 'shmreplay' has no attribute {name!r}")
+    import importlib
+    value = getattr(importlib.import_module(f".{where}", __name__), name)
+    globals()[name] = value  # later lookups are plain attribute reads
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_LAZY))
+
 
 __all__ = [
     "connect", "Client", "Server", "ServerFailed", "ParameterBoard", "Table", "SampleBatch", "SequenceWriter", "NStepWriter",
@@ -30,4 +55,5 @@ __all__ = [
     "LayoutError", "EmptyTable", "RateLimited", "SlotsBusy", "PermissionDenied", "DiskFull",
     "ForeignObject", "ReservationExpired",
     "InferenceServer", "InferenceClient", "InferenceBatch", "InferenceClosed",
+    "__version__",
 ]

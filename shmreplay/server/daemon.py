@@ -103,6 +103,7 @@ class Daemon:
         self.started = False
         self.stop_reason = ""
         self.watchdog: Watchdog | None = None
+        self.metrics = None  # control/metrics.py's MetricsServer, when metrics_port is set
 
     def _stop(self, reason: str) -> None:
         self.stop_reason = reason
@@ -150,6 +151,12 @@ class Daemon:
         self.started = True
         self.watchdog = Watchdog(self.control, self.engine)
         self.periodic.append(loop.create_task(self.watchdog.run()))
+        self.periodic.append(loop.create_task(self.control.monitor.run()))
+        if cfg.metrics_port is not None:
+            from .control.metrics import MetricsServer  # prometheus_client only when asked for
+            self.metrics = MetricsServer(cfg.metrics_address, cfg.metrics_port, self.control.monitor,
+                                         self.control.checkpoints, cfg.instance)
+            self.control.metrics_url = f"http://{self.metrics.address}:{self.metrics.port}/metrics"
         notify("READY=1")
 
     async def _checkpoint_periodically(self) -> None:
@@ -172,6 +179,8 @@ class Daemon:
 
     async def shutdown(self) -> None:
         notify("STOPPING=1")
+        if self.metrics is not None:
+            self.metrics.close()
         for task in self.periodic:
             task.cancel()
         await asyncio.gather(*self.periodic, return_exceptions=True)
@@ -213,6 +222,9 @@ def main(argv=None) -> int:
     ap.add_argument("--socket", help="control socket path (overrides config and $SHMREPLAY_SOCKET)")
     ap.add_argument("--instance", help="prefix of shared-memory names (overrides config)")
     ap.add_argument("--log-level", help="debug, info, warning (overrides config)")
+    ap.add_argument("--metrics-port", type=int, metavar="PORT",
+                    help="serve Prometheus metrics on PORT (0: any free port; overrides config)")
+    ap.add_argument("--version", action="version", version=f"shmreplayd {__version__}")
     ap.add_argument("--restore", metavar="DIR",
                     help="restore tables from the newest checkpoints in DIR (default: checkpoint_dir)")
     args = ap.parse_args(argv)
@@ -220,6 +232,10 @@ def main(argv=None) -> int:
         cfg = load_config(args.config)
         if args.instance:
             cfg.instance = check_instance(args.instance)
+        if args.metrics_port is not None:
+            if not 0 <= args.metrics_port <= 65535:
+                raise ReplayError(f"--metrics-port must be in 0..65535, got {args.metrics_port}")
+            cfg.metrics_port = args.metrics_port
     except ReplayError as exc:
         print(f"shmreplayd: {exc}", file=sys.stderr)
         return 2

@@ -14,6 +14,7 @@ import asyncio
 import functools
 import logging
 import os
+import time
 
 from ...errors import ReplayError
 from ...schema import check_table_name
@@ -26,6 +27,7 @@ class Checkpoints:
     def __init__(self, srv):
         self.srv = srv  # the ControlServer: its config, loop and engine calls
         self.lock = asyncio.Lock()
+        self.last_success: dict[str, float] = {}  # table -> wall time of its last checkpoint written
 
     async def write(self, names: list, directory: str, keep: int = 0) -> list[dict]:
         """Checkpoint tables (all if ``names`` is empty) into ``directory``,
@@ -53,5 +55,6 @@ class Checkpoints:
                 log.info("checkpoint of table %s: %d items (%d evicted during the copy), %.1f MiB "
                          "in %.2f s to %s; engine paused %.2f ms", name, rep["items"], rep["dropped"],
                          rep["bytes"] / 2**20, rep["write_s"], rep["path"], 1e3 * rep["pause_s"])
+                self.last_success[name] = time.time()
                 reports.append(rep)
         return reports

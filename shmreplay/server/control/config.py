@@ -32,7 +32,8 @@ DAEMON_KEYS = {"socket", "instance", "segment_mode", "spin_us", "learner_spin_us
                "checkpoint_keep", "checkpoint_buffer_mb", "group", "allowed_users", "allowed_groups", "admin_group",
                "max_clients", "max_tables", "hold_timeout_s", "reservation_timeout_s", "max_clients_per_user",
                "handshake_timeout_s", "storage_dir", "storage_dirs", "durable_file_tables",
-               "sync_interval_s", "prefetch_threads", "prefetch_queue", "prefetch_method"}
+               "sync_interval_s", "prefetch_threads", "prefetch_queue", "prefetch_method",
+               "metrics_address", "metrics_port"}
 # per-user limits (server/control/quotas.py, gate.py, descriptors.py)
 DAEMON_KEYS |= {"max_tables_per_user", "reserved_tables", "file_quota_bytes_per_user",
                 "max_lingering_refusals", "max_lingering_refusals_per_user", "refusal_linger_s",
@@ -47,6 +48,8 @@ class DaemonConfig:
     spin_us: float = 250.0
     learner_spin_us: float = 2000.0
     idle_timeout_s: float = 1.0
+    metrics_address: str = "127.0.0.1"  # Prometheus /metrics (control/metrics.py)
+    metrics_port: int | None = None     # None: off; 0: any free port (logged, and in status)
     log_level: str = "info"
     seed: int | None = None  # seeds every table's sampler (seed + table id): reproducible runs
     # recovery and checkpoints (docs/reliability.md)
@@ -152,6 +155,13 @@ def parse_config(doc: dict, where: str = "config") -> DaemonConfig:
     cfg.spin_us = _number(d, "spin_us", cfg.spin_us, where, lo=0.0)
     cfg.learner_spin_us = _number(d, "learner_spin_us", cfg.learner_spin_us, where, lo=0.0)
     cfg.idle_timeout_s = float(d.get("idle_timeout_s", cfg.idle_timeout_s))
+    cfg.metrics_address = str(d.get("metrics_address", cfg.metrics_address))
+    if "metrics_port" in d:
+        port = d["metrics_port"]
+        if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
+            raise SchemaError(f"{where}: metrics_port must be an int in 0..65535 (0: any free port), "
+                              f"got {port!r}")
+        cfg.metrics_port = port
     cfg.log_level = str(d.get("log_level", cfg.log_level))
     if "seed" in d:
         if not isinstance(d["seed"], int) or d["seed"] < 0:

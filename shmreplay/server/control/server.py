@@ -25,6 +25,7 @@ import time
 from ...errors import CapacityError, DaemonUnavailable, ForeignObject, ReplayError, TableExists, UnknownTable
 from ...schema import check_table_name, spec_from_wire
 from ...wire import names
+from ...version import __version__
 from ...wire.control import PROTOCOL_VERSION
 from ...wire.layout import TableMap
 from ...wire.segment import restore_size
@@ -42,6 +43,7 @@ from .connection import ControlConnection
 from .descriptors import PER_TABLE
 from .gate import Gate
 from .memory import check_memory
+from .monitor import Monitor, daemon_memory
 from .quotas import TableBook
 from .syncs import Syncer
 
@@ -66,6 +68,8 @@ class ControlServer:
         self.adopted: set[str] = set()  # tables taken over from a dead daemon
         self.aside = SetAside()  # tables found, or declared, that cannot be served (aside.py)
         self.syncs = Syncer(self)  # durable file-backed tables' syncs (syncs.py)
+        self.monitor = Monitor(self.call, engine.snapshot)  # rates, memory, metrics (monitor.py)
+        self.metrics_url: str | None = None  # set by the daemon when it serves metrics
         self.request_shutdown = lambda: None  # set by the Daemon
 
     async def start(self, path: str) -> None:
@@ -278,8 +282,17 @@ class ControlServer:
                 except ReplayError:
                     continue
                 st["resident_bytes"] = await self.loop.run_in_executor(None, resident_bytes, table.map.rows)
+        now = time.time()
+        for name, st in snap.get("tables", {}).items():
+            st.update(self.monitor.rates.get(name, {}))  # inserts/samples/batches per s, last interval
+            at = self.checkpoints.last_success.get(name)
+            st["last_checkpoint_age_s"] = None if at is None else now - at
+        for c in snap.get("client_list", []):  # the kernel's word on who they are
+            conn = self.connections.get(c["client"])
+            c["uid"] = conn.peer.uid if conn is not None else None
         return {"daemon_pid": self.pid, "protocol": PROTOCOL_VERSION, "instance": self.cfg.instance,
-                "socket": self.path, "uptime_s": time.time() - self.started,
+                "version": __version__, "memory": daemon_memory(), "metrics": self.metrics_url,
+                "socket": self.path, "uptime_s": now - self.started,
                 "connections": len(self.connections), **snap, "set_aside": self.aside.report(),
                 "descriptors": self.gate.status(), "creators": self.book.status()}
 

@@ -33,6 +33,9 @@ from .parking import Parking, Waiter
 
 log = logging.getLogger("shmreplayd.engine")
 
+USES_WRITE, USES_SAMPLE = 1, 2  # ClientState.uses: what a client did with a table
+HIST_BUCKETS = 24               # SAMPLE times up to 1.024 us * 2**22 (4.3 s), then "more"
+
 
 class Commands:
     def __init__(self, tables: dict, prefetch=None):
@@ -41,6 +44,10 @@ class Commands:
         self.parking = Parking()
         self.count = 0            # records applied
         self.draws = 0            # SAMPLE requests answered with items
+        # per table id: the engine's time per SAMPLE, a log2 histogram of
+        # microseconds (bucket k: < 1.024 us * 2**k) and the sum in ns, for
+        # the metrics (control/metrics.py): two clock reads per SAMPLE
+        self.sample_hist: dict[int, list] = {}
         self._handlers = {R.RESERVE: self._on_draw, R.SAMPLE: self._on_draw, R.ABORT: self._on_abort,
                           R.RELEASE: self._on_release, R.UPDATE: self._on_update, R.FLUSH: self._on_flush}
 
@@ -101,6 +108,7 @@ class Commands:
         else:
             n, wait_us, beta, protect = R.read_sample(rec)
         table = self.table(tid)
+        cl.uses[tid] = cl.uses.get(tid, 0) | (USES_WRITE if op == R.RESERVE else USES_SAMPLE)
         w = Waiter(cl, op, seq, n, beta, _deadline(wait_us), protect)
         if self.parking.queued(tid, op):  # keep the order behind a parked one
             self.parking.park(table, w)
@@ -134,7 +142,14 @@ class Commands:
             w.cl.respond(R.reserve_reply(w.seq, rid, slots, contiguous))
             keys = None
         else:
+            t0 = time.perf_counter_ns()
             keys, probs, weights, hid = table.sample(w.cl.id, w.n, w.beta, w.protect)
+            dt = time.perf_counter_ns() - t0
+            hist = self.sample_hist.get(table.id)
+            if hist is None:
+                hist = self.sample_hist[table.id] = [0] * (HIST_BUCKETS + 1)  # the last: the sum
+            hist[min(HIST_BUCKETS - 1, (dt >> 10).bit_length())] += 1
+            hist[HIST_BUCKETS] += dt
             w.cl.respond(R.sample_reply(w.seq, keys, probs, weights, hid))
             self.draws += 1
             slots = None

@@ -208,6 +208,7 @@ class Engine:
     def drop_table(self, name: str) -> Table:
         t = self.table_named(name)
         doomed = self.commands.drop_table(t.id, name)
+        self.commands.sample_hist.pop(t.id, None)
         self._cut_off_all(doomed)  # after the answers: cutting off unparks
         del self.by_name[name]
         del self.tables[t.id]
@@ -243,10 +244,18 @@ class Engine:
     def snapshot(self) -> dict:
         pids = {cid: cl.pid for cid, cl in self.clients.items()}
         tables = {t.spec.name: self._table_stats(t, pids) for t in self.tables.values()}
+        names = {t.id: t.spec.name for t in self.tables.values()}
+        roles = {1: "writes", 2: "samples", 3: "writes+samples"}
+        clients = [{"client": cid, "pid": cl.pid,
+                    "tables": {names[tid]: roles[u] for tid, u in sorted(cl.uses.items()) if tid in names}}
+                   for cid, cl in sorted(self.clients.items())]
+        for tid, hist in self.commands.sample_hist.items():
+            if tid in names:
+                tables[names[tid]]["sample_time"] = {"log2_us_buckets": hist[:-1], "sum_ns": hist[-1]}
         return {"engine": {"commands": self.commands.count, "disconnects": self.disconnects,
                            **self.idler.stats, "parked": self.parking.total},
                 "prefetch": self.prefetch.stats() if self.prefetch is not None else {},
-                "clients": len(self.clients), "tables": tables}
+                "clients": len(self.clients), "client_list": clients, "tables": tables}
 
     def _table_stats(self, t: Table, pids: dict) -> dict:
         """A table's numbers: its own, its parked requests, its prefetch

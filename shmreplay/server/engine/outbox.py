@@ -36,6 +36,7 @@ class ClientState:
         self.resp = channel.responses
         self.to_daemon, self.to_client = to_daemon, to_client
         self.outbox: collections.deque = collections.deque()
+        self.uses: dict[int, int] = {}  # table id -> USES_WRITE | USES_SAMPLE (commands.py), for status
 
     def respond(self, reply: Reply) -> None:
         self.outbox.append(reply)

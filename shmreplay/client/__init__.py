@@ -14,11 +14,21 @@ parameters from a learner to its actors).  Imports ``wire`` and the shared root
 modules, never ``server``.
 """
 
-from .client import Client, connect
-from .gather import SampleBatch
-from .parameters import ParameterBoard
-from .private_daemon import Server, ServerFailed
-from .table import Table
-from .writers import NStepWriter, SequenceWriter
+# loaded on first use (PEP 562), as the package's own names: the command
+# line imports link.py alone, and never pays for numba (wire/atomics.py)
+_LAZY = {"connect": "client", "Client": "client", "SampleBatch": "gather",
+         "ParameterBoard": "parameters", "Server": "private_daemon", "ServerFailed": "private_daemon",
+         "Table": "table", "NStepWriter": "writers", "SequenceWriter": "writers"}
+
+
+def __getattr__(name: str):
+    where = _LAZY.get(name)
+    if where is None:
+        raise AttributeError(f"module 'shmreplay.client' has no attribute {name!r}")
+    import importlib
+    value = getattr(importlib.import_module(f".{where}", __name__), name)
+    globals()[name] = value
+    return value
+
 
 __all__ = ["connect", "Client", "Server", "ServerFailed", "ParameterBoard", "Table", "SampleBatch", "SequenceWriter", "NStepWriter"]

@@ -56,6 +56,11 @@ class ControlLink:
             raise ProtocolError(f"the daemon's hello passed {len(fds)} descriptors, expected 3")
         return reply, fds
 
+    def admin_hello(self) -> dict:
+        """An admin connection's handshake (the command line): no channel,
+        no lease, no ``ready``; control requests may follow at once."""
+        return self.request("hello", protocol=PROTOCOL_VERSION, pid=os.getpid(), channel=False)
+
     def ready(self) -> None:
         """The handshake's second half: the channel is mapped; the daemon
         unlinks its names and starts serving it."""

@@ -16,6 +16,10 @@ Rules (docs/protocol.md has the message sequences):
    its two doorbells (eventfds: to the daemon, to the client), listed by
    name in the reply's ``fds``.  The second request must be ``ready`` (the
    client has mapped its channel).  After that any other op is allowed.
+   An admin connection (the command line) sends ``hello`` with
+   ``"channel": false``: no channel, no descriptors, no ``ready``; any
+   other op may follow at once, and it is no client (no lease, not
+   counted among the clients).
 4. The daemon may send one unsolicited notice, ``{"op": "bye", "error":..,
    "message": ..}``, just before it closes the connection.
 5. A connection is the client's lease: when it closes, for any reason, the
@@ -134,7 +138,10 @@ class ServerConnection:
                         raise ProtocolError(
                             f"client speaks protocol {msg['protocol']}, daemon speaks {PROTOCOL_VERSION}")
                     self.client_pid = msg["pid"]
-                    self.state = EXPECT_READY
+                    channel = msg.get("channel", True)
+                    if not isinstance(channel, bool):
+                        raise ProtocolError(f"hello: channel must be a bool, got {channel!r:.40}")
+                    self.state = EXPECT_READY if channel else READY
                 elif self.state == EXPECT_READY:
                     if op != "ready":
                         raise ProtocolError(f"second request must be 'ready', got {op!r}")

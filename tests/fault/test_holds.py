@@ -42,7 +42,7 @@ def test_writers_evict_around_a_hung_learners_holds_and_status_names_it(start_da
         status = subprocess.run([sys.executable, "-m", "shmreplay.cli", "--socket", d.socket, "status"],
                                 capture_output=True, text=True, timeout=60)
         assert status.returncode == 0, status.stderr
-        assert "8 held" in status.stdout
+        assert "8 held" in status.stdout   # the table's line: reserved, held, evicted
         assert re.search(rf"client \d+, pid {learner.pid}: 8 slots held, oldest ", status.stdout), \
             status.stdout
         tm = TableMap.attach(t._map.name)

@@ -49,6 +49,7 @@ class ControlConnection(asyncio.Protocol):
         self.channel: Channel | None = None
         self.bells: tuple = ()      # (to_daemon, to_client) eventfds
         self.passing: list = []     # descriptors the hello reply carries
+        self.admin_only = False     # hello without a channel (the command line): no lease
         self.resume = 0             # the lease the client held at a dead daemon (hello)
         self.peer = peer  # the kernel's word (SO_PEERCRED), read by the gate that admitted it
         self.attached = False
@@ -82,7 +83,7 @@ class ControlConnection(asyncio.Protocol):
     def _handshake_overdue(self) -> None:
         """A connection holds a place under max_clients: one that never
         completes its handshake may not hold it for ever."""
-        if not self.attached and not self.closed:
+        if not self.attached and not self.admin_only and not self.closed:
             log.warning("connection %d (pid %d, uid %d): no handshake within %.3g s; closing it",
                         self.cid, self.peer.pid, self.peer.uid, self.srv.cfg.handshake_timeout_s)
             self.kick(ProtocolError(f"no hello and ready within {self.srv.cfg.handshake_timeout_s:g} s"))
@@ -154,6 +155,11 @@ class ControlConnection(asyncio.Protocol):
 
     # ---- handlers: one per op ----
     async def _on_hello(self, msg: dict) -> dict:
+        if msg.get("channel", True) is False:  # an admin connection: nothing to make, no lease
+            self.admin_only = True
+            cfg = self.srv.cfg
+            return {"protocol": PROTOCOL_VERSION, "daemon_pid": self.srv.pid, "instance": cfg.instance,
+                    "client_id": self.cid, "max_batch": 0, "fds": []}
         return self._hello(msg["pid"], msg.get("resume", 0))
 
     async def _on_ready(self, msg: dict) -> None:

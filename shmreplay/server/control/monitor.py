@@ -22,6 +22,7 @@ import time
 log = logging.getLogger("shmreplayd")
 
 INTERVAL_S = 1.0
+_NEW = {"inserts": 0, "samples": 0, "sample_calls": 0}
 
 
 def daemon_memory() -> dict:
@@ -69,9 +70,7 @@ class Monitor:
         dt = max(t1 - t0, 1e-9)
         out = {}
         for name, now in b["tables"].items():
-            was = a["tables"].get(name)
-            if was is None:
-                continue
+            was = a["tables"].get(name, _NEW)  # made since: counted from zero
             out[name] = {"inserts_per_s": (now["inserts"] - was["inserts"]) / dt,
                          "samples_per_s": (now["samples"] - was["samples"]) / dt,
                          "batches_per_s": (now["sample_calls"] - was["sample_calls"]) / dt,

@@ -5,6 +5,8 @@ Engine thread only, like the table they read.
 
 from __future__ import annotations
 
+from ... import ratelimiter
+
 
 def new_stats() -> dict:
     """The event counters a ``Table`` keeps (reported as they are)."""
@@ -28,10 +30,20 @@ def snapshot_stats(t, pids: dict | None = None) -> dict:
            "reserved": led.pending + led.books.voided, "voided": led.books.voided, "held": led.held, "holders": led.holders(pids or {}),
            "orphaned": led.orphans.count if led.orphans else 0,
            "orphan_holders": led.orphans.holders() if led.orphans else [],
-           "limiter": t.counters.snapshot(led.pending),
+           "limiter": {**t.counters.snapshot(led.pending), **limiter_state(t, led.pending)},
            "max_priority": t.max_priority, "sampler": t.spec.sampler, "remover": t.spec.remover,
            "rows": t.map.rows.name, "rows_bytes": t.map.layout.rows_size,
            "file_backed": t.spec.file_backed, "durable": t.durable is not None}
     if t.durable is not None:
         out.update(t.durable.report(led.barrier))
     return out
+
+
+def limiter_state(t, pending: int) -> dict:
+    """What the table's limits hold back now, in words (None: nothing):
+    an insert of one item, a sample of one."""
+    cnt, spec = t.counters, t.spec
+    blocked = None if cnt.insert_room(pending, 1) else ratelimiter.insert_blocker(
+        spec, cnt.inserts, pending, cnt.samples)
+    refusal = cnt.sample_refusal(1, t.sampler.mass)
+    return {"inserts_blocked": blocked, "samples_blocked": None if refusal is None else str(refusal)}

@@ -118,3 +118,20 @@ def test_an_admin_hello_makes_no_client_and_a_bad_one_is_refused(start_daemon):
             raise AssertionError("a non-bool channel was accepted")
     finally:
         bad.close()
+
+
+def test_under_systemds_cache_directory_kernels_are_cached_there(start_daemon, tmp_path):
+    """CacheDirectory= gives $CACHE_DIRECTORY; with no NUMBA_CACHE_DIR the
+    daemon caches its kernels there (site-packages is read-only under the
+    unit), so the second start loads them."""
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    import conftest
+    d = conftest.DaemonProcess(tmp_path, env={"CACHE_DIRECTORY": str(cache), "NUMBA_CACHE_DIR": ""})
+    try:
+        assert d.stop() == 0
+    finally:
+        if d.proc.poll() is None:
+            d.kill()
+    found = [f for _, _, files in os.walk(cache / "numba") for f in files if f.endswith(".nbi")]
+    assert found, "no kernel index in $CACHE_DIRECTORY/numba"

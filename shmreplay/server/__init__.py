@@ -20,3 +20,14 @@ and ``disk`` only ``tables``; ``tables`` none.  Every room may use
 ``wire`` and the shared root modules, never ``client``.
 ``tests/test_structure.py`` checks these rules.
 """
+
+import os as _os
+
+# numba caches kernels next to the sources, or under $NUMBA_CACHE_DIR, read
+# when numba is first imported (below this package).  Under systemd with
+# CacheDirectory= the sources are read-only (ProtectSystem=strict) and a
+# system user's home may be too, so numba would fail to cache ("no locator
+# available") and compile every kernel at every start: use the service's
+# cache directory unless the operator chose one.
+if not _os.environ.get("NUMBA_CACHE_DIR") and _os.environ.get("CACHE_DIRECTORY"):
+    _os.environ["NUMBA_CACHE_DIR"] = _os.path.join(_os.environ["CACHE_DIRECTORY"].split(":")[0], "numba")

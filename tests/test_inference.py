@@ -521,3 +521,34 @@ def test_an_env_dying_while_a_batch_fills_is_dropped_from_it():
             assert new.exitcode == 0
         finally:
             reap([env, *([new] if new else [])])
+
+
+def _signal_then_call(address: str, parent: int, signals: int) -> None:
+    """Interrupt the server's sleep with signals (as SIGCHLD does in a
+    learner with a DataLoader), then post one request."""
+    import time
+    for _ in range(signals):
+        os.kill(parent, signal.SIGUSR1)
+        time.sleep(0.005)
+    with shmreplay.InferenceClient(address, timeout=HANG_S) as ch:
+        assert int(ch.call(obs=np.ones(4, np.float32), reward=0.0, done=False)["action"]) == policy(np.ones(4))
+
+
+def test_signals_that_interrupt_a_wait_do_not_end_it():
+    """Found running test_torch.py first: torch's DataLoader sets a SIGCHLD
+    handler, and a semaphore wait interrupted by a handled signal raised
+    posix_ipc.SignalError out of receive()."""
+    got = []
+    old = signal.signal(signal.SIGUSR1, lambda *a: got.append(1))
+    try:
+        with server(slots=1) as srv:
+            p = FORK.Process(target=_signal_then_call, args=(srv.address, os.getpid(), 40))
+            p.start()
+            try:
+                b = srv.receive(timeout=HANG_S)   # sleeps on the doorbell through the signals
+                srv.respond(b.slots, action=policy(b.data["obs"]))
+            finally:
+                p.join(HANG_S)
+            assert p.exitcode == 0 and len(b) == 1 and got
+    finally:
+        signal.signal(signal.SIGUSR1, old)

@@ -133,7 +133,7 @@ class InferenceServer(_Handle):
             if not took and not self._books.lost:
                 try:
                     self._bell.acquire(t)
-                except posix_ipc.BusyError:
+                except (posix_ipc.BusyError, posix_ipc.SignalError):  # a signal (SIGCHLD): look again
                     pass
         finally:
             atomics.store(self._hdr, H_SLEEPING, 0)
@@ -339,7 +339,7 @@ class InferenceClient(_Handle):
                 self._give_up()
             try:
                 self._reply.acquire(CHECK_S if deadline is None else min(CHECK_S, deadline - now))
-            except posix_ipc.BusyError:
+            except (posix_ipc.BusyError, posix_ipc.SignalError):  # a signal interrupted it: look again
                 pass
             w = int(atomics.load(self._words, self._at))
 

@@ -198,7 +198,7 @@ def drain(sem, most: int) -> None:
             if sem.value <= 0:
                 return
             sem.acquire(0)
-        except posix_ipc.BusyError:
+        except (posix_ipc.BusyError, posix_ipc.SignalError):
             return
 
 

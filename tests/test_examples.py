@@ -39,7 +39,7 @@ def run(program, tmp_path, name, *args):
 
 
 def test_apex_dqn_smoke(tmp_path):
-    out, rows = run("apex_dqn.py", tmp_path, "apex", "--actors", "2", "--envs", "2")
+    out, rows = run("apex_dqn.py", tmp_path, "apex", "--actors", "1", "--envs", "2")
     assert "env steps" in out
 
 

@@ -183,10 +183,10 @@ def test_pins_of_one_client_stop_at_a_quarter_of_the_table_and_expire():
         t.ledger.hold_timeout_s = 0.0
         hids = [t.sample(5, 1, 0.4, protect=True)[3] for _ in range(3)]
         assert hids[0] and hids[1], "2 slots: a quarter of 8"
-        assert t.ledger.pins_of[5] == 2
+        assert t.ledger.pins.of_owner[5] == 2
         assert hids[2] == 0, "past the cap a protected draw is a plain one"
         t.expire(float("inf"))  # the holds run out: pins go with them
-        assert t.ledger.pins_of[5] == 0 and not t.ledger.pinned.any()
+        assert 5 not in t.ledger.pins.of_owner and not t.ledger.pinned.any()
         assert t.ledger.held == 0
     finally:
         tm.unlink()
@@ -229,6 +229,36 @@ def test_a_queue_waits_for_the_slots_of_a_void_reservation_instead_of_evicting_u
         t.release(5, hid)
         _, slots, _ = t.reserve(2, 1)
         assert list(slots) == [int(key_slots(keys)[0])] and t.stats["evictions"] == 0
+    finally:
+        tm.unlink()
+        tm.release()
+
+
+def test_pins_of_one_user_over_many_clients_stop_at_a_quarter_and_all_users_at_half():
+    """A user (not root, the daemon's or the admin group's) with many
+    learners: a quarter of the table across its clients; every such user
+    together: half.  An uncapped client (user None) is held only by its own
+    cap.  Caps are per slot pinned; past one, a protected draw is plain."""
+    t, tm = pinned_table(capacity=16, sampler="uniform")
+    try:
+        fill(t, 16)
+
+        def pin(owner, user):
+            slots = np.array([owner % 16], np.int64)  # one distinct slot per client
+            return t.ledger.pin(owner, slots, 0, user)
+        assert all(pin(owner, 1000) for owner in range(10, 14))   # user 1000: 4 slots = a quarter
+        assert pin(14, 1000) == 0, "a fifth client of the same user pins nothing"
+        assert all(pin(owner, 1001) for owner in range(20, 24))   # user 1001: its own quarter
+        assert t.ledger.pins.others == 8 == t.ledger.pins.others_cap
+        assert pin(30, 1002) == 0, "all capped users together: half the table"
+        assert pin(31, None), "root, the daemon's user, the admin group: their own cap only"
+        hid = pin(15, None)
+        t.release(15, hid)
+        assert 15 not in t.ledger.pins.of_owner
+        for owner in range(10, 14):
+            t.release_owner(owner)
+        assert 1000 not in t.ledger.pins.of_user and t.ledger.pins.others == 4
+        assert pin(32, 1002), "room again once user 1000's clients left"
     finally:
         tm.unlink()
         tm.release()

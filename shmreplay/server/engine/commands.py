@@ -143,7 +143,7 @@ class Commands:
             keys = None
         else:
             t0 = time.perf_counter_ns()
-            keys, probs, weights, hid = table.sample(w.cl.id, w.n, w.beta, w.protect)
+            keys, probs, weights, hid = table.sample(w.cl.id, w.n, w.beta, w.protect, w.cl.user)
             dt = time.perf_counter_ns() - t0
             hist = self.sample_hist.get(table.id)
             if hist is None:

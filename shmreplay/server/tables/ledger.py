@@ -29,7 +29,9 @@ handed out, and the eviction takes the next victim; the last pin to go
 frees a parked slot.  So a protected batch is stable whatever the
 writers do, and a learner's sample costs bounded work: at most one
 plain gather and one protected one.  A client pins at most a quarter of
-the table (``pin_cap``); past that its protected draws are plain ones.
+the table, so does a capped user over all its clients, and all capped
+users together at most half (``pinbooks.py``); past a cap a protected
+draw is a plain one.
 
 The ledger does not decide which slots to reserve (the table asks the free
 list, then its remover) nor what committed items are; it keeps the books.
@@ -52,6 +54,7 @@ from ...wire.layout import COMMITTED, FREE, HELD, RESERVED, TableMap
 from ...wire.records import owner_key
 from .barrier import ReuseBarrier
 from .orphans import OrphanLeases
+from .pinbooks import PinBooks
 from .reservations import RESERVATION_TIMEOUT_S, Reservations
 from .slotqueue import SlotQueue
 
@@ -88,8 +91,7 @@ class SlotLedger:
         cap = tmap.spec.capacity
         self.pinned = np.zeros(cap, np.uint32)  # pins on each slot
         self.parked = np.zeros(cap, np.bool_)   # left the table while pinned: freed at the last unpin
-        self.pins_of: dict[int, int] = {}       # client -> slots it pins
-        self.pin_cap = max(1, cap // 4)
+        self.pins = PinBooks(cap)               # who pins how many: the caps (pinbooks.py)
         self.orphans: OrphanLeases | None = None  # leased under a dead daemon (orphans.py)
         self.barrier: ReuseBarrier | None = None   # a durable table's (barrier.py)
         self.daemon_pid = os.getpid()
@@ -189,15 +191,15 @@ class SlotLedger:
         self.held += slots.shape[0]
         return self._new_hold(owner, slots, _NONE)
 
-    def pin(self, owner: int, slots: np.ndarray, hid: int = 0) -> int:
+    def pin(self, owner: int, slots: np.ndarray, hid: int = 0, user: int | None = None) -> int:
         """Protect the slots of a batch ``owner`` drew (duplicates allowed)
         until it releases hold ``hid`` (0: a new hold); returns the hold id,
-        or ``hid`` unchanged when the owner's pins are at ``pin_cap``."""
+        or ``hid`` unchanged when a cap would be passed (``pinbooks.py``;
+        ``user``: the owner's capped uid, None for root, the daemon's user
+        and the admin group)."""
         u = np.unique(slots)
-        mine = self.pins_of.get(owner, 0)
-        if mine + u.shape[0] > self.pin_cap:
+        if not self.pins.admit(owner, u.shape[0], user):
             return hid
-        self.pins_of[owner] = mine + u.shape[0]
         self.pinned[u] += np.uint32(1)
         if hid:
             o, held, since, _ = self.holds[hid]
@@ -251,7 +253,7 @@ class SlotLedger:
             self.held -= free.shape[0]
             self.make_free(free)
         if pins.shape[0]:
-            self.pins_of[owner] -= pins.shape[0]
+            self.pins.drop(owner, pins.shape[0])
             self.pinned[pins] -= np.uint32(1)
             done = pins[(self.pinned[pins] == 0) & self.parked[pins]]
             self.parked[done] = False

@@ -204,11 +204,11 @@ class Table:
         return n
 
     # ---- readers ----
-    def sample(self, owner: int, n: int, beta: float, protect: bool = False):
+    def sample(self, owner: int, n: int, beta: float, protect: bool = False, user: int | None = None):
         """Draw n items: (keys, probabilities, weights, hold id or 0).  Raises
         Blocked when the limits say not yet; nothing is taken then.
         ``protect``: pin the drawn slots until the hold is released
-        (``ledger.pin``), so no writer reuses them while they are read."""
+        (``ledger.pin``; ``user``: its capped uid), so no writer reuses them."""
         self.counters.check_sample(n)
         err = self.counters.sample_refusal(n, self.sampler.mass)
         if err is not None:
@@ -220,7 +220,7 @@ class Table:
             slots, probs, weights, hid = reuse.draw(self, owner, n, beta)
             keys = self.keys_of(slots)
         if protect:
-            hid = self.ledger.pin(owner, key_slots(keys), hid)
+            hid = self.ledger.pin(owner, key_slots(keys), hid, user)
             self.stats["protected_samples"] += n
         self.counters.sampled(n)
         self.publish()

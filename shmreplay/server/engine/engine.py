@@ -118,11 +118,11 @@ class Engine:
                 draws = self.commands.draws
                 worked = self.calls.run()
                 worked = self._serve_all() or worked
-                if self.commands.draws != draws:
-                    self.idler.sampled()
                 slots_free_at = expire(self.tables.values(), time.monotonic())
                 if self.parking.count:
                     self._cut_off_all(self.commands.settle(time.monotonic()))
+                if self.commands.draws != draws:  # served now or from parking: a learner is there
+                    self.idler.sampled()
                 if worked:
                     served = True
                     continue

@@ -262,7 +262,7 @@ class SlotLedger:
 
     def expire(self, now: float) -> tuple[int, float | None]:
         """Release every hold made ``hold_timeout_s`` or more before ``now``.
-        Returns how many slots that freed, and when the next hold expires
+        Returns how many held slots that freed, and when the next hold expires
         (None: no hold is open)."""
         q, freed = self.by_age, 0
         while q:
@@ -271,12 +271,12 @@ class SlotLedger:
             if entry is not None:
                 if since + self.hold_timeout_s > now:
                     return freed, since + self.hold_timeout_s
-                owner, n = entry[0], entry[1].shape[0] + entry[3].shape[0]
-                log.warning("table %s: client %d did not release %d held or pinned slots within "
-                            "%g s (a hung learner?); freed them", self.name, owner, n,
-                            self.hold_timeout_s)
+                owner, held, pins = entry[0], entry[1].shape[0], entry[3].shape[0]
+                log.warning("table %s: client %d did not release %d held and %d pinned slots "
+                            "within %g s (a hung learner?); let them go", self.name, owner, held,
+                            pins, self.hold_timeout_s)
                 self.release(owner, hid)
-                freed += n
+                freed += held  # pinned slots hold committed items: nothing to free (parked ones aside)
             q.popleft()
         return freed, None
 

@@ -1,0 +1,174 @@
+"""``shmreplay.ray``: actors anywhere on a Ray cluster feed the replay on the learner's node.
+
+Optional (``pip install "shmreplay[ray]"``), imported only when used.
+Replay stays on the learner's box; remote producers cannot map its shared
+memory, so they send chunks of rows through Ray's object store to an
+*ingest* actor pinned to the daemon's node, which inserts them as an
+ordinary local client.
+
+    # on the replay node (where shmreplayd and the learner run), after ray.init():
+    ingest = shmreplay.ray.start_ingest(socket_path, "replay")
+    # in any Ray actor or task, on any node:
+    w = shmreplay.ray.RemoteWriter(ingest, chunk=64, in_flight=2)
+    w.insert(obs=o, action=a, reward=r)        # or insert_batch({...}, priorities)
+    w.flush()                                   # every row so far is committed
+
+* **Placement.**  ``start_ingest`` schedules the ingest with
+  ``NodeAffinitySchedulingStrategy(node_id, soft=False)`` on the node that
+  calls it (or ``node_id=``): it must share /dev/shm with the daemon.
+* **Zero copy on arrival.**  A chunk is a dict of numpy arrays; Ray stores
+  large ones in the object store and the ingest reads them as read-only
+  views of it, which ``insert_batch`` copies once, into the table's slots.
+* **Back-pressure.**  A writer keeps at most ``in_flight`` chunks sent and
+  unconfirmed; the next send waits for the oldest.  The ingest admits a
+  chunk as the table's rate limiter admits its rows (``insert_batch``
+  waits in the daemon), so a slow or rate-limited table holds remote
+  producers back instead of growing memory anywhere: at most ``in_flight
+  x chunk`` rows per producer exist outside the table.
+* **Confirmation.**  The ingest answers a chunk once its rows are
+  committed and flushed (``Client.flush``): ``w.flush()`` returning means
+  every row inserted before it is in the table.  An ingest call that fails
+  (the table refused the rows, the daemon went away) raises in the
+  producer at its next send or ``flush``, as ``ChunkRefused`` naming why.
+
+Priorities, rate limits and reuse limits are the table's, exactly as for a
+local writer: the ingest is one.  Failure semantics beyond these (an
+ingest restarted by Ray, a producer killed mid-chunk, a daemon restarted
+under the ingest) are issue 25's remaining work: see the closing note.
+
+Who calls it: ``start_ingest`` a driver or actor on the replay node;
+``RemoteWriter`` one thread of a producer (it is not thread-safe).
+"""
+
+from __future__ import annotations
+
+import collections
+
+import numpy as np
+import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+from .errors import ReplayError
+
+
+class ChunkRefused(ReplayError):
+    """The ingest could not insert a chunk: the reason is the table's or the daemon's."""
+
+
+class _Ingest:
+    """The ingest actor: one local client of the daemon, one table."""
+
+    def __init__(self, socket_path: str, table: str, timeout: float | None):
+        import shmreplay
+        self.client = shmreplay.connect(socket_path, reconnect=True)
+        self.table = self.client.table(table)
+        self.timeout = timeout
+        self.chunks = self.rows = 0
+
+    def insert(self, chunk: dict, priorities) -> int:
+        """Insert one chunk (waiting for the table's limits), flush, and
+        return how many rows; raises the table's or daemon's error."""
+        self.table.insert_batch(chunk, priorities, timeout=self.timeout)
+        self.client.flush()
+        n = len(next(iter(chunk.values())))
+        self.chunks += 1
+        self.rows += n
+        return n
+
+    def stats(self) -> dict:
+        return {"chunks": self.chunks, "rows": self.rows, "node": ray.get_runtime_context().get_node_id()}
+
+
+def start_ingest(socket_path: str, table: str, node_id: str | None = None, name: str | None = None,
+                 timeout: float | None = None, max_restarts: int = -1):
+    """An ingest actor for ``table`` of the daemon at ``socket_path``,
+    pinned (``soft=False``) to ``node_id`` (default: the caller's node,
+    which must be the daemon's).  ``name``: a Ray actor name, so producers
+    may find it with ``ray.get_actor``.  ``timeout``: the longest a chunk
+    may wait for the table's limits (None: as long as it takes; the
+    producers wait with it)."""
+    node = node_id or ray.get_runtime_context().get_node_id()
+    opts = dict(num_cpus=0, max_restarts=max_restarts,
+                scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=node, soft=False))
+    if name is not None:
+        opts["name"] = name
+    return ray.remote(_Ingest).options(**opts).remote(socket_path, table, timeout)
+
+
+class RemoteWriter:
+    """Rows from a remote producer, in chunks, with at most ``in_flight``
+    chunks unconfirmed (see the module docstring)."""
+
+    def __init__(self, ingest, chunk: int = 64, in_flight: int = 2):
+        if not isinstance(chunk, int) or chunk < 1 or not isinstance(in_flight, int) or in_flight < 1:
+            raise ReplayError(f"chunk and in_flight must be ints >= 1, got {chunk!r}, {in_flight!r}")
+        self.ingest, self.chunk, self.in_flight = ingest, chunk, in_flight
+        self._rows: dict[str, list] = {}
+        self._prios: list = []
+        self._pending: collections.deque = collections.deque()  # ObjectRefs of chunks sent
+        self.sent = self.confirmed = 0
+
+    def insert(self, priority=None, **fields) -> None:
+        """One row (the table's fields); ``priority=None``: the table's max."""
+        if self._rows and fields.keys() != self._rows.keys():
+            raise ReplayError(f"a row needs the fields {sorted(self._rows)}, got {sorted(fields)}")
+        if (priority is None) != (not self._prios) and self._count():
+            raise ReplayError("give a priority for every row of a chunk or for none")
+        for k, v in fields.items():
+            self._rows.setdefault(k, []).append(np.asarray(v))
+        if priority is not None:
+            self._prios.append(float(priority))
+        if self._count() >= self.chunk:
+            self._send()
+
+    def insert_batch(self, data: dict, priorities=None) -> None:
+        """Rows with a leading dimension, sent in chunks of at most ``chunk``."""
+        n = len(next(iter(data.values())))
+        for lo in range(0, n, self.chunk):
+            self._flush_rows()
+            part = {k: np.ascontiguousarray(v[lo:lo + self.chunk]) for k, v in data.items()}
+            self._submit(part, None if priorities is None else np.asarray(priorities[lo:lo + self.chunk]))
+
+    def flush(self) -> None:
+        """Send what is buffered and wait until every chunk is confirmed."""
+        self._flush_rows()
+        while self._pending:
+            self._confirm_oldest()
+
+    def close(self) -> None:
+        self.flush()
+
+    def __enter__(self) -> "RemoteWriter":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if exc[0] is None:
+            self.close()
+
+    # ---- internals ----
+    def _count(self) -> int:
+        return len(next(iter(self._rows.values()))) if self._rows else 0
+
+    def _flush_rows(self) -> None:
+        if self._count():
+            self._send()
+
+    def _send(self) -> None:
+        part = {k: np.stack(v) for k, v in self._rows.items()}
+        prios = np.asarray(self._prios) if self._prios else None
+        self._rows, self._prios = {}, []
+        self._submit(part, prios)
+
+    def _submit(self, part: dict, prios) -> None:
+        while len(self._pending) >= self.in_flight:  # back-pressure: wait for the oldest
+            self._confirm_oldest()
+        self._pending.append(self.ingest.insert.remote(part, prios))
+        self.sent += 1
+
+    def _confirm_oldest(self) -> None:
+        ref = self._pending.popleft()
+        try:
+            ray.get(ref)
+        except ray.exceptions.RayTaskError as exc:
+            raise ChunkRefused(f"the ingest refused a chunk: {exc.cause!r}") from None
+        self.confirmed += 1

@@ -1,0 +1,39 @@
+"""A producer actor for tests/test_ray.py, in a module of its own so the
+Ray workers (started with this folder on PYTHONPATH) can import it."""
+
+import numpy as np
+import ray
+
+import shmreplay.ray as sray
+
+FIELDS = {"id": ("int64", ()), "obs": ("float32", (8,))}
+
+
+def rows(ids) -> dict:
+    """Rows whose obs is a function of their id: a torn row shows."""
+    ids = np.asarray(ids, np.int64)
+    return {"id": ids, "obs": (ids[:, None] % 1000 + np.arange(8)).astype(np.float32)}
+
+
+@ray.remote(resources={"remote_node": 1}, num_cpus=0, max_concurrency=2)
+class Producer:
+    def __init__(self, ingest, chunk, in_flight):
+        self.w = sray.RemoteWriter(ingest, chunk=chunk, in_flight=in_flight)
+        self.most_unconfirmed = 0
+
+    def node(self) -> str:
+        return ray.get_runtime_context().get_node_id()
+
+    def write(self, ids, one_by_one: bool) -> int:
+        data = rows(ids)
+        if one_by_one:
+            for i in range(len(ids)):
+                self.w.insert(id=data["id"][i], obs=data["obs"][i])
+                self.most_unconfirmed = max(self.most_unconfirmed, self.w.sent - self.w.confirmed)
+        else:
+            self.w.insert_batch(data)
+        self.w.flush()
+        return self.w.confirmed
+
+    def progress(self) -> tuple:
+        return self.w.sent, self.w.confirmed, self.most_unconfirmed

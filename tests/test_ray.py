@@ -1,0 +1,138 @@
+"""Issue 25 (first part): remote producers on a real two-node Ray cluster
+(both nodes on 127.0.0.1, each with its own resource label) feed a table
+through an ingest actor pinned to the replay node.
+
+The cluster is started once for this module with ``ray start --block``
+(so each node's processes belong to a process this test owns and stop
+with it) and stopped at the end."""
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+
+import numpy as np
+import pytest
+
+ray = pytest.importorskip("ray")
+import shmreplay  # noqa: E402
+import shmreplay.ray as sray  # noqa: E402
+from rayproducer import FIELDS, Producer, rows  # noqa: E402
+from waiting import HANG_S, wait_for  # noqa: E402
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def _ray(*args, temp: str) -> subprocess.Popen:
+    # workers import the producer class from this folder (rayproducer.py)
+    path = os.pathsep.join(p for p in (HERE, os.environ.get("PYTHONPATH")) if p)
+    env = dict(os.environ, RAY_USAGE_STATS_ENABLED="0", PYTHONPATH=path)
+    return subprocess.Popen([sys.executable, "-m", "ray.scripts.scripts", "start", "--block",
+                             "--node-ip-address=127.0.0.1", "--object-store-memory=100000000",
+                             "--disable-usage-stats", f"--temp-dir={temp}", *args],
+                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True)
+
+
+def _stop(p: subprocess.Popen) -> None:
+    """SIGTERM the node's session, then SIGKILL what is left of it: a head
+    node's graceful stop waits ~30 s for its GCS, and the test needs nothing
+    of it any more (the driver disconnected first)."""
+    try:
+        os.killpg(p.pid, signal.SIGTERM)
+        p.wait(5)
+    except subprocess.TimeoutExpired:
+        pass
+    except ProcessLookupError:
+        return
+    try:
+        os.killpg(p.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    p.wait()
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    temp = tempfile.mkdtemp(prefix="ray", dir="/tmp")  # short: Ray's socket paths live under it
+    port = _free_port()
+    head = _ray("--head", f"--port={port}", "--num-cpus=1", "--include-dashboard=false",
+                "--resources=" + json.dumps({"replay_node": 1}), temp=temp)
+    nodes = [head]
+    try:
+        wait_for(lambda: head.poll() is None and _gcs_up(port), "the head node")
+        nodes.append(_ray(f"--address=127.0.0.1:{port}", "--num-cpus=3",
+                          "--resources=" + json.dumps({"remote_node": 3}), temp=temp))
+        ray.init(address=f"127.0.0.1:{port}", logging_level="ERROR", log_to_driver=False)
+        wait_for(lambda: ray.cluster_resources().get("remote_node") == 3, "the second node")
+        head_id = next(n["NodeID"] for n in ray.nodes() if n["Alive"] and "replay_node" in n["Resources"])
+        yield head_id
+    finally:
+        if ray.is_initialized():
+            ray.shutdown()
+        for p in reversed(nodes):
+            _stop(p)
+        shutil.rmtree(temp, ignore_errors=True)
+
+
+def _gcs_up(port: int) -> bool:
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=1):
+            return True
+    except OSError:
+        return False
+
+
+def test_remote_producers_feed_the_table_through_an_ingest_on_the_replay_node(cluster, start_daemon):
+    d = start_daemon(tables=[{"name": "t", "capacity": 4096, "fields": FIELDS}])
+    ingest = sray.start_ingest(d.socket, "t", node_id=cluster)
+    producers = [Producer.remote(ingest, 64, 2) for _ in range(3)]
+    assert ray.get(ingest.stats.remote())["node"] == cluster
+    assert all(ray.get(p.node.remote()) != cluster for p in producers)  # on the other node
+    done = ray.get([p.write.remote(np.arange(k * 10_000, k * 10_000 + 500), k == 0)
+                    for k, p in enumerate(producers)], timeout=HANG_S)
+    assert done[0] == 8  # 500 rows one by one in chunks of 64: 7 full and the rest at flush
+    with d.connect() as c:
+        t = c.table("t")
+        assert len(t) == 1500
+        b = t.sample(1500)
+        got = np.unique(b.data["id"])
+        want = np.concatenate([np.arange(k * 10_000, k * 10_000 + 500) for k in range(3)])
+        assert set(got.tolist()) <= set(want.tolist())
+        np.testing.assert_array_equal(b.data["obs"], rows(b.data["id"])["obs"])  # nothing torn
+    assert ray.get(ingest.stats.remote())["rows"] == 1500
+    ray.kill(ingest)
+
+
+def test_a_rate_limited_table_holds_remote_producers_back(cluster, start_daemon):
+    """A queue of 64 items and no learner: the producer stops with at most
+    in_flight chunks unconfirmed (nothing piles up anywhere), then delivers
+    every row once, in order, as the learner takes them."""
+    d = start_daemon()
+    with d.connect() as c:
+        q = c.create_queue("q", 64, FIELDS)
+        ingest = sray.start_ingest(d.socket, "q", node_id=cluster)
+        p = Producer.remote(ingest, 16, 2)
+        job = p.write.remote(np.arange(400), True)
+        wait_for(lambda: c.stats()["tables"]["q"]["limiter"]["waiting_inserts"] == 1,
+                 "the ingest to wait for the limiter")
+        sent, confirmed, most = ray.get(p.progress.remote())
+        assert sent - confirmed <= 2 and most <= 2 and len(q) <= 64
+        taken = []
+        while len(taken) < 400:
+            taken += q.sample(16, timeout=HANG_S).data["id"].tolist()
+        assert taken == list(range(400))
+        assert ray.get(job, timeout=HANG_S) == 25
+        assert ray.get(p.progress.remote())[2] <= 2
+    ray.kill(ingest)

@@ -32,9 +32,26 @@ ordinary local client.
   producer at its next send or ``flush``, as ``ChunkRefused`` naming why.
 
 Priorities, rate limits and reuse limits are the table's, exactly as for a
-local writer: the ingest is one.  Failure semantics beyond these (an
-ingest restarted by Ray, a producer killed mid-chunk, a daemon restarted
-under the ingest) are issue 25's remaining work: see the closing note.
+local writer: the ingest is one.
+
+Failures (at-least-once: nothing confirmed is lost, nothing is torn):
+
+* **The ingest dies** (its process, its node's raylet): Ray restarts it
+  (``max_restarts``, default for ever) and it reconnects.  A chunk whose
+  call failed with it is sent again, up to ``retries`` times with a
+  growing pause; a chunk the dead ingest had committed but not confirmed
+  is then stored twice.  A re-sent chunk may land after later chunks of
+  the same producer.
+* **The daemon restarts under the ingest**: its client reconnects
+  (``reconnect=True``) and the restarted daemon adopts the tables; a chunk
+  whose flush says inserts may have been lost is sent again (again
+  possibly stored twice).
+* **A producer dies**: the rows it had buffered or sent unconfirmed may be
+  lost; chunks already sent are inserted whole or not at all by a live
+  ingest (a chunk on a rate-limited table is inserted as the limiter
+  admits it; ``timeout`` bounds that).
+* **Anything else the table refuses** (a wrong field, a bad priority)
+  raises ``ChunkRefused`` in the producer at once, naming why.
 
 Who calls it: ``start_ingest`` a driver or actor on the replay node;
 ``RemoteWriter`` one thread of a producer (it is not thread-safe).
@@ -43,13 +60,15 @@ Who calls it: ``start_ingest`` a driver or actor on the replay node;
 from __future__ import annotations
 
 import collections
+import time
 
 import numpy as np
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from .errors import ReplayError
+from .errors import DaemonUnavailable, ReplayError
 
+_RETRIABLE = (DaemonUnavailable,)
 
 class ChunkRefused(ReplayError):
     """The ingest could not insert a chunk: the reason is the table's or the daemon's."""
@@ -99,13 +118,14 @@ class RemoteWriter:
     """Rows from a remote producer, in chunks, with at most ``in_flight``
     chunks unconfirmed (see the module docstring)."""
 
-    def __init__(self, ingest, chunk: int = 64, in_flight: int = 2):
+    def __init__(self, ingest, chunk: int = 64, in_flight: int = 2, retries: int = 10):
         if not isinstance(chunk, int) or chunk < 1 or not isinstance(in_flight, int) or in_flight < 1:
             raise ReplayError(f"chunk and in_flight must be ints >= 1, got {chunk!r}, {in_flight!r}")
-        self.ingest, self.chunk, self.in_flight = ingest, chunk, in_flight
+        self.ingest, self.chunk, self.in_flight, self.retries = ingest, chunk, in_flight, retries
+        self.resent = 0
         self._rows: dict[str, list] = {}
         self._prios: list = []
-        self._pending: collections.deque = collections.deque()  # ObjectRefs of chunks sent
+        self._pending: collections.deque = collections.deque()  # [ref, chunk, priorities, attempts]
         self.sent = self.confirmed = 0
 
     def insert(self, priority=None, **fields) -> None:
@@ -162,13 +182,29 @@ class RemoteWriter:
     def _submit(self, part: dict, prios) -> None:
         while len(self._pending) >= self.in_flight:  # back-pressure: wait for the oldest
             self._confirm_oldest()
-        self._pending.append(self.ingest.insert.remote(part, prios))
+        self._pending.append([self.ingest.insert.remote(part, prios), part, prios, 0])
         self.sent += 1
 
     def _confirm_oldest(self) -> None:
-        ref = self._pending.popleft()
-        try:
-            ray.get(ref)
-        except ray.exceptions.RayTaskError as exc:
-            raise ChunkRefused(f"the ingest refused a chunk: {exc.cause!r}") from None
+        entry = self._pending[0]
+        while True:
+            try:
+                ray.get(entry[0])
+                break
+            except ray.exceptions.RayActorError as exc:  # the ingest died: Ray restarts it
+                why = exc
+            except ray.exceptions.RayTaskError as exc:
+                if not isinstance(exc.cause, _RETRIABLE):
+                    self._pending.popleft()
+                    raise ChunkRefused(f"the ingest refused a chunk: {exc.cause!r}") from None
+                why = exc.cause  # the daemon restarted: inserts since its last flush may be lost
+            entry[3] += 1
+            if entry[3] > self.retries:
+                self._pending.popleft()
+                raise ChunkRefused(f"a chunk could not be delivered in {self.retries} attempts: "
+                                   f"{why!r}") from None
+            time.sleep(min(2.0, 0.1 * 2 ** entry[3]))  # give Ray time to restart the ingest
+            entry[0] = self.ingest.insert.remote(entry[1], entry[2])
+            self.resent += 1
+        self._pending.popleft()
         self.confirmed += 1

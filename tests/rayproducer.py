@@ -1,6 +1,8 @@
 """A producer actor for tests/test_ray.py, in a module of its own so the
 Ray workers (started with this folder on PYTHONPATH) can import it."""
 
+import threading
+
 import numpy as np
 import ray
 
@@ -20,14 +22,21 @@ class Producer:
     def __init__(self, ingest, chunk, in_flight):
         self.w = sray.RemoteWriter(ingest, chunk=chunk, in_flight=in_flight)
         self.most_unconfirmed = 0
+        self.paused, self.go = threading.Event(), threading.Event()
 
     def node(self) -> str:
         return ray.get_runtime_context().get_node_id()
 
-    def write(self, ids, one_by_one: bool) -> int:
+    def write(self, ids, one_by_one: bool, pause_at: int | None = None) -> int:
+        """Write ``ids``; with ``pause_at``, flush after that many rows and
+        wait for ``resume`` (the test breaks something meanwhile)."""
         data = rows(ids)
         if one_by_one:
             for i in range(len(ids)):
+                if i == pause_at:
+                    self.w.flush()
+                    self.paused.set()
+                    self.go.wait(300)
                 self.w.insert(id=data["id"][i], obs=data["obs"][i])
                 self.most_unconfirmed = max(self.most_unconfirmed, self.w.sent - self.w.confirmed)
         else:
@@ -37,3 +46,13 @@ class Producer:
 
     def progress(self) -> tuple:
         return self.w.sent, self.w.confirmed, self.most_unconfirmed
+
+    def resent(self) -> int:
+        return self.w.resent
+
+    def is_paused(self) -> bool:
+        return self.paused.is_set()
+
+    def resume(self) -> int:
+        self.go.set()
+        return self.w.resent

@@ -136,3 +136,55 @@ def test_a_rate_limited_table_holds_remote_producers_back(cluster, start_daemon)
         assert ray.get(job, timeout=HANG_S) == 25
         assert ray.get(p.progress.remote())[2] <= 2
     ray.kill(ingest)
+
+
+@pytest.mark.parametrize("breakage", ["ingest killed", "daemon restarted"])
+def test_remote_producers_lose_nothing_confirmed_when_the_ingest_or_the_daemon_goes(
+        cluster, start_daemon, breakage):
+    """Producers pause (everything so far confirmed), the ingest is killed
+    (Ray restarts it) or the daemon is SIGKILLed and started again (it
+    adopts the table); the producers go on: every row arrives, none torn
+    (at-least-once: a re-sent chunk may be stored twice)."""
+    d = start_daemon(tables=[{"name": "t", "capacity": 8192, "fields": FIELDS}])
+    ingest = sray.start_ingest(d.socket, "t", node_id=cluster)
+    producers = [Producer.remote(ingest, 16, 2) for _ in range(2)]
+    jobs = [p.write.remote(np.arange(k * 10_000, k * 10_000 + 1000), True, 400)
+            for k, p in enumerate(producers)]
+    wait_for(lambda: all(ray.get([p.is_paused.remote() for p in producers])), "the producers to pause")
+    if breakage == "ingest killed":
+        ray.kill(ingest, no_restart=False)
+    else:
+        d.crash()
+        d.start()
+    ray.get([p.resume.remote() for p in producers])
+    ray.get(jobs, timeout=HANG_S)
+    with d.connect() as c:
+        t = c.table("t")
+        b = t.sample(len(t))
+        ids = set(b.data["id"].tolist())
+        want = set(range(1000)) | set(range(10_000, 11_000))
+        assert ids == want, sorted(want - ids)[:10]
+        np.testing.assert_array_equal(b.data["obs"], rows(b.data["id"])["obs"])
+        assert len(t) <= 2000 + 2 * 2 * 16   # duplicates: at most the chunks in flight
+    ray.kill(ingest)
+
+
+def test_a_chunk_in_flight_when_the_ingest_dies_is_sent_again(cluster, start_daemon):
+    """The ingest waits in the daemon with a chunk (a full queue, no
+    learner) when it is killed: that call fails in the producer, which sends
+    the chunk again to the restarted ingest; every row arrives."""
+    d = start_daemon()
+    with d.connect() as c:
+        q = c.create_queue("q", 32, FIELDS)
+        ingest = sray.start_ingest(d.socket, "q", node_id=cluster)
+        p = Producer.remote(ingest, 16, 2)
+        job = p.write.remote(np.arange(200), True)
+        wait_for(lambda: c.stats()["tables"]["q"]["limiter"]["waiting_inserts"] == 1,
+                 "the ingest to wait for the limiter with a chunk")
+        ray.kill(ingest, no_restart=False)
+        taken = []
+        while len(set(taken)) < 200:
+            taken += q.sample(8, timeout=HANG_S).data["id"].tolist()
+        assert set(taken) == set(range(200))
+        assert ray.get(job, timeout=HANG_S) >= 13 and ray.get(p.resent.remote()) >= 1
+    ray.kill(ingest)

@@ -56,3 +56,28 @@ class Producer:
     def resume(self) -> int:
         self.go.set()
         return self.w.resent
+
+
+@ray.remote(resources={"remote_node": 1}, num_cpus=0)
+def nstep_episodes(ingest, episodes, n, gamma, fields=None) -> int:
+    """Write ``episodes`` ([(steps, end)], steps as (obs, action, reward,
+    next_obs)) through a RemoteNStepWriter, on the remote node."""
+    w = sray.RemoteNStepWriter(ingest, n=n, gamma=gamma, fields=fields, chunk=8)
+    for steps, end in episodes:
+        for i, (o, a, r, o2) in enumerate(steps):
+            last = i == len(steps) - 1
+            w.append(obs=o, action=a, reward=r, next_obs=o2, terminated=last and end == "terminated",
+                     truncated=last and end == "truncated")
+    w.close()
+    return w.writer.confirmed
+
+
+@ray.remote(resources={"remote_node": 1}, num_cpus=0)
+def sequence_steps(ingest, episodes, length, period) -> int:
+    w = sray.RemoteSequenceWriter(ingest, length=length, period=period, chunk=4)
+    for steps in episodes:
+        for x, h in steps:
+            w.append(x=x, h=h)
+        w.end_episode()
+    w.close()
+    return w.writer.confirmed

@@ -188,3 +188,55 @@ def test_a_chunk_in_flight_when_the_ingest_dies_is_sent_again(cluster, start_dae
         assert set(taken) == set(range(200))
         assert ray.get(job, timeout=HANG_S) >= 13 and ray.get(p.resent.remote()) >= 1
     ray.kill(ingest)
+
+
+NSTEP = {"observation": ("float32", (2,)), "a": ("int32", ()), "r": ("float32", ()),
+         "gamma_t": ("float32", ()), "next_observation": ("float32", (2,))}
+
+
+def test_remote_step_writers_store_what_the_local_ones_do(cluster, start_daemon):
+    from rayproducer import nstep_episodes, sequence_steps
+    from test_writers import nstep_reference
+    rng = np.random.default_rng(4)
+    episodes = []
+    for _ in range(6):
+        k = int(rng.integers(1, 12))
+        obs = rng.normal(size=(k + 1, 2)).astype(np.float32)
+        episodes.append(([(obs[i], int(rng.integers(4)), float(rng.normal()), obs[i + 1]) for i in range(k)],
+                         "terminated" if rng.random() < 0.5 else "truncated"))
+    seq_fields = {"x": ("int64", (5,)), "h": ("float32", (3,)), "length": ("int32", ())}
+    d = start_daemon(tables=[{"name": "n", "capacity": 512, "fields": NSTEP},
+                             {"name": "s", "capacity": 512, "fields": seq_fields},
+                             {"name": "local", "capacity": 512, "fields": seq_fields}])
+    roles = {"obs": "observation", "action": "a", "reward": "r", "discount": "gamma_t",
+             "next_obs": "next_observation"}
+    ingest_n = sray.start_ingest(d.socket, "n", node_id=cluster)
+    ingest_s = sray.start_ingest(d.socket, "s", node_id=cluster)
+    ray.get(nstep_episodes.remote(ingest_n, episodes, 3, 0.9, roles), timeout=HANG_S)
+    seqs = [[(100 * e + i, np.full(3, i, np.float32)) for i in range(int(rng.integers(1, 14)))]
+            for e in range(5)]
+    ray.get(sequence_steps.remote(ingest_s, seqs, 5, 2), timeout=HANG_S)
+    with d.connect() as c:
+        from readback import committed  # every item in commit order
+        got, _ = committed(c.table("n"))
+        want = nstep_reference(episodes, 3, 0.9)
+        assert len(got["r"]) == len(want)
+        np.testing.assert_array_equal(got["observation"], [w[0] for w in want])
+        np.testing.assert_array_equal(got["a"], [w[1] for w in want])
+        np.testing.assert_allclose(got["r"], [w[2] for w in want], rtol=1e-5)
+        np.testing.assert_allclose(got["gamma_t"], [w[3] for w in want], rtol=1e-6)
+        np.testing.assert_array_equal(got["next_observation"], [w[4] for w in want])
+        # the same steps through a local SequenceWriter: the same items
+        local = c.table("local")
+        with shmreplay.SequenceWriter(local, length=5, period=2) as w:
+            for steps in seqs:
+                for x, h in steps:
+                    w.append(x=x, h=h)
+                w.end_episode()
+        local.flush()
+        a, _ = committed(c.table("s"))
+        b, _ = committed(local)
+        for k in seq_fields:
+            np.testing.assert_array_equal(a[k], b[k], err_msg=k)
+    ray.kill(ingest_n)
+    ray.kill(ingest_s)

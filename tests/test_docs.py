@@ -6,8 +6,10 @@ must leave nothing behind."""
 import glob
 import os
 import re
+import shutil
 import subprocess
 import sys
+import tempfile
 
 import pytest
 
@@ -31,7 +33,11 @@ def test_the_docs_have_python_snippets():
 
 @pytest.mark.parametrize("code", snippets())
 def test_snippet_runs(code, tmp_path):
-    env = {**os.environ, "PYTHONPATH": os.path.join(ROOT, "clients")}
+    # a snippet that starts a local Ray puts its session under RAY_TMPDIR:
+    # short (Ray's socket paths live there), and removed after
+    ray_tmp = tempfile.mkdtemp(prefix="ray", dir="/tmp")
+    env = {**os.environ, "PYTHONPATH": os.path.join(ROOT, "clients"), "RAY_TMPDIR": ray_tmp,
+           "RAY_USAGE_STATS_ENABLED": "0"}
     env.pop("SHMREPLAY_SOCKET", None)
     p = subprocess.Popen([sys.executable, "-c", code], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
                          stderr=subprocess.STDOUT, text=True)
@@ -41,6 +47,7 @@ def test_snippet_runs(code, tmp_path):
         if p.poll() is None:
             p.kill()
             p.wait()
+        shutil.rmtree(ray_tmp, ignore_errors=True)
     assert p.returncode == 0, f"snippet failed:\n{out}"
     left = [n for n in os.listdir("/dev/shm") if f"shmreplay.local{p.pid}x" in n]
     assert not left, f"the snippet's Server left {left} in /dev/shm"

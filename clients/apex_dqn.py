@@ -73,61 +73,210 @@ def parse(argv=None):
     ap.add_argument("--device", default="cpu", help="the learner's torch device (cuda where there is one)")
     ap.add_argument("--out", default=".", help="where the CSV and PNG go")
     ap.add_argument("--instance", default=None, help="shared-memory name prefix of the private daemon")
+    ap.add_argument("--ray", metavar="ADDRESS", default=None,
+                    help="run the actors as Ray actors of the cluster at ADDRESS (host:port); the daemon "
+                         "and the learner stay here (docs/scaling.md)")
+    ap.add_argument("--actor-resource", metavar="NAME", default=None,
+                    help="with --ray: each actor asks for resources={NAME: 1}")
     return ap.parse_args(argv)
 
 
 # ---- actors ----
-def actor(index: int, args, client, eps: list, stop, episodes, steps) -> None:
-    """One actor process: ``len(eps)`` envs stepped together, one
-    NStepWriter each (an env's steps form one stream)."""
+def act(index: int, args, eps: list, writer, latest, stopped, episode, stepped) -> None:
+    """One actor's loop, local or on a Ray node: ``len(eps)`` envs stepped
+    together, one n-step writer each (``writer(priority_fn)`` makes one);
+    ``latest(version)``: None or newer (version, weights); ``stopped()``:
+    end now; ``episode(eps, return)``, ``stepped(n)``: reports."""
     import torch
     import shmreplay.torch as srt
     torch.set_num_threads(1)
-    episodes.cancel_join_thread()  # exit even if the learner stopped reading episodes
-    table = client.table("replay")
     fields, actions = dqn.env_fields(args.env)
     net = dqn.q_network(fields["obs"][1], actions)
-    board = shmreplay.ParameterBoard.attach(client, "policy", like=srt.numpy_state(net))
-    version, arrays = board.latest(timeout=60.0)
+    version, got = 0, None
+    while got is None:  # the learner publishes before it starts any actor
+        got = latest(None)
+    version, arrays = got
     srt.load_state(net, arrays)
     rng = np.random.default_rng([args.seed, index])
     envs = [dqn.make_env(args.env, args.seed * 1000 + index * 100 + i) for i in range(len(eps))]
-    writers = [shmreplay.NStepWriter(table, n=args.n_step, gamma=args.gamma,
-                                     priority_fn=dqn.td_priority(net), timeout=0.5) for _ in envs]
+    writers = [writer(dqn.td_priority(net)) for _ in envs]
     obs = np.stack([e.reset()[0] for e in envs])
     returns = np.zeros(len(envs))
     t = 0
     try:
-        while not stop.is_set():
+        while not stopped():
             if t % args.sync_every == 0:
-                got = board.latest(newer_than=version)
+                got = latest(version)
                 if got is not None:
                     version, arrays = got
                     srt.load_state(net, arrays)
-            act = dqn.greedy(net, obs)
+            a = dqn.greedy(net, obs)
             explore = rng.random(len(envs)) < eps
-            act[explore] = rng.integers(actions, size=int(explore.sum()))
+            a[explore] = rng.integers(actions, size=int(explore.sum()))
             for i, env in enumerate(envs):
-                o2, r, term, trunc, _ = env.step(int(act[i]))
-                while not stop.is_set():  # the limiter holds actors while the learner catches up
+                o2, r, term, trunc, _ = env.step(int(a[i]))
+                while not stopped():  # the limiter holds actors while the learner catches up
                     try:
-                        writers[i].append(obs=obs[i], action=act[i], reward=r, next_obs=o2,
+                        writers[i].append(obs=obs[i], action=a[i], reward=r, next_obs=o2,
                                           terminated=term, truncated=trunc)
                         break
                     except shmreplay.RateLimited:
                         continue
                 returns[i] += r
                 if term or trunc:
-                    episodes.put((eps[i], float(returns[i])))
+                    episode(eps[i], float(returns[i]))
                     returns[i] = 0.0
                     o2, _ = env.reset()
                 obs[i] = o2
             t += 1
-            steps.value += len(envs)
+            stepped(len(envs))
     finally:
         for w in writers:
-            w.close(timeout=5.0)
+            w.close(**({"timeout": 5.0} if isinstance(w, shmreplay.NStepWriter) else {}))
+
+
+def actor(index: int, args, client, eps: list, stop, episodes, steps) -> None:
+    """A local actor process: writes into the table through shared memory."""
+    import shmreplay.torch as srt
+    episodes.cancel_join_thread()  # exit even if the learner stopped reading episodes
+    table = client.table("replay")
+    fields, actions = dqn.env_fields(args.env)
+    board = shmreplay.ParameterBoard.attach(
+        client, "policy", like=srt.numpy_state(dqn.q_network(fields["obs"][1], actions)))
+
+    def stepped(n):
+        steps.value += n
+    try:
+        act(index, args, eps,
+            writer=lambda prio: shmreplay.NStepWriter(table, n=args.n_step, gamma=args.gamma,
+                                                      priority_fn=prio, timeout=0.5),
+            latest=lambda v: board.latest(newer_than=v, timeout=60.0 if v is None else 0.0),
+            stopped=stop.is_set, episode=lambda e, ret: episodes.put((e, ret)), stepped=stepped)
+    finally:
         client.close()
+
+
+class RayActor:
+    """An actor on any node of a Ray cluster (``--ray``): writes through the
+    ingest on the replay node, reads weights through the relay there."""
+
+    def __init__(self, index, args, eps, ingest, relay):
+        self.index, self.args, self.eps, self.ingest, self.relay = index, args, eps, ingest, relay
+        self.steps, self.episodes, self.stop = 0, [], False
+
+    def run(self) -> None:
+        import ray
+        import shmreplay.ray as sray
+        args = self.args
+
+        def episode(e, ret):
+            self.episodes.append((e, ret))
+
+        def stepped(n):
+            self.steps += n
+        act(self.index, args, self.eps,
+            writer=lambda prio: sray.RemoteNStepWriter(self.ingest, n=args.n_step, gamma=args.gamma,
+                                                       priority_fn=prio, chunk=32),
+            latest=lambda v: ray.get(self.relay.latest.remote(v)),
+            stopped=lambda: self.stop, episode=episode, stepped=stepped)
+
+    def report(self) -> tuple:
+        """Env steps so far and the episodes finished since the last report."""
+        out, self.episodes = self.episodes, []
+        return self.steps, out
+
+    def finish(self) -> None:
+        self.stop = True
+
+
+# ---- the actors, as the learner sees them ----
+class LocalCrew:
+    """Actor processes on this box (the default)."""
+
+    def __init__(self, args, eps, server, client, like):
+        ctx = mp.get_context("spawn")
+        self.stop_event, self.queue = ctx.Event(), ctx.Queue()
+        self.counters = [ctx.Value("q", 0, lock=False) for _ in range(args.actors)]
+        self.procs = [ctx.Process(target=actor, args=(a, args, client, eps[a * args.envs:(a + 1) * args.envs],
+                                                      self.stop_event, self.queue, self.counters[a]),
+                                  name=f"actor{a}") for a in range(args.actors)]
+        for p in self.procs:
+            p.start()
+
+    @property
+    def steps(self) -> int:
+        return sum(c.value for c in self.counters)
+
+    def episodes(self) -> list:
+        out = []
+        while True:
+            try:
+                out.append(self.queue.get_nowait())
+            except queue.Empty:
+                return out
+
+    def failed(self) -> bool:
+        return any(p.exitcode not in (None, 0) for p in self.procs)
+
+    def stop(self) -> None:
+        self.stop_event.set()
+        for p in self.procs:
+            p.join(60)
+            if p.is_alive():
+                p.terminate()
+                p.join(10)
+
+
+class RayCrew:
+    """Actors as Ray actors anywhere in the cluster at ``--ray`` (with
+    ``--actor-resource NAME``, only on nodes that offer NAME); the daemon,
+    the ingest and the weights relay stay on this node."""
+
+    def __init__(self, args, eps, server, client, like):
+        import ray
+        import shmreplay.ray as sray
+        self.ray = ray
+        ray.init(address=args.ray, runtime_env={"working_dir": HERE}, logging_level="ERROR",
+                 log_to_driver=False)
+        self.ingest = sray.start_ingest(server.socket, "replay")
+        self.relay = sray.start_parameter_relay(server.socket, "policy", like)
+        opts = dict(num_cpus=1, max_concurrency=2)
+        if args.actor_resource:
+            opts["resources"] = {args.actor_resource: 1}
+        cls = ray.remote(RayActor).options(**opts)
+        self.actors = [cls.remote(a, args, eps[a * args.envs:(a + 1) * args.envs], self.ingest, self.relay)
+                       for a in range(args.actors)]
+        self.runs = [x.run.remote() for x in self.actors]
+        self.counts = [0] * len(self.actors)
+        self._episodes: list = []
+
+    @property
+    def steps(self) -> int:
+        return sum(self.counts)
+
+    def episodes(self) -> list:
+        for i, (n, eps) in enumerate(self.ray.get([x.report.remote() for x in self.actors], timeout=60)):
+            self.counts[i] = n
+            self._episodes += eps
+        out, self._episodes = self._episodes, []
+        return out
+
+    def failed(self) -> bool:
+        done, _ = self.ray.wait(self.runs, num_returns=len(self.runs), timeout=0)
+        return bool(done)  # a run ends only when told to: one that ended failed
+
+    def stop(self) -> None:
+        ray = self.ray
+        try:
+            self.episodes()  # the last counts
+            ray.get([x.finish.remote() for x in self.actors], timeout=60)
+            # an actor whose writer waits for the rate limiter (the learner has
+            # stopped sampling) never gets to look: it is killed below
+            ray.wait(self.runs, num_returns=len(self.runs), timeout=2)
+        finally:
+            for x in [*self.actors, self.ingest, self.relay]:
+                ray.kill(x)
+            ray.shutdown()
 
 
 # ---- learner ----
@@ -148,10 +297,6 @@ def main(argv=None) -> int:
         table.update(samples_per_insert=spi, error_buffer=max(2.0 * args.batch, 200.0 * spi))
     eps = dqn.epsilon_ladder(args.actors * args.envs)
     progress = dqn.Progress(args.out, "apex_dqn")
-    ctx = mp.get_context("spawn")
-    stop, episodes = ctx.Event(), ctx.Queue()
-    counters = [ctx.Value("q", 0, lock=False) for _ in range(args.actors)]
-    procs: list = []
     code, reached = 1, None
     print(f"apex_dqn: {args.env}, {args.actors} actors x {args.envs} envs, replay {capacity:,} items, "
           f"{spi:g} samples per insert, batch {args.batch}, seed {args.seed}", flush=True)
@@ -162,11 +307,7 @@ def main(argv=None) -> int:
                                 device=args.device)
         board = shmreplay.ParameterBoard.create(client, "policy", like=srt.numpy_state(learner.online))
         board.publish(srt.numpy_state(learner.online), flush=True)
-        for a in range(args.actors):
-            p = ctx.Process(target=actor, args=(a, args, client, eps[a * args.envs:(a + 1) * args.envs],
-                                                stop, episodes, counters[a]), name=f"actor{a}")
-            p.start()
-            procs.append(p)
+        crew = (RayCrew if args.ray else LocalCrew)(args, eps, server, client, srt.numpy_state(learner.online))
         deadline = started + 60.0 * args.max_minutes
         next_tick = time.monotonic() + 1.0
         batches = 0
@@ -174,21 +315,18 @@ def main(argv=None) -> int:
         def report() -> bool:
             """Episodes in, a progress line once a second; True: stop."""
             nonlocal next_tick, code, reached
-            while True:
-                try:
-                    e, ret = episodes.get_nowait()
-                except queue.Empty:
-                    break
+            now = time.monotonic()
+            if now < next_tick:
+                return False
+            next_tick = now + 1.0
+            for e, ret in crew.episodes():
                 if e <= GREEDY_EPS:
                     progress.episode(ret)
-            now = time.monotonic()
-            if now >= next_tick:
-                next_tick = now + 1.0
-                progress.tick(sum(c.value for c in counters), replay.inserts, batches)
+            progress.tick(crew.steps, replay.inserts, batches)
             if len(progress.returns) == progress.returns.maxlen and progress.recent >= args.target_return:
                 code, reached = 0, now - started
                 return True
-            if any(p.exitcode not in (None, 0) for p in procs):
+            if crew.failed():
                 code = 2
                 print("apex_dqn: an actor failed", file=sys.stderr)
                 return True
@@ -210,15 +348,10 @@ def main(argv=None) -> int:
                         board.publish(srt.numpy_state(learner.online))
                     if report() or batches == args.max_batches:
                         break
-        stop.set()
-        for p in procs:
-            p.join(60)
-            if p.is_alive():
-                p.terminate()
-                p.join(10)
+        crew.stop()
         client.close()
     csv_path, png_path = progress.save()
-    steps = sum(c.value for c in counters)
+    steps = crew.steps
     if code == 0:
         print(f"apex_dqn: reached a mean return of {progress.recent:.1f} (>= {args.target_return:g}) "
               f"after {reached:.1f} s, {steps:,} env steps, {batches:,} batches", flush=True)

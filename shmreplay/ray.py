@@ -165,8 +165,8 @@ class RemoteWriter:
             raise ReplayError(f"a row needs the fields {sorted(self._rows)}, got {sorted(fields)}")
         if (priority is None) != (not self._prios) and self._count():
             raise ReplayError("give a priority for every row of a chunk or for none")
-        for k, v in fields.items():
-            self._rows.setdefault(k, []).append(np.asarray(v))
+        for k, v in fields.items():  # a copy: the caller may reuse its buffers (an env's obs)
+            self._rows.setdefault(k, []).append(np.array(v))
         if priority is not None:
             self._prios.append(float(priority))
         if self._count() >= self.chunk:
@@ -266,8 +266,10 @@ class RemoteNStepWriter:
         if not np.isfinite(r):
             raise ReplayError(f"reward must be finite, got {reward!r}")
         role = self.role
-        self.open.append([{role["obs"]: np.asarray(obs), role["action"]: np.asarray(action),
-                           **{k: np.asarray(v) for k, v in extras.items()}}, 0.0, 0])
+        # copies: the step's values stay open for n steps, and the caller may
+        # reuse its buffers meanwhile (an env's observation array)
+        self.open.append([{role["obs"]: np.array(obs), role["action"]: np.array(action),
+                           **{k: np.array(v) for k, v in extras.items()}}, 0.0, 0])
         for item in self.open:
             item[1] += self.gamma ** item[2] * r
             item[2] += 1
@@ -282,7 +284,7 @@ class RemoteNStepWriter:
         role = self.role
         row = {**values, role["reward"]: np.float32(ret),
                role["discount"]: np.float32(0.0 if terminated else self.gamma ** m),
-               role["next_obs"]: np.asarray(next_obs)}
+               role["next_obs"]: np.array(next_obs)}
         prio = None if self.priority_fn is None else self.priority_fn(row)
         self.writer.insert(priority=prio, **row)
 

@@ -63,10 +63,12 @@ def nstep_episodes(ingest, episodes, n, gamma, fields=None) -> int:
     """Write ``episodes`` ([(steps, end)], steps as (obs, action, reward,
     next_obs)) through a RemoteNStepWriter, on the remote node."""
     w = sray.RemoteNStepWriter(ingest, n=n, gamma=gamma, fields=fields, chunk=8)
+    buf = np.zeros(2, np.float32)  # one observation buffer, reused as an actor's loop does
     for steps, end in episodes:
         for i, (o, a, r, o2) in enumerate(steps):
             last = i == len(steps) - 1
-            w.append(obs=o, action=a, reward=r, next_obs=o2, terminated=last and end == "terminated",
+            buf[:] = o
+            w.append(obs=buf, action=a, reward=r, next_obs=o2, terminated=last and end == "terminated",
                      truncated=last and end == "truncated")
     w.close()
     return w.writer.confirmed

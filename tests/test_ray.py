@@ -271,3 +271,29 @@ def test_apex_dqn_runs_its_actors_on_the_remote_node(cluster, tmp_path):
     assert done and int(done.group(1).replace(",", "")) > 0 and done.group(2) == "5", p.stdout[-2000:]
     assert list(csv.DictReader(open(tmp_path / "apex_dqn.csv")))
     assert not [n for n in os.listdir("/dev/shm") if name in n]
+
+
+def test_a_producer_killed_mid_stream_loses_only_its_unconfirmed_chunks_and_tears_none(cluster, start_daemon):
+    """What it had confirmed is in; of what it sent after, each chunk is in
+    whole or not at all; the ingest goes on serving another producer."""
+    d = start_daemon(tables=[{"name": "t", "capacity": 8192, "fields": FIELDS}])
+    ingest = sray.start_ingest(d.socket, "t", node_id=cluster)
+    doomed, other = Producer.remote(ingest, 16, 2), Producer.remote(ingest, 16, 2)
+    job = doomed.write.remote(np.arange(4000), True, 400)     # 400 rows confirmed, then it waits
+    wait_for(lambda: ray.get(doomed.is_paused.remote()), "the producer to confirm its first rows")
+    doomed.resume.remote()
+    wait_for(lambda: ray.get(doomed.progress.remote())[1] >= 26, "chunks past the first 400 rows")
+    ray.kill(doomed)                                          # mid-stream, chunks in flight
+    with pytest.raises(ray.exceptions.RayActorError):
+        ray.get(job, timeout=HANG_S)
+    assert ray.get(other.write.remote(np.arange(10_000, 10_100), False), timeout=HANG_S) >= 7
+    with d.connect() as c:
+        t = c.table("t")
+        b = t.sample(len(t))
+        ids = set(b.data["id"].tolist())
+        np.testing.assert_array_equal(b.data["obs"], rows(b.data["id"])["obs"])   # nothing torn
+    assert set(range(400)) <= ids and set(range(10_000, 10_100)) <= ids
+    for lo in range(400, 4000, 16):                            # whole chunks or nothing
+        part = ids & set(range(lo, lo + 16))
+        assert len(part) in (0, 16), (lo, sorted(part))
+    ray.kill(ingest)

@@ -1,0 +1,257 @@
+"""The inference channel when something goes wrong: envs that die (idle,
+with a request posted, while a batch fills), a server that closes or dies,
+a process that scribbles over the shared words.  Real processes; each test
+arranges the state it checks and waits for it with a hang guard."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import numpy as np
+import posix_ipc
+import pytest
+
+import shmreplay
+from inferencekit import FORK, env_main, env_until_told, names_of, policy, raw_ctrl, serve, server, state
+from shmreplay.wire import atomics
+from shmreplay.wire import inference as wi
+from waiting import HANG_S, reap, wait_for
+
+
+def test_dead_envs_are_reported_lost_and_their_slots_reused():
+    with server(slots=2) as srv:
+        go, hold = FORK.Event(), FORK.Event()
+        busy = FORK.Process(target=env_until_told, args=(srv.address, go, 1))
+        idle = FORK.Process(target=env_until_told, args=(srv.address, go, 0, hold))
+        new = None
+        try:
+            busy.start()
+            idle.start()
+            assert srv.wait_attached(2, timeout=HANG_S) == 2
+            go.set()
+            b = srv.receive(timeout=HANG_S)  # busy's request, taken, not answered
+            busy.kill()   # SIGKILL, not reaped: a zombie counts as dead
+            idle.kill()
+            lost: list[int] = []
+            while len(lost) < 2:
+                more = srv.receive(timeout=HANG_S)
+                assert len(more) == 0, "a dead env posted nothing more"
+                lost += more.lost.tolist()
+            assert sorted(lost) == [0, 1] and srv.stats()["lost"] == 2
+            srv.respond(b.slots, action=[7])  # its env is gone: skipped, no error
+            assert srv.stats()["served"] == 0 and srv.stats()["attached"] == 0
+            busy.join(HANG_S)
+            idle.join(HANG_S)
+            # both slots are free for new envs; the one that was pending works too
+            new = [FORK.Process(target=env_main, args=(srv.address, i, 20)) for i in (5, 6)]
+            for p in new:
+                p.start()
+            serve(srv, 40)
+            for p in new:
+                p.join(HANG_S)
+            assert [p.exitcode for p in new] == [0, 0]
+        finally:
+            reap([busy, idle, *(new or [])])
+
+
+def test_an_env_killed_with_its_request_posted_is_lost_not_hung():
+    with server(slots=1) as srv:
+        go = FORK.Event()
+        env = FORK.Process(target=env_until_told, args=(srv.address, go, 1))
+        try:
+            env.start()
+            srv.wait_attached(1, timeout=HANG_S)
+            ctrl = raw_ctrl(srv.address)
+            go.set()
+            wait_for(lambda: state(ctrl, 0)[1] == wi.POSTED, "the env's request posted")
+            env.kill()
+            env.join(HANG_S)
+            seen = []
+            while not seen:
+                b = srv.receive(timeout=HANG_S)
+                seen = b.lost.tolist()
+                assert not set(seen) & set(b.slots.tolist())
+                if len(b):  # taken before its death was seen: answering it is harmless
+                    srv.respond(b.slots, action=[0])
+            assert seen == [0] and state(ctrl, 0) == (0, 0)
+        finally:
+            reap([env])
+
+
+def closed_env(address: str, ready) -> None:
+    with shmreplay.InferenceClient(address, timeout=HANG_S) as ch:
+        ready.set()
+        try:
+            ch.call(obs=[1, 2, 3, 4], reward=0, done=False)
+        except shmreplay.InferenceClosed as exc:
+            assert "closed" in str(exc), exc
+            # and so does every later call
+            with pytest.raises(shmreplay.InferenceClosed):
+                ch.call(obs=[1, 2, 3, 4], reward=0, done=False)
+            os._exit(0)
+    os._exit(3)
+
+
+def test_server_close_wakes_a_waiting_env_with_a_clear_error():
+    srv = server(slots=1)
+    ready = FORK.Event()
+    env = FORK.Process(target=closed_env, args=(srv.address, ready))
+    try:
+        env.start()
+        ready.wait(HANG_S)
+        srv.receive(timeout=HANG_S)  # taken: its env waits for the reply
+        srv.close()
+        assert names_of(srv.address) == set()
+        env.join(HANG_S)
+        assert env.exitcode == 0
+        with pytest.raises(shmreplay.InferenceClosed, match="no inference channel"):
+            shmreplay.InferenceClient(srv.address)
+        with pytest.raises(shmreplay.InferenceClosed, match="closed"):
+            srv.receive(timeout=0)
+    finally:
+        reap([env])
+        srv.close()
+
+
+def dying_server(conn, seal: bool) -> None:
+    """A learner that takes one request and is then SIGKILLed."""
+    srv = server(slots=2)
+    conn.send(srv.address)
+    srv.wait_attached(1, timeout=HANG_S)
+    if seal:
+        srv.seal()
+    srv.receive(timeout=HANG_S)
+    conn.send("taken")
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+@pytest.mark.parametrize("seal", [True, False])
+def test_a_dead_server_is_reported_to_its_waiting_env(seal):
+    mine, theirs = FORK.Pipe()
+    learner = FORK.Process(target=dying_server, args=(theirs, seal))
+    address = None
+    try:
+        learner.start()
+        address = mine.recv()
+        with shmreplay.InferenceClient(address, timeout=HANG_S) as ch:
+            with pytest.raises(shmreplay.InferenceClosed, match=r"died: its learner is gone"):
+                ch.call(obs=[0, 0, 0, 0], reward=0, done=False)
+            assert mine.recv() == "taken"
+        learner.join(HANG_S)
+        assert learner.exitcode == -signal.SIGKILL
+        # sealed, the crash left nothing; else its names stay (``shmreplay
+        # cleanup`` removes them: the pid in the default prefix is dead)
+        assert len(names_of(address)) == (0 if seal else 4)
+    finally:
+        reap([learner])
+        if address is not None:
+            wi.unlink_all(wi.all_names(address, 2), os.getpid())
+
+
+def scribbler(address: str, spare: list, go, done, hold) -> None:
+    """A hostile env: attaches, then writes garbage over its own slot, the
+    free slots and the start words, and floods the doorbell."""
+    rng = np.random.default_rng(1)
+    ch = shmreplay.InferenceClient(address)
+    ctrl = raw_ctrl(address)
+    bell = posix_ipc.Semaphore(wi.doorbell_name(address))
+    targets = [ch.slot, *spare]
+    go.wait(HANG_S)
+    me, dead = os.getpid(), 4_000_000
+    choices = [lambda: int(rng.integers(0, 2**63)), lambda: wi.word(me, 0x7F),
+               lambda: wi.word(1, wi.POSTED), lambda: wi.word(dead, wi.POSTED),
+               lambda: wi.word(os.getppid(), wi.IDLE), lambda: wi.word(me, wi.TAKEN),
+               lambda: wi.word(me, wi.POSTED), lambda: wi.word(me, wi.DONE),
+               lambda: wi.word(1, wi.ATTACHING)]
+    for i in range(20_000):
+        k = targets[i % len(targets)]
+        atomics.store(ctrl, k * wi.SLOT_WORDS, choices[int(rng.integers(len(choices)))]())
+        if i % 3 == 0:
+            atomics.store(ctrl, k * wi.SLOT_WORDS + wi.W_START, int(rng.integers(0, 2**63)))
+        if i % 10 == 0:
+            bell.release()
+    # and leave garbage behind: an unknown code in its own slot, a dead pid's request in a spare one
+    atomics.store(ctrl, ch.slot * wi.SLOT_WORDS, wi.word(me, 0x7F))
+    atomics.store(ctrl, spare[0] * wi.SLOT_WORDS, wi.word(dead, wi.POSTED))
+    done.set()
+    hold.wait(HANG_S * 10)  # killed by the test
+
+
+def test_garbage_in_the_shared_words_does_not_stop_the_server():
+    with server(slots=4) as srv:
+        go, done, hold = FORK.Event(), FORK.Event(), FORK.Event()
+        legit = [FORK.Process(target=env_until_told, args=(srv.address, go, 200)) for _ in range(2)]
+        hostile = None
+        try:
+            for p in legit:
+                p.start()
+            srv.wait_attached(2, timeout=HANG_S)
+            ctrl = raw_ctrl(srv.address)
+            held = {k for k in range(4) if state(ctrl, k)[0] in {p.pid for p in legit}}
+            assert len(held) == 2
+            hostile = FORK.Process(target=scribbler, args=(srv.address, sorted(set(range(4)) - held)[1:],
+                                                           go, done, hold))
+            hostile.start()
+            srv.wait_attached(3, timeout=HANG_S)
+            go.set()
+            # the two honest envs get every answer right while the third scribbles
+            served = 0
+            while served < 400 or not done.is_set():
+                try:
+                    b = srv.receive(max_wait_s=0.001, timeout=HANG_S if served < 400 else 0.05)
+                except shmreplay.ReplayTimeout:
+                    continue
+                honest = np.isin(b.slots, sorted(held))
+                srv.respond(b.slots, action=np.where(honest, policy(b.data["obs"]), -1))
+                served += int(honest.sum())
+            for p in legit:
+                p.join(HANG_S)
+            assert [p.exitcode for p in legit] == [0, 0]
+            hostile.kill()
+            hostile.join(HANG_S)
+            # the garbage it left is cleared: its slot and the spare one free up
+            while srv.stats()["attached"] or any(state(ctrl, k) != (0, 0) for k in range(4)):
+                try:
+                    b = srv.receive(timeout=0.05)
+                    srv.respond(b.slots, action=np.zeros(len(b), np.int64))
+                except shmreplay.ReplayTimeout:
+                    pass
+            assert srv.stats()["garbage"] > 0  # its last words at least
+            with shmreplay.InferenceClient(srv.address) as a, shmreplay.InferenceClient(srv.address) as c:
+                assert {a.slot, c.slot} <= set(range(4))
+        finally:
+            reap([*legit, *([hostile] if hostile else [])])
+
+
+def test_an_env_dying_while_a_batch_fills_is_dropped_from_it():
+    import threading
+    with server(slots=2) as srv:
+        go = FORK.Event()
+        env = FORK.Process(target=env_until_told, args=(srv.address, go, 1))
+        new = None
+        try:
+            env.start()
+            srv.wait_attached(1, timeout=HANG_S)
+            ctrl = raw_ctrl(srv.address)
+            go.set()
+
+            def kill_once_taken():
+                wait_for(lambda: state(ctrl, 0) == (env.pid, wi.TAKEN), "its request taken")
+                env.kill()
+
+            killer = threading.Thread(target=kill_once_taken)
+            killer.start()
+            # waits for a second request that never comes: the death ends the wait
+            b = srv.receive(min_batch=2, max_wait_s=HANG_S, timeout=HANG_S)
+            killer.join(HANG_S)
+            assert b.lost.tolist() == [0] and len(b) == 0 and b.data["obs"].shape == (0, 4)
+            assert state(ctrl, 0) == (0, 0)
+            srv.respond(b.slots, action=np.zeros(0, np.int64))  # nothing to answer
+            new = FORK.Process(target=env_main, args=(srv.address, 3, 5))
+            new.start()
+            serve(srv, 5)
+            new.join(HANG_S)
+            assert new.exitcode == 0
+        finally:
+            reap([env, *([new] if new else [])])

@@ -258,7 +258,7 @@ class InferenceClient(_Handle):
         self._bell = wi.open_semaphore(wi.doorbell_name(base))
         me = self._pid
         for k in range(lay.slots):
-            if wi.cas(self._words, lay.ctrl // 8 + k * SLOT_WORDS, 0, word(me, ATTACHING)) == 0:
+            if atomics.cas(self._words, lay.ctrl // 8 + k * SLOT_WORDS, 0, word(me, ATTACHING)) == 0:
                 break
         else:
             self._bell.close()
@@ -269,13 +269,13 @@ class InferenceClient(_Handle):
         try:
             self._reply = wi.open_semaphore(wi.reply_name(base, k))
         except BaseException:
-            wi.cas(self._words, self._at, word(me, ATTACHING), 0)
+            atomics.cas(self._words, self._at, word(me, ATTACHING), 0)
             self._bell.close()
             raise
         self._req = {name: v[k, ...] for name, v in req.items()}
         self._resp = {name: v[k, ...] for name, v in resp.items()}
         atomics.store(self._words, self._at + wi.W_START, wi.process_state(me)[1])
-        if wi.cas(self._words, self._at, word(me, ATTACHING), word(me, IDLE)) != word(me, ATTACHING):
+        if atomics.cas(self._words, self._at, word(me, ATTACHING), word(me, IDLE)) != word(me, ATTACHING):
             self._bell.close()
             self._reply.close()
             raise InferenceClosed(f"slot {k} of {base} was taken back while this env attached "
@@ -345,7 +345,7 @@ class InferenceClient(_Handle):
 
     def _give_up(self):
         posted = word(self._pid, POSTED)
-        if wi.cas(self._words, self._at, posted, word(self._pid, IDLE)) == posted:
+        if atomics.cas(self._words, self._at, posted, word(self._pid, IDLE)) == posted:
             raise ReplayTimeout(f"no reply within {self.timeout} s; the request was withdrawn "
                                 "(the server had not taken it)")
         self._stale = True
@@ -362,7 +362,7 @@ class InferenceClient(_Handle):
             for _ in range(4):  # the server may take a request meanwhile
                 if w >> 8 != self._pid:
                     break
-                found = int(wi.cas(self._words, self._at, w, 0))
+                found = int(atomics.cas(self._words, self._at, w, 0))
                 if found == w:
                     break
                 w = found

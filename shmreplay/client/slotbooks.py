@@ -71,7 +71,7 @@ def scan(ctrl, owner, pending, qa, qb, taken, odd, words, passes):
                 continue
             p = owner[k] << _U8
             if p != 0 and pending[k] == 0 and w == p | _POSTED:
-                if wi.cas(ctrl, k * SLOT_WORDS, w, p | _TAKEN) == w:
+                if atomics.cas(ctrl, k * SLOT_WORDS, w, p | _TAKEN) == w:
                     pending[k] = 1
                     requiet(owner, pending, qa, qb, k)
                     taken[nt] = k
@@ -81,7 +81,7 @@ def scan(ctrl, owner, pending, qa, qb, taken, odd, words, passes):
             no += 1
         if nt or no:
             return nt, no
-        wi.pause()
+        atomics.pause()
     return 0, 0
 
 
@@ -94,7 +94,7 @@ def answer(ctrl, owner, pending, qa, qb, slots, live, woken):
     for j in range(len(slots)):
         k = slots[j]
         p = owner[k] << _U8
-        if live[j] and wi.cas(ctrl, k * SLOT_WORDS, p | _TAKEN, p | _DONE) == p | _TAKEN:
+        if live[j] and atomics.cas(ctrl, k * SLOT_WORDS, p | _TAKEN, p | _DONE) == p | _TAKEN:
             woken[n] = k
             n += 1
         pending[k] = 0
@@ -151,7 +151,7 @@ class SlotBooks:
 
     def free(self, k: int, w: int) -> None:
         """Free slot k if its word still reads ``w`` (a claim no live process backs)."""
-        wi.cas(self.ctrl, k * SLOT_WORDS, w, 0)
+        atomics.cas(self.ctrl, k * SLOT_WORDS, w, 0)
 
     def settle(self, k: int, w: int) -> bool:
         """Account for slot k's word ``w``, which is neither of its quiet
@@ -190,7 +190,7 @@ class SlotBooks:
                       self.words, passes)
         took = self.taken[:nt].tolist()
         for k, w in zip(self.odd[:no].tolist(), self.words[:no].tolist()):
-            if self.settle(k, w) and wi.cas(self.ctrl, k * SLOT_WORDS, w, wi.word(w >> 8, TAKEN)) == w:
+            if self.settle(k, w) and atomics.cas(self.ctrl, k * SLOT_WORDS, w, wi.word(w >> 8, TAKEN)) == w:
                 self.pending[k] = 1
                 self.requiet(k)
                 took.append(k)

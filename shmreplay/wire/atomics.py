@@ -1,9 +1,9 @@
-"""Sequentially consistent loads and stores on shared-memory words.
+"""Sequentially consistent loads, stores and compare-and-swap on shared-memory words.
 
 numba has no public CPU atomics, and a plain load inside a numba loop may be
 hoisted out of it by LLVM (a spinner that never sees the other process).
-These intrinsics emit ``load atomic``/``store atomic`` with ``seq_cst``
-ordering; on x86-64 the load is a plain ``mov`` and the store an ``xchg``
+These intrinsics emit ``load atomic``/``store atomic``/``cmpxchg`` with
+``seq_cst`` ordering; on x86-64 the load is a plain ``mov`` and the store an ``xchg``
 (a full barrier).  They are the only way this package touches a word that
 another process writes concurrently.
 
@@ -74,6 +74,35 @@ def _pause(typingctx):
         return context.get_dummy_value()
 
     return sig, codegen
+
+
+@intrinsic
+def _cas(typingctx, arr, idx, expected, new):
+    sig = arr.dtype(arr, types.intp, expected, new)
+
+    def codegen(context, builder, sig, args):
+        aryty = sig.args[0]
+        ptr = _pointer(context, builder, aryty, args[0], args[1])
+        exp = context.cast(builder, args[2], sig.args[2], aryty.dtype)
+        val = context.cast(builder, args[3], sig.args[3], aryty.dtype)
+        pair = builder.cmpxchg(ptr, exp, val, "seq_cst", "seq_cst")
+        return builder.extract_value(pair, 0)
+
+    return sig, codegen
+
+
+@numba.njit(**JIT)
+def cas(words, i, expected, new):
+    """Atomically: if ``words[i] == expected`` set it to ``new``; returns
+    the value found (``expected`` when it succeeded).  seq_cst.  (The
+    inference channel's slot words: wire/inference.py.)"""
+    return _cas(words, i, np.uint64(expected), np.uint64(new))
+
+
+@numba.njit(**JIT)
+def pause():
+    """x86 ``pause`` (elsewhere nothing): one beat of a spin loop."""
+    _pause()
 
 
 @numba.njit(**JIT)

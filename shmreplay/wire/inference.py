@@ -28,9 +28,9 @@ process of the user, so the server decides from its own books and takes
 a word only as a claim to check (``alive``, the start time, the codes).
 
 ``check_values`` checks what a caller hands in against the fields (a
-``FieldError`` saying what to do).  Pure functions, constants, and
-``cas`` (beside ``wire/atomics.py``'s loads and stores) and ``pause`` for
-kernels over the words; any thread.
+``FieldError`` saying what to do).  Pure functions and constants; the
+atomics over the words (``cas``, ``pause``, loads, stores) are
+``wire/atomics.py``'s; any thread.
 """
 
 from __future__ import annotations
@@ -38,23 +38,16 @@ from __future__ import annotations
 import json
 import mmap
 import os
-import platform
 import re
 import secrets
 import stat
 from dataclasses import dataclass
 
-import numba
 import numpy as np
 import posix_ipc
-from llvmlite import ir
-from numba import types
-from numba.core import cgutils
-from numba.extending import intrinsic
 
 from ..errors import FieldError, ForeignObject, InferenceClosed, LayoutError
 from ..fields import Field, cannot_store, parse_fields, unconvertible
-from ..numbaconf import JIT
 from .atomics import store
 from .names import SHM_DIR
 from .segment import check_owned, unlink_quiet
@@ -341,54 +334,3 @@ def alive(pid: int, start: int = 0) -> bool:
     ``start`` when that is known (nonzero)?  A reused pid is not alive."""
     state, now = process_state(pid)
     return now != 0 and state not in ("Z", "X", "x") and (start == 0 or now == start)
-
-
-# ---- atomics beside wire/atomics.py's: compare-and-swap, and a spin's pause ----
-def _item_pointer(context, builder, aryty, ary_value, idx):
-    ary = context.make_array(aryty)(context, builder, ary_value)
-    return cgutils.get_item_pointer(context, builder, aryty, ary, [idx])
-
-
-@intrinsic
-def _cas(typingctx, arr, idx, expected, new):
-    sig = arr.dtype(arr, types.intp, expected, new)
-
-    def codegen(context, builder, sig, args):
-        aryty = sig.args[0]
-        ptr = _item_pointer(context, builder, aryty, args[0], args[1])
-        exp = context.cast(builder, args[2], sig.args[2], aryty.dtype)
-        val = context.cast(builder, args[3], sig.args[3], aryty.dtype)
-        pair = builder.cmpxchg(ptr, exp, val, "seq_cst", "seq_cst")
-        return builder.extract_value(pair, 0)
-
-    return sig, codegen
-
-
-_X86 = platform.machine().lower() in ("x86_64", "amd64", "i686", "x86")
-
-
-@intrinsic
-def _pause(typingctx):
-    sig = types.void()
-
-    def codegen(context, builder, sig, args):
-        if _X86:
-            fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), []),
-                                                "llvm.x86.sse2.pause")
-            builder.call(fn, [])
-        return context.get_dummy_value()
-
-    return sig, codegen
-
-
-@numba.njit(**JIT)
-def cas(words, i, expected, new):
-    """Atomically: if ``words[i] == expected`` set it to ``new``; returns
-    the value found (``expected`` when it succeeded).  seq_cst."""
-    return _cas(words, i, np.uint64(expected), np.uint64(new))
-
-
-@numba.njit(**JIT)
-def pause():
-    """x86 ``pause`` (elsewhere nothing): one beat of a spin loop."""
-    _pause()

@@ -25,57 +25,16 @@ import argparse
 import json
 import multiprocessing as mp
 import os
-import shutil
-import signal
-import socket
-import subprocess
 import sys
-import tempfile
 import time
-
-import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import shmreplay  # noqa: E402
+from shmreplay.bench.raycluster import LocalCluster  # noqa: E402
 from shmreplay.bench.workloads import WORKLOADS  # noqa: E402
 
 CHUNK, IN_FLIGHT = 64, 2
-ENV = {"RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}
-
-
-def start_cluster(temp: str) -> tuple[list, str]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = dict(os.environ, **ENV)
-    common = ["--block", "--node-ip-address=127.0.0.1", "--object-store-memory=500000000",
-              "--disable-usage-stats", f"--temp-dir={temp}"]
-    cmd = [sys.executable, "-m", "ray.scripts.scripts", "start"]
-    head = subprocess.Popen(cmd + common + ["--head", f"--port={port}", "--num-cpus=1", "--include-dashboard=false",
-                                            "--resources=" + json.dumps({"replay_node": 1})],
-                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-    time.sleep(6)
-    worker = subprocess.Popen(cmd + common + [f"--address=127.0.0.1:{port}", "--num-cpus=8",
-                                              "--resources=" + json.dumps({"remote_node": 8})],
-                              env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-    return [head, worker], f"127.0.0.1:{port}"
-
-
-def stop_cluster(nodes: list) -> None:
-    for p in reversed(nodes):
-        try:
-            os.killpg(p.pid, signal.SIGTERM)
-            p.wait(2)
-        except (subprocess.TimeoutExpired, ProcessLookupError):
-            pass
-        try:
-            os.killpg(p.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        p.wait()
-
-
 def local_writer(socket_path, name, rows, seconds, out) -> None:
     c = shmreplay.connect(socket_path)
     t = c.table(name)
@@ -94,7 +53,6 @@ def main(argv=None) -> int:
     ap.add_argument("--seconds", type=float, default=5.0)
     ap.add_argument("--workloads", nargs="+", default=["sac-mujoco", "dqn-atari"])
     a = ap.parse_args(argv)
-    os.environ.update(ENV)
     import ray
     import shmreplay.ray as sray
 
@@ -122,13 +80,12 @@ def main(argv=None) -> int:
         ray.get(pending)
         return n, time.perf_counter() - t0
 
-    temp = tempfile.mkdtemp(prefix="ray", dir="/tmp")
-    nodes, address = start_cluster(temp)
+    cluster = LocalCluster(remote_cpus=8, object_store_bytes=500_000_000)
     results = []
     try:
-        ray.init(address=address, logging_level="ERROR", log_to_driver=False,
-                 runtime_env={"env_vars": {"PYTHONPATH": os.path.dirname(os.path.dirname(os.path.abspath(__file__)))}})
-        head = next(nd["NodeID"] for nd in ray.nodes() if nd["Alive"] and "replay_node" in nd["Resources"])
+        cluster.start()
+        head = cluster.connect(runtime_env={"env_vars": {
+            "PYTHONPATH": os.path.dirname(os.path.dirname(os.path.abspath(__file__)))}})
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
         sink = Sink.options(scheduling_strategy=NodeAffinitySchedulingStrategy(head, soft=False)).remote()
         for wl in a.workloads:
@@ -162,10 +119,7 @@ def main(argv=None) -> int:
                           f"remote/ray {cell['remote'] / cell['ray']:.2f}", flush=True)
                 ray.kill(ingest)
     finally:
-        if ray.is_initialized():
-            ray.shutdown()
-        stop_cluster(nodes)
-        shutil.rmtree(temp, ignore_errors=True)
+        cluster.stop()
     print(json.dumps(results))
     return 0
 

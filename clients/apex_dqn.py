@@ -50,29 +50,11 @@ GREEDY_EPS = 0.01
 
 def parse(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--env", default="CartPole-v1")
+    dqn.learner_flags(ap)
     ap.add_argument("--actors", type=int, default=2)
     ap.add_argument("--envs", type=int, default=4, help="environments per actor")
-    ap.add_argument("--target-return", type=float, default=475.0)
-    ap.add_argument("--max-minutes", type=float, default=15.0)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--max-batches", type=int, default=None,
-                    help="stop after this many learner batches (a smoke run; exit code 1)")
-    ap.add_argument("--capacity", type=int, default=None, help="default 100,000 (20,000 for Atari)")
-    ap.add_argument("--batch", type=int, default=128)
-    ap.add_argument("--n-step", type=int, default=3)
-    ap.add_argument("--gamma", type=float, default=0.99)
-    ap.add_argument("--lr", type=float, default=5e-4)
-    ap.add_argument("--samples-per-insert", type=float, default=8.0, help="0: no rate limit")
-    ap.add_argument("--min-size", type=int, default=1000)
-    ap.add_argument("--beta", type=float, default=0.4)
     ap.add_argument("--sync-every", type=int, default=100, help="actor steps between weight refreshes")
-    ap.add_argument("--publish-every", type=int, default=25, help="learner updates between publishes")
-    ap.add_argument("--target-every", type=int, default=250)
     ap.add_argument("--threads", type=int, default=1, help="torch threads of the learner")
-    ap.add_argument("--device", default="cpu", help="the learner's torch device (cuda where there is one)")
-    ap.add_argument("--out", default=".", help="where the CSV and PNG go")
-    ap.add_argument("--instance", default=None, help="shared-memory name prefix of the private daemon")
     ap.add_argument("--ray", metavar="ADDRESS", default=None,
                     help="run the actors as Ray actors of the cluster at ADDRESS (host:port); the daemon "
                          "and the learner stay here (docs/scaling.md)")

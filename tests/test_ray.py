@@ -1,19 +1,11 @@
-"""Issue 25 (first part): remote producers on a real two-node Ray cluster
-(both nodes on 127.0.0.1, each with its own resource label) feed a table
-through an ingest actor pinned to the replay node.
+"""Issue 25: remote producers on a real two-node Ray cluster (both nodes
+on 127.0.0.1, each with its own resource label: shmreplay/bench/
+raycluster.py) feed a table through an ingest actor pinned to the replay
+node.  The cluster is started once for this module and stopped at the end."""
 
-The cluster is started once for this module with ``ray start --block``
-(so each node's processes belong to a process this test owns and stop
-with it) and stopped at the end."""
-
-import json
 import os
-import shutil
-import signal
-import socket
 import subprocess
 import sys
-import tempfile
 
 import numpy as np
 import pytest
@@ -22,86 +14,23 @@ ray = pytest.importorskip("ray")
 import shmreplay  # noqa: E402
 import shmreplay.ray as sray  # noqa: E402
 from rayproducer import FIELDS, Producer, rows  # noqa: E402
+from shmreplay.bench.raycluster import ENV, LocalCluster  # noqa: E402
 from waiting import HANG_S, wait_for  # noqa: E402
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 HERE = os.path.dirname(os.path.abspath(__file__))
-# Ray >= 2.5x makes and keeps a token in ~/.ray/auth_token for a new local
-# cluster unless told not to: a file outside the test's folders, which a
-# later cluster then requires.  This loopback-only cluster runs without.
-NO_TOKEN = {"RAY_AUTH_MODE": "disabled"}
-
-
-def _ray(*args, temp: str) -> subprocess.Popen:
-    # workers import the producer class from this folder (rayproducer.py)
-    path = os.pathsep.join(p for p in (HERE, os.environ.get("PYTHONPATH")) if p)
-    env = dict(os.environ, RAY_USAGE_STATS_ENABLED="0", PYTHONPATH=path, **NO_TOKEN)
-    return subprocess.Popen([sys.executable, "-m", "ray.scripts.scripts", "start", "--block",
-                             "--node-ip-address=127.0.0.1", "--object-store-memory=100000000",
-                             "--disable-usage-stats", f"--temp-dir={temp}", *args],
-                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            start_new_session=True)
-
-
-def _stop(p: subprocess.Popen) -> None:
-    """SIGTERM the node's session, then SIGKILL what is left of it: a head
-    node's graceful stop waits ~30 s for its GCS, and the test needs nothing
-    of it any more (the driver disconnected first)."""
-    try:
-        os.killpg(p.pid, signal.SIGTERM)
-        p.wait(2)
-    except subprocess.TimeoutExpired:
-        pass
-    except ProcessLookupError:
-        return
-    try:
-        os.killpg(p.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-    p.wait()
 
 
 @pytest.fixture(scope="module")
 def cluster():
-    temp = tempfile.mkdtemp(prefix="ray", dir="/tmp")  # short: Ray's socket paths live under it
-    saved = os.environ.get("RAY_AUTH_MODE")
-    os.environ.update(NO_TOKEN)  # this process is the cluster's driver
-    port = _free_port()
-    head = _ray("--head", f"--port={port}", "--num-cpus=1", "--include-dashboard=false",
-                "--resources=" + json.dumps({"replay_node": 1}), temp=temp)
-    nodes = [head]
+    """The head node's id; workers import the producer class from this
+    folder (rayproducer.py)."""
+    c = LocalCluster(remote_cpus=3, object_store_bytes=100_000_000, pythonpath=HERE)
     try:
-        wait_for(lambda: head.poll() is None and _gcs_up(port), "the head node")
-        nodes.append(_ray(f"--address=127.0.0.1:{port}", "--num-cpus=3",
-                          "--resources=" + json.dumps({"remote_node": 3}), temp=temp))
-        ray.init(address=f"127.0.0.1:{port}", logging_level="ERROR", log_to_driver=False)
-        wait_for(lambda: ray.cluster_resources().get("remote_node") == 3, "the second node")
-        head_id = next(n["NodeID"] for n in ray.nodes() if n["Alive"] and "replay_node" in n["Resources"])
-        yield head_id
+        c.start()
+        yield c.connect()
     finally:
-        if ray.is_initialized():
-            ray.shutdown()
-        for p in reversed(nodes):
-            _stop(p)
-        shutil.rmtree(temp, ignore_errors=True)
-        if saved is None:
-            os.environ.pop("RAY_AUTH_MODE", None)
-        else:
-            os.environ["RAY_AUTH_MODE"] = saved
-
-
-def _gcs_up(port: int) -> bool:
-    try:
-        with socket.create_connection(("127.0.0.1", port), timeout=1):
-            return True
-    except OSError:
-        return False
+        c.stop()
 
 
 def test_remote_producers_feed_the_table_through_an_ingest_on_the_replay_node(cluster, start_daemon):
@@ -125,18 +54,27 @@ def test_remote_producers_feed_the_table_through_an_ingest_on_the_replay_node(cl
     ray.kill(ingest)
 
 
+def held_by_a_full_queue(c, d, cluster, capacity: int, n: int):
+    """A queue of ``capacity`` items, its ingest, and a producer (chunks of
+    16, 2 in flight) writing ids 0..n-1 one by one, once the ingest waits
+    in the daemon with a chunk the limiter holds (no learner yet):
+    (queue, ingest, producer, its write)."""
+    q = c.create_queue("q", capacity, FIELDS)
+    ingest = sray.start_ingest(d.socket, "q", node_id=cluster)
+    p = Producer.remote(ingest, 16, 2)
+    job = p.write.remote(np.arange(n), True)
+    wait_for(lambda: c.stats()["tables"]["q"]["limiter"]["waiting_inserts"] == 1,
+             "the ingest to wait for the limiter with a chunk")
+    return q, ingest, p, job
+
+
 def test_a_rate_limited_table_holds_remote_producers_back(cluster, start_daemon):
     """A queue of 64 items and no learner: the producer stops with at most
     in_flight chunks unconfirmed (nothing piles up anywhere), then delivers
     every row once, in order, as the learner takes them."""
     d = start_daemon()
     with d.connect() as c:
-        q = c.create_queue("q", 64, FIELDS)
-        ingest = sray.start_ingest(d.socket, "q", node_id=cluster)
-        p = Producer.remote(ingest, 16, 2)
-        job = p.write.remote(np.arange(400), True)
-        wait_for(lambda: c.stats()["tables"]["q"]["limiter"]["waiting_inserts"] == 1,
-                 "the ingest to wait for the limiter")
+        q, ingest, p, job = held_by_a_full_queue(c, d, cluster, 64, 400)
         sent, confirmed, most = ray.get(p.progress.remote())
         assert sent - confirmed <= 2 and most <= 2 and len(q) <= 64
         taken = []
@@ -185,12 +123,7 @@ def test_a_chunk_in_flight_when_the_ingest_dies_is_sent_again(cluster, start_dae
     the chunk again to the restarted ingest; every row arrives."""
     d = start_daemon()
     with d.connect() as c:
-        q = c.create_queue("q", 32, FIELDS)
-        ingest = sray.start_ingest(d.socket, "q", node_id=cluster)
-        p = Producer.remote(ingest, 16, 2)
-        job = p.write.remote(np.arange(200), True)
-        wait_for(lambda: c.stats()["tables"]["q"]["limiter"]["waiting_inserts"] == 1,
-                 "the ingest to wait for the limiter with a chunk")
+        q, ingest, p, job = held_by_a_full_queue(c, d, cluster, 32, 200)
         ray.kill(ingest, no_restart=False)
         taken = []
         while len(set(taken)) < 200:
@@ -260,7 +193,7 @@ def test_apex_dqn_runs_its_actors_on_the_remote_node(cluster, tmp_path):
     import re
     address = ray.get_runtime_context().gcs_address
     name = f"test{os.getpid()}apexray"
-    env = dict(os.environ, RAY_USAGE_STATS_ENABLED="0", **NO_TOKEN)
+    env = dict(os.environ, **ENV)
     p = subprocess.run([sys.executable, os.path.join(os.path.dirname(HERE), "clients", "apex_dqn.py"),
                         "--ray", address, "--actor-resource", "remote_node", "--actors", "1", "--envs", "2",
                         "--max-batches", "5", "--batch", "32", "--max-minutes", "8", "--target-return", "1e9",

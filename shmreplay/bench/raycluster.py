@@ -1,0 +1,122 @@
+"""A two-node Ray cluster on 127.0.0.1, for tests/test_ray.py and
+benchmarks/ray_ingest.py: a head node labelled ``replay_node`` and a second
+node labelled ``remote_node`` (so producers can be placed on the "remote"
+one), each started with ``ray start --block`` in a session of its own, so
+every process of a node belongs to a process this object owns and stops
+with it.
+
+Ray runs without its token authentication (``RAY_AUTH_MODE=disabled``, a
+loopback-only cluster): with it, a new local cluster makes and keeps
+``~/.ray/auth_token``, a file outside the run's folders that later clusters
+then demand.  Who calls it: one driver process, one thread.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+ENV = {"RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}
+START_S = 120.0  # a hang guard for a node to come up on a loaded box
+
+
+class LocalCluster:
+    def __init__(self, remote_cpus: int, object_store_bytes: int, pythonpath: str | None = None):
+        """``pythonpath``: a folder the nodes' workers import from (a test's helpers)."""
+        self.remote_cpus, self.store, self.pythonpath = remote_cpus, object_store_bytes, pythonpath
+        self.nodes: list[subprocess.Popen] = []
+        self.temp = self.address = None
+        self._saved = None
+
+    def start(self) -> str:
+        """Start both nodes; returns the head's address (host:port)."""
+        self.temp = tempfile.mkdtemp(prefix="ray", dir="/tmp")  # short: Ray's socket paths live under it
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        self.address = f"127.0.0.1:{port}"
+        self.nodes.append(self._node("--head", f"--port={port}", "--num-cpus=1", "--include-dashboard=false",
+                                     "--resources=" + json.dumps({"replay_node": 1})))
+        deadline = time.monotonic() + START_S
+        while not _listening(port):
+            if self.nodes[0].poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"the Ray head node did not come up (exit code {self.nodes[0].poll()})")
+            time.sleep(0.1)
+        self.nodes.append(self._node(f"--address={self.address}", f"--num-cpus={self.remote_cpus}",
+                                     "--resources=" + json.dumps({"remote_node": self.remote_cpus})))
+        return self.address
+
+    def connect(self, **init) -> str:
+        """``ray.init`` this process as the cluster's driver, wait for the
+        second node; returns the head node's id (where the replay lives)."""
+        import ray
+        self._saved = {k: os.environ.get(k) for k in ENV}
+        os.environ.update(ENV)
+        ray.init(address=self.address, logging_level="ERROR", log_to_driver=False, **init)
+        deadline = time.monotonic() + START_S
+        while ray.cluster_resources().get("remote_node") != self.remote_cpus:
+            if time.monotonic() > deadline:
+                raise RuntimeError("the second Ray node did not join")
+            time.sleep(0.1)
+        return next(n["NodeID"] for n in ray.nodes() if n["Alive"] and "replay_node" in n["Resources"])
+
+    def stop(self) -> None:
+        """Disconnect the driver, stop both nodes, remove the temp folder."""
+        try:
+            import ray
+            if ray.is_initialized():
+                ray.shutdown()
+        finally:
+            for p in reversed(self.nodes):
+                _stop(p)
+            self.nodes = []
+            if self.temp:
+                shutil.rmtree(self.temp, ignore_errors=True)
+            for k, v in (self._saved or {}).items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
+
+    def _node(self, *args) -> subprocess.Popen:
+        env = dict(os.environ, **ENV)
+        if self.pythonpath:
+            env["PYTHONPATH"] = os.pathsep.join(p for p in (self.pythonpath, os.environ.get("PYTHONPATH")) if p)
+        return subprocess.Popen([sys.executable, "-m", "ray.scripts.scripts", "start", "--block",
+                                 "--node-ip-address=127.0.0.1", f"--object-store-memory={self.store}",
+                                 "--disable-usage-stats", f"--temp-dir={self.temp}", *args],
+                                env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                start_new_session=True)
+
+
+def _listening(port: int) -> bool:
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=1):
+            return True
+    except OSError:
+        return False
+
+
+def _stop(p: subprocess.Popen) -> None:
+    """SIGTERM the node's session, then SIGKILL what is left of it: a head
+    node's graceful stop waits ~30 s for its GCS, and nothing of it is
+    needed any more (the driver disconnected first)."""
+    try:
+        os.killpg(p.pid, signal.SIGTERM)
+        p.wait(2)
+    except subprocess.TimeoutExpired:
+        pass
+    except ProcessLookupError:
+        return
+    try:
+        os.killpg(p.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    p.wait()

@@ -217,8 +217,8 @@ def test_the_api_writer_and_semantics_tests_pass_on_file_backed_tables():
     # the tests that move rows or choose them: writers, iterators, the API's
     # inserts and gathers, samplers and removers, reuse limits, queues and
     # redraws (limiter, waiting and admin tests never look at a row, and
-    # take most of the time)
-    pick = ("test_writers or test_iterate or (test_api and (round_trip or attaches_by_name or "
+    # take most of the time; nor does a writer's close under a closed limiter)
+    pick = ("(test_writers and not close_never_waits) or test_iterate or (test_api and (round_trip or attaches_by_name or "
             "ring_overwrites or update_priorities_changes or preallocated or larger_than_one_command "
             "or are_cast or large_rows)) or (test_selectors and (sampler_returns or draws_every_item "
             "or remover)) or (test_reuse_limits and max_times_sampled) or test_queues or "

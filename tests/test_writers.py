@@ -236,7 +236,7 @@ def test_writer_close_never_waits_for_the_rate_limiter(start_daemon, kind):
     limits = dict(samples_per_insert=1.0, error_buffer=(0.0, 3.0))
     with d.connect() as c:
         t = c.create_table(kind, 100, fields, **limits)
-        ctx = multiprocessing.get_context("spawn")
+        ctx = multiprocessing.get_context("fork")  # the child connects by itself: nothing shared
         out = ctx.Queue()
         p = ctx.Process(target=_close_under_a_closed_limiter, args=(d.socket, kind, out))
         p.start()

@@ -65,12 +65,15 @@ def main(argv=None) -> int:
     def produce(target, rows, seconds, via_writer: bool):
         if via_writer:
             w = sray.RemoteWriter(target, chunk=CHUNK, in_flight=IN_FLIGHT)
+            w.insert_batch(rows)  # warm-up, untimed: this worker's first call and object transfer
+            w.flush()
             n, t0 = 0, time.perf_counter()
             while time.perf_counter() - t0 < seconds:
                 w.insert_batch(rows)
                 n += CHUNK
             w.flush()
             return n, time.perf_counter() - t0
+        ray.get(target.take.remote(rows, None))  # warm-up, untimed
         pending, n, t0 = [], 0, time.perf_counter()
         while time.perf_counter() - t0 < seconds:  # the same pattern, no table behind it
             if len(pending) >= IN_FLIGHT:
@@ -94,13 +97,20 @@ def main(argv=None) -> int:
             cap = 200_000 if w.item_bytes < 10_000 else 20_000
             with shmreplay.Server(tables=[dict(name="t", capacity=cap, fields=w.fields, sampler="uniform")]) as srv:
                 ingest = sray.start_ingest(srv.socket, "t", node_id=head)
+                ray.get(ingest.stats.remote())  # started and connected (its numba import), untimed
                 rows_ref = ray.put(rows)
                 for n in a.producers:
                     cell = {"workload": wl, "producers": n}
                     for side, target in (("remote", ingest), ("ray", sink)):
+                        before = ray.get(ingest.stats.remote())
                         got = ray.get([produce.remote(target, rows_ref, a.seconds, side == "remote")
                                        for _ in range(n)])
                         cell[side] = sum(k for k, _ in got) / max(s for _, s in got)
+                        if side == "remote":  # the ingest's own time per chunk: inserting, flushing
+                            after = ray.get(ingest.stats.remote())
+                            chunks = max(1, after["chunks"] - before["chunks"])
+                            cell["insert_us"] = (after["insert_s"] - before["insert_s"]) / chunks * 1e6
+                            cell["flush_us"] = (after["flush_s"] - before["flush_s"]) / chunks * 1e6
                     ctx = mp.get_context("spawn")
                     q = ctx.Queue()
                     procs = [ctx.Process(target=local_writer, args=(srv.socket, "t", rows, a.seconds, q))
@@ -116,7 +126,8 @@ def main(argv=None) -> int:
                     print(f"{wl:>10} x{n}: remote {cell['remote']:9,.0f} items/s "
                           f"({cell['remote'] * cell['mb']:7.1f} MB/s)  ray {cell['ray']:9,.0f} "
                           f"({cell['ray'] * cell['mb']:7.1f} MB/s)  local {cell['local']:10,.0f}  "
-                          f"remote/ray {cell['remote'] / cell['ray']:.2f}", flush=True)
+                          f"remote/ray {cell['remote'] / cell['ray']:.2f}  (ingest per chunk: insert "
+                          f"{cell['insert_us']:.0f} us, flush {cell['flush_us']:.0f} us)", flush=True)
                 ray.kill(ingest)
     finally:
         cluster.stop()

@@ -19,33 +19,35 @@ def rows(ids) -> dict:
 
 @ray.remote(resources={"remote_node": 1}, num_cpus=0, max_concurrency=2)
 class Producer:
-    def __init__(self, ingest, chunk, in_flight):
-        self.w = sray.RemoteWriter(ingest, chunk=chunk, in_flight=in_flight)
+    def __init__(self, ingest, chunk, in_flight, hold=8):
+        self.w = sray.RemoteWriter(ingest, chunk=chunk, in_flight=in_flight, hold=hold)
         self.most_unconfirmed = 0
         self.paused, self.go = threading.Event(), threading.Event()
 
     def node(self) -> str:
         return ray.get_runtime_context().get_node_id()
 
-    def write(self, ids, one_by_one: bool, pause_at: int | None = None) -> int:
-        """Write ``ids``; with ``pause_at``, flush after that many rows and
-        wait for ``resume`` (the test breaks something meanwhile)."""
+    def write(self, ids, one_by_one: bool, pause_at: int | None = None, flush_at_pause: bool = True) -> int:
+        """Write ``ids``; with ``pause_at``, after that many rows (flushed
+        if ``flush_at_pause``, else some still unconfirmed) wait for
+        ``resume`` (the test breaks something meanwhile)."""
         data = rows(ids)
         if one_by_one:
             for i in range(len(ids)):
                 if i == pause_at:
-                    self.w.flush()
+                    if flush_at_pause:
+                        self.w.flush()
                     self.paused.set()
                     self.go.wait(300)
                 self.w.insert(id=data["id"][i], obs=data["obs"][i])
-                self.most_unconfirmed = max(self.most_unconfirmed, self.w.sent - self.w.confirmed)
+                self.most_unconfirmed = max(self.most_unconfirmed, self.w.unconfirmed)
         else:
             self.w.insert_batch(data)
         self.w.flush()
         return self.w.confirmed
 
     def progress(self) -> tuple:
-        return self.w.sent, self.w.confirmed, self.most_unconfirmed
+        return self.w.sent, self.w.confirmed, self.most_unconfirmed, self.w.unconfirmed
 
     def resent(self) -> int:
         return self.w.resent

@@ -50,55 +50,62 @@ def test_remote_producers_feed_the_table_through_an_ingest_on_the_replay_node(cl
         want = np.concatenate([np.arange(k * 10_000, k * 10_000 + 500) for k in range(3)])
         assert set(got.tolist()) <= set(want.tolist())
         np.testing.assert_array_equal(b.data["obs"], rows(b.data["id"])["obs"])  # nothing torn
-    assert ray.get(ingest.stats.remote())["rows"] == 1500
+    stats = ray.get(ingest.stats.remote())
+    assert stats["rows"] == 1500 and stats["chunks"] == 3 * 8
+    assert stats["flushes"] <= 3 + 3  # confirmation is batched: once per 8 chunks, once per producer's flush
     ray.kill(ingest)
 
 
 def held_by_a_full_queue(c, d, cluster, capacity: int, n: int):
     """A queue of ``capacity`` items, its ingest, and a producer (chunks of
-    16, 2 in flight) writing ids 0..n-1 one by one, once the ingest waits
-    in the daemon with a chunk the limiter holds (no learner yet):
-    (queue, ingest, producer, its write)."""
+    16, 2 in flight, 2 held unconfirmed) writing ids 0..n-1 one by one, once
+    the ingest waits in the daemon with a chunk the limiter holds (no
+    learner yet): (queue, ingest, producer, its write)."""
     q = c.create_queue("q", capacity, FIELDS)
     ingest = sray.start_ingest(d.socket, "q", node_id=cluster)
-    p = Producer.remote(ingest, 16, 2)
+    p = Producer.remote(ingest, 16, 2, 2)
     job = p.write.remote(np.arange(n), True)
     wait_for(lambda: c.stats()["tables"]["q"]["limiter"]["waiting_inserts"] == 1,
              "the ingest to wait for the limiter with a chunk")
+    # the queue's chunks, one waiting in the limiter and one more sent: then the producer waits
+    wait_for(lambda: ray.get(p.progress.remote())[0] == capacity // 16 + 2, "the producer to be held")
     return q, ingest, p, job
 
 
 def test_a_rate_limited_table_holds_remote_producers_back(cluster, start_daemon):
     """A queue of 64 items and no learner: the producer stops with at most
-    in_flight chunks unconfirmed (nothing piles up anywhere), then delivers
-    every row once, in order, as the learner takes them."""
+    in_flight + hold chunks unconfirmed (nothing piles up anywhere), then
+    delivers every row once, in order, as the learner takes them."""
     d = start_daemon()
     with d.connect() as c:
         q, ingest, p, job = held_by_a_full_queue(c, d, cluster, 64, 400)
-        sent, confirmed, most = ray.get(p.progress.remote())
-        assert sent - confirmed <= 2 and most <= 2 and len(q) <= 64
+        sent, confirmed, most, now = ray.get(p.progress.remote())
+        assert sent - confirmed == now <= 4 and most <= 4 and len(q) <= 64
         taken = []
         while len(taken) < 400:
             taken += q.sample(16, timeout=HANG_S).data["id"].tolist()
         assert taken == list(range(400))
         assert ray.get(job, timeout=HANG_S) == 25
-        assert ray.get(p.progress.remote())[2] <= 2
+        assert ray.get(p.progress.remote())[2] <= 4
     ray.kill(ingest)
 
 
 @pytest.mark.parametrize("breakage", ["ingest killed", "daemon restarted"])
 def test_remote_producers_lose_nothing_confirmed_when_the_ingest_or_the_daemon_goes(
         cluster, start_daemon, breakage):
-    """Producers pause (everything so far confirmed), the ingest is killed
-    (Ray restarts it) or the daemon is SIGKILLed and started again (it
-    adopts the table); the producers go on: every row arrives, none torn
-    (at-least-once: a re-sent chunk may be stored twice)."""
+    """Producers pause with their chunks so far inserted but none confirmed
+    (the ingest flushes only when asked), the ingest is killed (Ray
+    restarts it) or the daemon is SIGKILLed and started again (it adopts
+    the table); the producers go on: every chunk the break may have lost is
+    sent again, every row arrives, none torn (at-least-once: a re-sent
+    chunk may be stored twice)."""
     d = start_daemon(tables=[{"name": "t", "capacity": 8192, "fields": FIELDS}])
-    ingest = sray.start_ingest(d.socket, "t", node_id=cluster)
-    producers = [Producer.remote(ingest, 16, 2) for _ in range(2)]
-    jobs = [p.write.remote(np.arange(k * 10_000, k * 10_000 + 1000), True, 400)
+    ingest = sray.start_ingest(d.socket, "t", node_id=cluster, flush_every=1000)
+    producers = [Producer.remote(ingest, 16, 2, 1000) for _ in range(2)]
+    jobs = [p.write.remote(np.arange(k * 10_000, k * 10_000 + 1000), True, 400, False)
             for k, p in enumerate(producers)]
     wait_for(lambda: all(ray.get([p.is_paused.remote() for p in producers])), "the producers to pause")
+    assert [ray.get(p.progress.remote())[1] for p in producers] == [0, 0]  # nothing confirmed yet
     if breakage == "ingest killed":
         ray.kill(ingest, no_restart=False)
     else:
@@ -106,6 +113,7 @@ def test_remote_producers_lose_nothing_confirmed_when_the_ingest_or_the_daemon_g
         d.start()
     ray.get([p.resume.remote() for p in producers])
     ray.get(jobs, timeout=HANG_S)
+    assert all(ray.get(p.resent.remote()) >= 1 for p in producers)
     with d.connect() as c:
         t = c.table("t")
         b = t.sample(len(t))
@@ -113,7 +121,7 @@ def test_remote_producers_lose_nothing_confirmed_when_the_ingest_or_the_daemon_g
         want = set(range(1000)) | set(range(10_000, 11_000))
         assert ids == want, sorted(want - ids)[:10]
         np.testing.assert_array_equal(b.data["obs"], rows(b.data["id"])["obs"])
-        assert len(t) <= 2000 + 2 * 2 * 16   # duplicates: at most the chunks in flight
+        assert len(t) <= 2000 + 2 * (400 + 2 * 16)  # duplicates: at most the unconfirmed rows
     ray.kill(ingest)
 
 

@@ -167,7 +167,7 @@ class SlotLease:
             cur[2] = pos + k
             session.dirty = True
             session.pipe.send(R.put_commit, table_id, rid, k, pos,
-                              None if prios is None else (prios if whole else prios[lo:lo + k]))
+                              None if prios is None else (prios if whole else prios[lo:lo + k]), wake=False)
             lo += k
         self._ask_ahead(n)
 
@@ -189,7 +189,7 @@ class SlotLease:
         prio = None if priority is None else self._priorities([priority], 1, "commit")
         session = self._session
         session.dirty = True
-        session.pipe.send(R.put_commit, self._table_id, rid, 1, pos, prio)
+        session.pipe.send(R.put_commit, self._table_id, rid, 1, pos, prio, wake=False)
         self.taken -= 1
 
     def release(self, abandoned=(), timeout: float | None = None) -> None:

@@ -63,10 +63,14 @@ class CommandPipe:
         self.deferred: ReplayError | None = None
         self.loads_per_s = atomics.loads_per_second()
         self.spin = int(16 * SPIN_MIN_S * self.loads_per_s)
+        self.lazy_commits = False  # the session's choice (Client.lazy_commits)
 
-    def send(self, put, *args) -> int:
+    def send(self, put, *args, wake: bool = True) -> int:
         """Send one request: ``put(ring, seq, *args)`` is a ``wire.records``
-        encoder.  Returns its sequence number."""
+        encoder.  Returns its sequence number.  ``wake=False`` (a COMMIT,
+        which nobody waits for) with ``lazy_commits`` set leaves a sleeping
+        daemon asleep: it reads the record at its next wake (the next
+        request that is waited for, another client's, or its idle timeout)."""
         ring = self.req
         seq = self.seq + 1
         deadline = None
@@ -74,12 +78,14 @@ class CommandPipe:
             # the daemon is behind; it frees room without waking us, so poll
             if deadline is None:
                 deadline = time.monotonic() + self.timeout
+                if self.lazy_commits:  # it may sleep on records nobody announced
+                    ring_bell(self.to_daemon)
             self.link.live()
             if time.monotonic() > deadline:
                 raise ReplayTimeout(f"command ring stayed full for {self.timeout} s")
             time.sleep(20e-6)
         self.seq = seq
-        if ring.publish():
+        if ring.publish() and (wake or not self.lazy_commits):
             ring_bell(self.to_daemon)
         return seq
 

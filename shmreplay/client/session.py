@@ -58,6 +58,7 @@ class Session:
         self._handles = handles  # name -> table handle: the Client adds and drops them
         self._lost = False  # inserts were unflushed when a connection ended (flush says so)
         self._lease_key = 0  # this process's lease at its daemon (records.owner_key)
+        self.lazy_commits = False  # Client.lazy_commits, for every pipe this session opens
         self._open()
 
     # ---- opening and ending a connection ----
@@ -78,6 +79,7 @@ class Session:
             self._lease_key = R.owner_key(self.daemon_pid, hello["client_id"])
             self.max_batch = int(hello["max_batch"])
             pipe = CommandPipe(link, fds)
+            pipe.lazy_commits = self.lazy_commits
             try:
                 link.ready()
             except BaseException:
@@ -87,6 +89,11 @@ class Session:
             link.close()
             raise
         self.link, self.pipe = link, pipe
+
+    def set_lazy_commits(self, on: bool) -> None:
+        self.lazy_commits = bool(on)
+        if self.pipe is not None:
+            self.pipe.lazy_commits = self.lazy_commits
 
     def abandon(self) -> None:
         """Drop the link and pipe of a lease that is over (no flush)."""

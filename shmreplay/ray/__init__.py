@@ -1,0 +1,76 @@
+"""``shmreplay.ray``: actors anywhere on a Ray cluster feed the replay on the learner's node.
+
+Optional (``pip install "shmreplay[ray]"``), imported only when used.
+Replay stays on the learner's box; remote producers cannot map its shared
+memory, so they send chunks of rows through Ray's object store to an
+*ingest* actor pinned to the daemon's node, which inserts them as an
+ordinary local client.
+
+    # on the replay node (where shmreplayd and the learner run), after ray.init():
+    ingest = shmreplay.ray.start_ingest(socket_path, "replay")
+    # in any Ray actor or task, on any node:
+    w = shmreplay.ray.RemoteWriter(ingest, chunk=64, in_flight=2)
+    w.insert(obs=o, action=a, reward=r)        # or insert_batch({...}, priorities)
+    w.flush()                                   # every row so far is committed
+
+* **Placement.**  ``start_ingest`` schedules the ingest with
+  ``NodeAffinitySchedulingStrategy(node_id, soft=False)`` on the node that
+  calls it (or ``node_id=``): it must share /dev/shm with the daemon.
+* **Zero copy on arrival.**  A chunk is a dict of numpy arrays; Ray stores
+  large ones in the object store and the ingest reads them as read-only
+  views of it, which ``insert_batch`` copies once, into the table's slots.
+* **Back-pressure.**  A writer keeps at most ``in_flight`` ingest calls
+  unanswered; the next send waits for the oldest.  The ingest admits a
+  chunk as the table's rate limiter admits its rows (``insert_batch``
+  waits in the daemon), so a slow or rate-limited table holds remote
+  producers back instead of growing memory anywhere: at most ``(in_flight
+  + hold) x chunk`` rows per producer exist outside the table's
+  vouched-for rows.
+* **Confirmation, batched.**  A chunk is *confirmed* once its rows are
+  committed and flushed (``Client.flush``: the daemon has applied every
+  insert before it).  A flush costs about four times a small chunk's
+  insert, so the ingest flushes once per ``flush_every`` chunks (of all
+  producers) and when a producer asks; its answers carry the sequence
+  numbers flushed since.  A writer keeps each answered chunk until it is
+  confirmed (at most ``hold`` of them; past that it asks), to send it
+  again if the ingest or the daemon loses it.  ``w.flush()`` returning
+  means every row inserted before it is confirmed.  An ingest call that
+  fails for good (the table refused the rows, no ingest for ``retries``
+  attempts) raises in the producer at its next send or ``flush``, as
+  ``ChunkRefused`` naming why.
+
+Priorities, rate limits and reuse limits are the table's, exactly as for a
+local writer: the ingest is one.
+
+Failures (at-least-once: nothing confirmed is lost, nothing is torn):
+
+* **The ingest dies** (its process, its node's raylet): Ray restarts it
+  (``max_restarts``, default for ever) and it reconnects.  A chunk whose
+  call failed with it is sent again, up to ``retries`` times with a
+  growing pause; so is every chunk the dead ingest had answered but not
+  confirmed (a new incarnation id in the next answer says so).  A chunk
+  the dead ingest had flushed but not yet confirmed is then stored twice.
+  A re-sent chunk may land after later chunks of the same producer.
+* **The daemon restarts under the ingest**: its client reconnects
+  (``reconnect=True``) and the restarted daemon adopts the tables; the
+  ingest's next flush says inserts since the last one may be lost, and
+  every chunk inserted since is sent again by its producer (told in its
+  next answer; possibly stored twice).
+* **A producer dies**: the rows it had buffered or sent unconfirmed may be
+  lost; chunks already sent are inserted whole or not at all by a live
+  ingest (a chunk on a rate-limited table is inserted as the limiter
+  admits it; ``timeout`` bounds that).
+* **Anything else the table refuses** (a wrong field, a bad priority)
+  raises ``ChunkRefused`` in the producer at once, naming why.
+
+Who calls it: ``start_ingest`` a driver or actor on the replay node;
+``RemoteWriter`` one thread of a producer (it is not thread-safe).
+"""
+
+from .ingest import IDLE_FLUSH_S, start_ingest
+from .relay import start_parameter_relay
+from .steps import RemoteNStepWriter, RemoteSequenceWriter
+from .writer import ChunkRefused, RemoteWriter
+
+__all__ = ["ChunkRefused", "IDLE_FLUSH_S", "RemoteNStepWriter", "RemoteSequenceWriter", "RemoteWriter",
+           "start_ingest", "start_parameter_relay"]

@@ -1,0 +1,157 @@
+"""The ingest actor: remote producers' chunks into a table, as one local client.
+
+Who calls it: ``start_ingest`` a driver or actor on the replay node; the
+actor's methods run one at a time (a Ray actor without concurrency), called
+by ``RemoteWriter`` (writer.py) from any node.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+from ..errors import DaemonUnavailable, ReplayError, ReservationExpired
+
+# what says inserts since the last flush may not be stored: a daemon restart
+# (the client reconnected), or a lease the daemon voided (ReservationExpired)
+_LOSSES = (DaemonUnavailable, ReservationExpired)
+
+# An ingest that inserted nothing for this long hands its slot lease back
+# (a flush that keeps nothing) before its next insert: the daemon voids a
+# reservation no commit touched for reservation_timeout_s (60 s by default),
+# and a commit into a void lease is refused (ReservationExpired, which the
+# ingest also survives: the chunks go again).
+IDLE_FLUSH_S = 5.0
+
+
+class Ingest:
+    """The ingest actor: one local client of the daemon, one table.
+
+    Confirmation is batched: a chunk is inserted when it arrives, but the
+    client's flush (a round trip that vouches for every insert before it
+    and hands back unused slot leases, four times a 64-row chunk's insert)
+    runs once per ``flush_every`` chunks, or when a producer asks (``sync``).
+    Each answer to a producer carries the sequence numbers of its chunks
+    flushed since its last answer (``acked``) and of those a daemon restart
+    may have lost (``lost``: it sends them again), and this incarnation's
+    id, so a producer sees that a restart lost what it had not flushed."""
+
+    def __init__(self, socket_path: str, table: str, timeout: float | None, flush_every: int = 8):
+        import uuid
+
+        import shmreplay
+        self.client = shmreplay.connect(socket_path, reconnect=True)
+        # chunks come in bursts and a flush follows every few: commits need
+        # not wake the daemon each (Client.lazy_commits)
+        self.client.lazy_commits = True
+        self.table = self.client.table(table)
+        self.timeout, self.flush_every = timeout, flush_every
+        self.incarnation = uuid.uuid4().hex
+        self.chunks = self.rows = self.flushes = 0
+        self.insert_s = self.flush_s = 0.0  # time spent inserting (limiter waits included) and flushing
+        self.unflushed: dict[str, list[int]] = {}  # producer -> seqs inserted since the last flush
+        self.acked: dict[str, list[int]] = {}      # producer -> seqs flushed, not yet told
+        self.lost: dict[str, list[int]] = {}       # producer -> seqs a daemon restart may have lost
+        self.waiting = 0                            # chunks inserted since the last flush
+        self.last_insert = time.monotonic()
+        self.leased = False                         # the client may hold a slot lease
+
+    def insert(self, chunk: dict, priorities, producer: str | None = None, seq: int = 0,
+               sync: bool = False):
+        """Insert one chunk (waiting for the table's limits).  Without
+        ``producer``: flush and return how many rows.  With it: flush if
+        ``sync`` or ``flush_every`` chunks wait, and return ``(rows, acked,
+        lost, incarnation)`` for that producer.  Raises the table's or the
+        daemon's error (the chunk is then not counted as inserted)."""
+        if self.leased and time.monotonic() - self.last_insert > IDLE_FLUSH_S:
+            self._flush(None, None, keep_leases=False)  # before its lease goes stale (IDLE_FLUSH_S)
+        reconnects, t0 = self.client.reconnects, time.perf_counter()
+        try:
+            self.leased = True
+            self.table.insert_batch(chunk, priorities, timeout=self.timeout)
+        except ReservationExpired:
+            self._lose_unflushed()  # this chunk's producer sends it again (the call raises)
+            raise
+        self.insert_s += time.perf_counter() - t0
+        n = len(next(iter(chunk.values())))
+        self.chunks += 1
+        self.rows += n
+        self.last_insert = time.monotonic()
+        if producer is None:
+            self._flush(None, None)
+            return n
+        self.unflushed.setdefault(producer, []).append(seq)
+        self.waiting += 1
+        # a reconnect during the insert (the daemon restarted): flush now, so
+        # the chunks unflushed before it are reported lost at once, not at
+        # the next flush with every chunk inserted since
+        if sync or self.waiting >= self.flush_every or self.client.reconnects != reconnects:
+            self._flush(producer, seq)
+        return n, self.acked.pop(producer, []), self.lost.pop(producer, []), self.incarnation
+
+    def sync(self, producer: str):
+        """Flush now; ``(0, acked, lost, incarnation)`` for ``producer``."""
+        self._flush(None, None)
+        return 0, self.acked.pop(producer, []), self.lost.pop(producer, []), self.incarnation
+
+    def _flush(self, producer, seq, keep_leases: bool = True) -> None:
+        t0 = time.perf_counter()
+        try:
+            # keep the slot lease: the next chunk's insert then needs no
+            # reservation round trip (the idle flush hands it back)
+            self.client.flush(keep_leases=keep_leases)
+        except _LOSSES:
+            # inserts since the last flush may not be stored.  The current
+            # call's chunk is re-sent by its producer (the call raises); the
+            # others are reported lost in their producers' answers.
+            if producer is not None:
+                self.unflushed[producer].remove(seq)
+            self._lose_unflushed()
+            raise
+        self.leased = keep_leases
+        self.flushes += 1
+        self.flush_s += time.perf_counter() - t0
+        for p, seqs in self.unflushed.items():
+            self.acked.setdefault(p, []).extend(seqs)
+        self.unflushed.clear()
+        self.waiting = 0
+
+    def _lose_unflushed(self) -> None:
+        for p, seqs in self.unflushed.items():
+            self.lost.setdefault(p, []).extend(seqs)
+        self.unflushed.clear()
+        self.waiting = 0
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def stats(self) -> dict:
+        return {"chunks": self.chunks, "rows": self.rows, "flushes": self.flushes,
+                "insert_s": self.insert_s, "flush_s": self.flush_s,
+                "node": ray.get_runtime_context().get_node_id()}
+
+    def fields(self) -> dict:
+        """The table's fields, name -> (dtype, shape): remote writers build rows to fit."""
+        return {f.name: (f.dtype.str, tuple(f.shape)) for f in self.table.spec.fields}
+
+
+def start_ingest(socket_path: str, table: str, node_id: str | None = None, name: str | None = None,
+                 timeout: float | None = None, max_restarts: int = -1, flush_every: int = 8):
+    """An ingest actor for ``table`` of the daemon at ``socket_path``,
+    pinned (``soft=False``) to ``node_id`` (default: the caller's node,
+    which must be the daemon's).  ``name``: a Ray actor name, so producers
+    may find it with ``ray.get_actor``.  ``timeout``: the longest a chunk
+    may wait for the table's limits (None: as long as it takes; the
+    producers wait with it).  ``flush_every``: chunks inserted per flush
+    (a producer may ask for one sooner)."""
+    if not isinstance(flush_every, int) or flush_every < 1:
+        raise ReplayError(f"flush_every must be an int >= 1, got {flush_every!r}")
+    node = node_id or ray.get_runtime_context().get_node_id()
+    opts = dict(num_cpus=0, max_restarts=max_restarts,
+                scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=node, soft=False))
+    if name is not None:
+        opts["name"] = name
+    return ray.remote(Ingest).options(**opts).remote(socket_path, table, timeout, flush_every)

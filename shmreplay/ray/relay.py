@@ -1,0 +1,37 @@
+"""A ``ParameterBoard`` read on the replay node, for remote actors.
+
+Who calls it: ``start_parameter_relay`` a driver or actor on the replay
+node; ``latest`` any actor, concurrently (Ray runs the calls one at a time).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+class ParameterRelay:
+    """A ``ParameterBoard`` read on the replay node for remote actors."""
+
+    def __init__(self, socket_path: str, board: str, like: dict):
+        import shmreplay
+        self.client = shmreplay.connect(socket_path, reconnect=True)
+        self.board = shmreplay.ParameterBoard.attach(self.client, board, like=like)
+
+    def latest(self, newer_than: int | None = None):
+        got = self.board.latest(newer_than=newer_than)
+        if got is None:
+            return None
+        version, arrays = got
+        return version, {k: np.array(v) for k, v in arrays.items()}  # the board reuses its buffer
+
+
+def start_parameter_relay(socket_path: str, board: str, like: dict, node_id: str | None = None):
+    """A Ray actor on the replay node that reads ``board`` (a
+    ``ParameterBoard``) for actors that cannot map it: ``ray.get(
+    relay.latest.remote(newer_than=v))`` is None or ``(version, {name:
+    array})``, the arrays travelling through the object store."""
+    node = node_id or ray.get_runtime_context().get_node_id()
+    return ray.remote(ParameterRelay).options(
+        num_cpus=0, max_restarts=-1,
+        scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=node, soft=False)).remote(socket_path, board, like)

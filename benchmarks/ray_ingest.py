@@ -16,7 +16,11 @@ private shmreplayd, then, per workload and producer count N, in one run:
 * ``local``: N local processes insert the same chunks with
   ``insert_batch`` through shared memory.
 
-Prints items/s and MB/s per cell and remote/ray (target >= 0.8).  Not a test.
+Each cell runs ``remote`` and ``ray`` ``--rounds`` times, alternating which
+goes first (this 2-vCPU box is noisy), and prints the medians of items/s
+and MB/s and of the per-round remote/ray (target >= 0.8), with what a
+chunk costs the ingest (inserting, flushing) and the daemon (its CPU).
+Not a test.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ import argparse
 import json
 import multiprocessing as mp
 import os
+import statistics
 import sys
 import time
 
@@ -35,6 +40,13 @@ from shmreplay.bench.raycluster import LocalCluster  # noqa: E402
 from shmreplay.bench.workloads import WORKLOADS  # noqa: E402
 
 CHUNK, IN_FLIGHT = 64, 2
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU a process has used (/proc/PID/stat)."""
+    f = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+    return (int(f[11]) + int(f[12])) / os.sysconf("SC_CLK_TCK")
+
 def local_writer(socket_path, name, rows, seconds, out) -> None:
     c = shmreplay.connect(socket_path)
     t = c.table(name)
@@ -50,7 +62,8 @@ def local_writer(socket_path, name, rows, seconds, out) -> None:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--producers", type=int, nargs="+", default=[1, 2, 4])
-    ap.add_argument("--seconds", type=float, default=5.0)
+    ap.add_argument("--seconds", type=float, default=4.0)
+    ap.add_argument("--rounds", type=int, default=3, help="remote/ray alternations per cell (median reported)")
     ap.add_argument("--workloads", nargs="+", default=["sac-mujoco", "dqn-atari"])
     a = ap.parse_args(argv)
     import ray
@@ -100,17 +113,24 @@ def main(argv=None) -> int:
                 ray.get(ingest.stats.remote())  # started and connected (its numba import), untimed
                 rows_ref = ray.put(rows)
                 for n in a.producers:
-                    cell = {"workload": wl, "producers": n}
-                    for side, target in (("remote", ingest), ("ray", sink)):
-                        before = ray.get(ingest.stats.remote())
-                        got = ray.get([produce.remote(target, rows_ref, a.seconds, side == "remote")
-                                       for _ in range(n)])
-                        cell[side] = sum(k for k, _ in got) / max(s for _, s in got)
-                        if side == "remote":  # the ingest's own time per chunk: inserting, flushing
-                            after = ray.get(ingest.stats.remote())
-                            chunks = max(1, after["chunks"] - before["chunks"])
-                            cell["insert_us"] = (after["insert_s"] - before["insert_s"]) / chunks * 1e6
-                            cell["flush_us"] = (after["flush_s"] - before["flush_s"]) / chunks * 1e6
+                    cell = {"workload": wl, "producers": n, "remote": [], "ray": [], "ratio": []}
+                    cost = {"insert_us": 0.0, "flush_us": 0.0, "daemon_cpu_us": 0.0, "chunks": 0}
+                    for r in range(a.rounds):  # alternating which side goes first
+                        sides = (("remote", ingest), ("ray", sink))
+                        for side, target in (sides if r % 2 == 0 else sides[::-1]):
+                            before, cpu0 = ray.get(ingest.stats.remote()), cpu_seconds(srv.pid)
+                            got = ray.get([produce.remote(target, rows_ref, a.seconds, side == "remote")
+                                           for _ in range(n)])
+                            cell[side].append(sum(k for k, _ in got) / max(s for _, s in got))
+                            if side == "remote":  # what a chunk costs the ingest and the daemon
+                                after = ray.get(ingest.stats.remote())
+                                cost["chunks"] += after["chunks"] - before["chunks"]
+                                cost["insert_us"] += (after["insert_s"] - before["insert_s"]) * 1e6
+                                cost["flush_us"] += (after["flush_s"] - before["flush_s"]) * 1e6
+                                cost["daemon_cpu_us"] += (cpu_seconds(srv.pid) - cpu0) * 1e6
+                        cell["ratio"].append(cell["remote"][-1] / cell["ray"][-1])
+                    chunks = max(1, cost.pop("chunks"))
+                    cell.update({k: v / chunks for k, v in cost.items()})
                     ctx = mp.get_context("spawn")
                     q = ctx.Queue()
                     procs = [ctx.Process(target=local_writer, args=(srv.socket, "t", rows, a.seconds, q))
@@ -123,11 +143,13 @@ def main(argv=None) -> int:
                     cell["local"] = sum(k for k, _ in got) / max(s for _, s in got)
                     cell["mb"] = w.item_bytes / 1e6
                     results.append(cell)
-                    print(f"{wl:>10} x{n}: remote {cell['remote']:9,.0f} items/s "
-                          f"({cell['remote'] * cell['mb']:7.1f} MB/s)  ray {cell['ray']:9,.0f} "
-                          f"({cell['ray'] * cell['mb']:7.1f} MB/s)  local {cell['local']:10,.0f}  "
-                          f"remote/ray {cell['remote'] / cell['ray']:.2f}  (ingest per chunk: insert "
-                          f"{cell['insert_us']:.0f} us, flush {cell['flush_us']:.0f} us)", flush=True)
+                    med = {k: statistics.median(cell[k]) for k in ("remote", "ray", "ratio")}
+                    print(f"{wl:>10} x{n}: remote {med['remote']:9,.0f} items/s "
+                          f"({med['remote'] * cell['mb']:7.1f} MB/s)  ray {med['ray']:9,.0f} "
+                          f"({med['ray'] * cell['mb']:7.1f} MB/s)  local {cell['local']:10,.0f}  "
+                          f"remote/ray {med['ratio']:.2f} (rounds {' '.join(f'{x:.2f}' for x in cell['ratio'])})"
+                          f"  per chunk: ingest insert {cell['insert_us']:.0f} us, flush {cell['flush_us']:.0f} us,"
+                          f" daemon cpu {cell['daemon_cpu_us']:.0f} us", flush=True)
                 ray.kill(ingest)
     finally:
         cluster.stop()

@@ -70,6 +70,19 @@ def own_entries() -> set[str]:
     return {n for n in os.listdir("/dev/shm") + rundir if mine.search(n)}
 
 
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(items):
+    """The suite runs on two pytest-xdist workers (pyproject's addopts:
+    ``-n 2 --dist loadgroup``); tests that must not overlap share a group,
+    which one worker runs in turn: those that make the system users of
+    fault/people.py (every module makes and removes the same names), and
+    those that write gigabytes to disk (each would slow the other's
+    writeback past its hang guards)."""
+    for item in items:
+        if "users" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.xdist_group("people"))
+
+
 @pytest.fixture(scope="session", autouse=True)
 def package_bytecode():
     """Every daemon and client process the suite starts (a few hundred)

@@ -23,7 +23,9 @@ def snippets():
         text = open(path).read()
         for m in FENCE.finditer(text):
             line = text.count("\n", 0, m.start()) + 1
-            out.append(pytest.param(m.group(1), id=f"{os.path.relpath(path, ROOT)}:{line}"))
+            # a snippet that starts Ray runs on the pytest-xdist worker of test_ray.py (one Ray at a time)
+            marks = [pytest.mark.xdist_group("ray")] if "import ray" in m.group(1) else []
+            out.append(pytest.param(m.group(1), id=f"{os.path.relpath(path, ROOT)}:{line}", marks=marks))
     return out
 
 

@@ -208,6 +208,7 @@ def test_a_checkpoint_moves_a_table_from_dev_shm_to_disk(start_daemon, tmp_path)
         np.testing.assert_allclose(b.probabilities, p / ((np.arange(1, 101) ** 0.6).sum()), rtol=1e-9)
 
 
+@pytest.mark.xdist_group("disk")  # not beside the other disk-heavy test (conftest.py)
 def test_the_api_writer_and_semantics_tests_pass_on_file_backed_tables():
     """Everything a /dev/shm table does, a file-backed one does: the tests
     that move or choose rows rerun with every table's rows in a file
@@ -223,7 +224,7 @@ def test_the_api_writer_and_semantics_tests_pass_on_file_backed_tables():
             "or are_cast or large_rows)) or (test_selectors and (sampler_returns or draws_every_item "
             "or remover)) or (test_reuse_limits and max_times_sampled) or test_queues or "
             "(test_redraw and overwritten)")
-    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "0",
                           "-k", pick, *(os.path.join(here, m) for m in FILE_MODULES)],
                          cwd=os.path.dirname(here), capture_output=True, text=True, timeout=1200,
                          env=dict(os.environ, SHMREPLAY_TEST_ROWS="file"))

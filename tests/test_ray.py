@@ -19,6 +19,9 @@ from waiting import HANG_S, wait_for  # noqa: E402
 
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+# one pytest-xdist worker runs every test that starts Ray (this module's
+# cluster, the docs' local-Ray snippet): one Ray at a time on the box
+pytestmark = pytest.mark.xdist_group("ray")
 
 
 @pytest.fixture(scope="module")

@@ -28,7 +28,7 @@ def session_members(sid: int) -> list[int]:
 def test_a_failure_mid_fault_test_ends_the_run_and_leaves_nothing(tmp_path):
     env = dict(os.environ, SHMREPLAY_TEST_DELIBERATE_FAILURE="client_kills")
     run = subprocess.Popen(
-        [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider",
+        [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", "-n", "0",
          "tests/fault/test_client_kills.py::test_clients_killed_at_every_step_cost_nobody_anything"],
         cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         start_new_session=True)

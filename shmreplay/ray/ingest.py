@@ -25,6 +25,9 @@ _LOSSES = (DaemonUnavailable, ReservationExpired)
 # and a commit into a void lease is refused (ReservationExpired, which the
 # ingest also survives: the chunks go again).
 IDLE_FLUSH_S = 5.0
+# A flush that keeps the lease hands it back anyway if the last hand-back is
+# this old, well inside reservation_timeout_s.
+LEASE_KEEP_S = 10.0
 
 
 class Ingest:
@@ -58,6 +61,7 @@ class Ingest:
         self.waiting = 0                            # chunks inserted since the last flush
         self.last_insert = time.monotonic()
         self.leased = False                         # the client may hold a slot lease
+        self.handed_back = time.monotonic()         # when a flush last handed the leases back
 
     def insert(self, chunk: dict, priorities, producer: str | None = None, seq: int = 0,
                sync: bool = False):
@@ -93,8 +97,9 @@ class Ingest:
         return n, self.acked.pop(producer, []), self.lost.pop(producer, []), self.incarnation
 
     def sync(self, producer: str):
-        """Flush now; ``(0, acked, lost, incarnation)`` for ``producer``."""
-        self._flush(None, None)
+        """Flush now, handing the slot lease back (a producer asks when it
+        is done or about to idle); ``(0, acked, lost, incarnation)``."""
+        self._flush(None, None, keep_leases=False)
         return 0, self.acked.pop(producer, []), self.lost.pop(producer, []), self.incarnation
 
     def _flush(self, producer, seq, keep_leases: bool = True) -> None:
@@ -102,7 +107,13 @@ class Ingest:
         try:
             # keep the slot lease: the next chunk's insert then needs no
             # reservation round trip (the idle flush hands it back)
+            # ... but not for long: a lease asked ahead may go untouched for
+            # a while under slow steady traffic, and the daemon voids one no
+            # commit touched for reservation_timeout_s
+            keep_leases = keep_leases and time.monotonic() - self.handed_back < LEASE_KEEP_S
             self.client.flush(keep_leases=keep_leases)
+            if not keep_leases:
+                self.handed_back = time.monotonic()
         except _LOSSES:
             # inserts since the last flush may not be stored.  The current
             # call's chunk is re-sent by its producer (the call raises); the

@@ -84,7 +84,8 @@ class RemoteWriter:
 
     @property
     def unconfirmed(self) -> int:
-        """Chunks sent and not yet confirmed (at most ``in_flight + hold``)."""
+        """Chunks made and not yet confirmed: at most ``in_flight + hold``,
+        and one more waiting for room."""
         return len(self._calls) + len(self._held) + len(self._again)
 
     def close(self) -> None:
@@ -113,8 +114,10 @@ class RemoteWriter:
 
     def _submit(self, part: dict, prios) -> None:
         self._seq += 1
-        self._call(self._seq, part, prios, 0)
         self.sent += 1
+        # queued first: if waiting for room raises (another chunk refused),
+        # this one is still queued, and the next send or flush sends it
+        self._again.append((self._seq, part, prios, 0))
         self._send_again()
 
     def _call(self, seq: int, part: dict, prios, attempts: int) -> None:
@@ -129,9 +132,10 @@ class RemoteWriter:
 
     def _send_again(self) -> None:
         while self._again:
-            seq, part, prios, attempts = self._again.popleft()
-            self.resent += 1
-            self._call(seq, part, prios, attempts)
+            seq, part, prios, attempts = self._again[0]
+            self._call(seq, part, prios, attempts)  # may raise for another chunk: this one stays queued
+            self._again.popleft()
+            self.resent += attempts > 0
 
     def _answer_oldest(self) -> None:
         ref, seq, part, prios, attempts = self._calls[0]  # still counted while it is awaited

@@ -67,10 +67,10 @@ Who calls it: ``start_ingest`` a driver or actor on the replay node;
 ``RemoteWriter`` one thread of a producer (it is not thread-safe).
 """
 
-from .ingest import IDLE_FLUSH_S, start_ingest
+from .ingest import LEASE_KEEP_S, start_ingest
 from .relay import start_parameter_relay
 from .steps import RemoteNStepWriter, RemoteSequenceWriter
 from .writer import ChunkRefused, RemoteWriter
 
-__all__ = ["ChunkRefused", "IDLE_FLUSH_S", "RemoteNStepWriter", "RemoteSequenceWriter", "RemoteWriter",
+__all__ = ["ChunkRefused", "LEASE_KEEP_S", "RemoteNStepWriter", "RemoteSequenceWriter", "RemoteWriter",
            "start_ingest", "start_parameter_relay"]

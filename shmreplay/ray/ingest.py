@@ -19,14 +19,12 @@ from ..errors import DaemonUnavailable, ReplayError, ReservationExpired
 # (the client reconnected), or a lease the daemon voided (ReservationExpired)
 _LOSSES = (DaemonUnavailable, ReservationExpired)
 
-# An ingest that inserted nothing for this long hands its slot lease back
-# (a flush that keeps nothing) before its next insert: the daemon voids a
-# reservation no commit touched for reservation_timeout_s (60 s by default),
-# and a commit into a void lease is refused (ReservationExpired, which the
-# ingest also survives: the chunks go again).
-IDLE_FLUSH_S = 5.0
-# A flush that keeps the lease hands it back anyway if the last hand-back is
-# this old, well inside reservation_timeout_s.
+# A slot lease the ingest has held this long is handed back (a flush that
+# keeps nothing) before its next insert: the daemon voids a reservation no
+# commit touched for reservation_timeout_s (60 s by default), which a lease
+# kept across flushes, or asked ahead, may be after an idle spell or under
+# slow steady traffic, and a commit into a void lease is refused
+# (ReservationExpired, which the ingest also survives: the chunks go again).
 LEASE_KEEP_S = 10.0
 
 
@@ -58,10 +56,7 @@ class Ingest:
         self.unflushed: dict[str, list[int]] = {}  # producer -> seqs inserted since the last flush
         self.acked: dict[str, list[int]] = {}      # producer -> seqs flushed, not yet told
         self.lost: dict[str, list[int]] = {}       # producer -> seqs a daemon restart may have lost
-        self.waiting = 0                            # chunks inserted since the last flush
-        self.last_insert = time.monotonic()
-        self.leased = False                         # the client may hold a slot lease
-        self.handed_back = time.monotonic()         # when a flush last handed the leases back
+        self.leased_at = None                       # the first insert since the lease was handed back
 
     def insert(self, chunk: dict, priorities, producer: str | None = None, seq: int = 0,
                sync: bool = False):
@@ -70,11 +65,12 @@ class Ingest:
         ``sync`` or ``flush_every`` chunks wait, and return ``(rows, acked,
         lost, incarnation)`` for that producer.  Raises the table's or the
         daemon's error (the chunk is then not counted as inserted)."""
-        if self.leased and time.monotonic() - self.last_insert > IDLE_FLUSH_S:
-            self._flush(None, None, keep_leases=False)  # before its lease goes stale (IDLE_FLUSH_S)
+        if self.leased_at is not None and time.monotonic() - self.leased_at > LEASE_KEEP_S:
+            self._flush(None, None, keep_leases=False)  # before its lease goes stale (LEASE_KEEP_S)
         reconnects, t0 = self.client.reconnects, time.perf_counter()
         try:
-            self.leased = True
+            if self.leased_at is None:
+                self.leased_at = time.monotonic()
             self.table.insert_batch(chunk, priorities, timeout=self.timeout)
         except ReservationExpired:
             self._lose_unflushed()  # this chunk's producer sends it again (the call raises)
@@ -83,37 +79,34 @@ class Ingest:
         n = len(next(iter(chunk.values())))
         self.chunks += 1
         self.rows += n
-        self.last_insert = time.monotonic()
         if producer is None:
             self._flush(None, None)
             return n
         self.unflushed.setdefault(producer, []).append(seq)
-        self.waiting += 1
         # a reconnect during the insert (the daemon restarted): flush now, so
         # the chunks unflushed before it are reported lost at once, not at
         # the next flush with every chunk inserted since
-        if sync or self.waiting >= self.flush_every or self.client.reconnects != reconnects:
+        waiting = sum(map(len, self.unflushed.values()))  # chunks inserted since the last flush
+        if sync or waiting >= self.flush_every or self.client.reconnects != reconnects:
             self._flush(producer, seq)
-        return n, self.acked.pop(producer, []), self.lost.pop(producer, []), self.incarnation
+        return self._answer(producer, n)
 
     def sync(self, producer: str):
         """Flush now, handing the slot lease back (a producer asks when it
         is done or about to idle); ``(0, acked, lost, incarnation)``."""
         self._flush(None, None, keep_leases=False)
-        return 0, self.acked.pop(producer, []), self.lost.pop(producer, []), self.incarnation
+        return self._answer(producer, 0)
+
+    def _answer(self, producer: str, rows: int):
+        """What a producer is told: (rows, acked, lost, incarnation)."""
+        return rows, self.acked.pop(producer, []), self.lost.pop(producer, []), self.incarnation
 
     def _flush(self, producer, seq, keep_leases: bool = True) -> None:
         t0 = time.perf_counter()
         try:
             # keep the slot lease: the next chunk's insert then needs no
-            # reservation round trip (the idle flush hands it back)
-            # ... but not for long: a lease asked ahead may go untouched for
-            # a while under slow steady traffic, and the daemon voids one no
-            # commit touched for reservation_timeout_s
-            keep_leases = keep_leases and time.monotonic() - self.handed_back < LEASE_KEEP_S
+            # reservation round trip (LEASE_KEEP_S bounds how long)
             self.client.flush(keep_leases=keep_leases)
-            if not keep_leases:
-                self.handed_back = time.monotonic()
         except _LOSSES:
             # inserts since the last flush may not be stored.  The current
             # call's chunk is re-sent by its producer (the call raises); the
@@ -122,19 +115,18 @@ class Ingest:
                 self.unflushed[producer].remove(seq)
             self._lose_unflushed()
             raise
-        self.leased = keep_leases
+        if not keep_leases:
+            self.leased_at = None
         self.flushes += 1
         self.flush_s += time.perf_counter() - t0
         for p, seqs in self.unflushed.items():
             self.acked.setdefault(p, []).extend(seqs)
         self.unflushed.clear()
-        self.waiting = 0
 
     def _lose_unflushed(self) -> None:
         for p, seqs in self.unflushed.items():
             self.lost.setdefault(p, []).extend(seqs)
         self.unflushed.clear()
-        self.waiting = 0
 
     def pid(self) -> int:
         return os.getpid()

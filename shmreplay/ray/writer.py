@@ -144,17 +144,16 @@ class RemoteWriter:
         try:
             _, acked, lost, incarnation = ray.get(ref)
         except ray.exceptions.RayActorError as exc:  # the ingest died: Ray restarts it
-            self._calls.popleft()
             self._again_later(seq, part, prios, attempts, exc, pause=True)
             return
         except ray.exceptions.RayTaskError as exc:
-            self._calls.popleft()
             if not isinstance(exc.cause, _RETRIABLE):
                 raise ChunkRefused(f"the ingest refused a chunk: {exc.cause!r}") from None
             # the daemon went away: the ingest's client reconnects meanwhile
             self._again_later(seq, part, prios, attempts, exc.cause, pause=True)
             return
-        self._calls.popleft()
+        finally:
+            self._calls.popleft()
         self._held[seq] = [part, prios, attempts, incarnation]
         self._settle(acked, lost, incarnation)
 

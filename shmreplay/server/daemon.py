@@ -62,7 +62,7 @@ from .control.watchdog import Watchdog, notify
 from .disk import ownership
 from .disk.prefetch import Prefetcher
 from .engine.engine import Engine
-from .tables import sumtree
+from .tables import members, sumtree
 
 log = logging.getLogger("shmreplayd")
 
@@ -80,6 +80,8 @@ def compile_kernels() -> float:
     sumtree.tree_draw(sums, mins, np.zeros(2), 0.4, idx, vals, np.ones(2))
     sumtree.tree_check(sums, mins)
     first_invalid_priority(vals)
+    members.members_add(idx[:0], idx, 0, idx[:0])
+    members.members_remove(idx[:0], idx, 0, idx[:0])
     words = np.zeros(16, dtype=np.uint64)
     atomics.store(words, 0, 1)
     atomics.load(words, 0)

@@ -15,6 +15,7 @@ import numpy as np
 
 from ...wire.records import key_slots
 from . import sumtree, treeops
+from .members import members_add, members_remove
 
 
 class KeyedUpdates:
@@ -116,8 +117,9 @@ class PrioritizedSampler(KeyedUpdates):
 class UniformSampler(KeyedUpdates):
     """Every committed item equally likely, draws independent (with replacement).
 
-    Members sit in a dense array with a position index, so add, remove and
-    draw are O(1) per item.  Priorities are stored but do not matter.
+    Members sit in a dense array with a position index (the kernels of
+    ``members.py``), so add, remove and draw are O(1) per item.  Priorities
+    are stored but do not matter.
     """
 
     name = "uniform"
@@ -129,26 +131,13 @@ class UniformSampler(KeyedUpdates):
         self.count = 0
 
     def set(self, slots: np.ndarray, priorities: np.ndarray) -> None:
-        new = np.unique(slots[self.pos[slots] < 0])
-        k = new.shape[0]
-        self.members[self.count:self.count + k] = new
-        self.pos[new] = np.arange(self.count, self.count + k)
-        self.count += k
+        self.count = members_add(self.members, self.pos, self.count, _slots(slots))
 
     def add(self, slots: np.ndarray, priorities: np.ndarray) -> None:
         self.set(slots, priorities)
 
     def remove(self, slots: np.ndarray) -> None:
-        members, pos = self.members, self.pos
-        for s in slots.tolist():
-            i = pos[s]
-            if i < 0:
-                continue
-            last = members[self.count - 1]
-            members[i] = last
-            pos[last] = i
-            pos[s] = -1
-            self.count -= 1
+        self.count = members_remove(self.members, self.pos, self.count, _slots(slots))
 
     @property
     def mass(self) -> float:
@@ -174,6 +163,11 @@ class UniformSampler(KeyedUpdates):
     def distinct(self, n: int, rng) -> np.ndarray:
         """n distinct members chosen uniformly (the uniform remover's victims)."""
         return self.members[rng.choice(self.count, size=n, replace=False)].copy()
+
+
+def _slots(slots) -> np.ndarray:
+    """Slot numbers as the member kernels take them (one compiled signature)."""
+    return np.ascontiguousarray(slots, dtype=np.int64)
 
 
 def unweighted(slots: np.ndarray):

@@ -18,9 +18,11 @@ private shmreplayd, then, per workload and producer count N, in one run:
 
 Each cell runs ``remote`` and ``ray`` ``--rounds`` times, alternating which
 goes first (this 2-vCPU box is noisy), and prints the medians of items/s
-and MB/s and of the per-round remote/ray (target >= 0.8), with what a
-chunk costs the ingest (inserting, flushing) and the daemon (its CPU).
-Not a test.
+and MB/s and of the per-round remote/ray (target >= 0.8), and where each
+side's CPU went per chunk (from /proc): the producers' processes, the
+receiving actor's (ingest or sink), the daemon's, the whole box's, and
+the box's idle share; with the ingest's insert and flush wall time.  The
+producer workers are started before any timed round.  Not a test.
 """
 
 from __future__ import annotations
@@ -46,6 +48,53 @@ def cpu_seconds(pid: int) -> float:
     """User + system CPU a process has used (/proc/PID/stat)."""
     f = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
     return (int(f[11]) + int(f[12])) / os.sysconf("SC_CLK_TCK")
+
+def box_cpu() -> tuple[float, float]:
+    """(busy, idle) CPU seconds of the whole box so far (/proc/stat)."""
+    f = [int(x) for x in open("/proc/stat").readline().split()[1:]]
+    idle = f[3] + f[4]  # idle + iowait
+    return (sum(f[:8]) - idle) / os.sysconf("SC_CLK_TCK"), idle / os.sysconf("SC_CLK_TCK")
+
+
+def run_side(produce, receiver, daemon_pid, rows_ref, n, seconds, ingest) -> dict:
+    """One side's round: n producers for ``seconds``; items/s, and per
+    chunk: the CPU of the producers (their processes), of the receiving
+    actor (ingest or sink), of the daemon and of the whole box, the box's
+    idle share, and (remote) the ingest's insert and flush wall time."""
+    import ray
+    target, rpid = receiver
+    st0 = ray.get(ingest.stats.remote()) if ingest is not None else None
+    (busy0, idle0), rc0, dc0, t0 = box_cpu(), cpu_seconds(rpid), cpu_seconds(daemon_pid), time.perf_counter()
+    got = ray.get([produce.remote(target, rows_ref, seconds, ingest is not None) for _ in range(n)])
+    (busy1, idle1), wall = box_cpu(), time.perf_counter() - t0
+    rc1, dc1 = cpu_seconds(rpid), cpu_seconds(daemon_pid)
+    items = sum(g[0] for g in got)
+    chunks = max(1, items / CHUNK)
+    out = {"items_s": items / max(g[1] for g in got),
+           "producer_us": sum(g[2] for g in got) / chunks * 1e6,
+           "receiver_us": (rc1 - rc0) / chunks * 1e6, "daemon_us": (dc1 - dc0) / chunks * 1e6,
+           "box_us": (busy1 - busy0) / chunks * 1e6, "idle": (idle1 - idle0) / (wall * os.cpu_count())}
+    if ingest is not None:
+        st1 = ray.get(ingest.stats.remote())
+        k = max(1, st1["chunks"] - st0["chunks"])
+        out["insert_us"] = (st1["insert_s"] - st0["insert_s"]) / k * 1e6
+        out["flush_us"] = (st1["flush_s"] - st0["flush_s"]) / k * 1e6
+    return out
+
+
+def report(wl: str, n: int, cell: dict, mb: float) -> str:
+    """One cell's medians: rates, ratio, and where each side's CPU went."""
+    def med(side, key):
+        return statistics.median(r[key] for r in cell[side])
+    rem, ray_ = med("remote", "items_s"), med("ray", "items_s")
+    cpu = "  ".join(f"{k[:-3]} {med('remote', k):5.0f}/{med('ray', k):<5.0f}"
+                    for k in ("producer_us", "receiver_us", "daemon_us", "box_us"))
+    return (f"{wl:>10} x{n}: remote {rem:9,.0f} items/s ({rem * mb:6.1f} MB/s)  ray {ray_:9,.0f} "
+            f"({ray_ * mb:6.1f} MB/s)  local {cell['local']:10,.0f}  remote/ray "
+            f"{statistics.median(cell['ratio']):.2f} (rounds {' '.join(f'{x:.2f}' for x in cell['ratio'])})\n"
+            f"{'':>14}CPU us per chunk, remote/ray: {cpu}  idle {med('remote', 'idle'):.0%}/{med('ray', 'idle'):.0%}"
+            f"  ingest insert {med('remote', 'insert_us'):.0f} us + flush {med('remote', 'flush_us'):.0f} us (wall)")
+
 
 def local_writer(socket_path, name, rows, seconds, out) -> None:
     c = shmreplay.connect(socket_path)
@@ -74,27 +123,30 @@ def main(argv=None) -> int:
         def take(self, chunk, prios):
             return sum(v.shape[0] for v in chunk.values()) // len(chunk)
 
+        def pid(self) -> int:
+            return os.getpid()
+
     @ray.remote(num_cpus=0, resources={"remote_node": 1})
     def produce(target, rows, seconds, via_writer: bool):
         if via_writer:
             w = sray.RemoteWriter(target, chunk=CHUNK, in_flight=IN_FLIGHT)
             w.insert_batch(rows)  # warm-up, untimed: this worker's first call and object transfer
             w.flush()
-            n, t0 = 0, time.perf_counter()
+            n, t0, c0 = 0, time.perf_counter(), time.process_time()
             while time.perf_counter() - t0 < seconds:
                 w.insert_batch(rows)
                 n += CHUNK
             w.flush()
-            return n, time.perf_counter() - t0
+            return n, time.perf_counter() - t0, time.process_time() - c0
         ray.get(target.take.remote(rows, None))  # warm-up, untimed
-        pending, n, t0 = [], 0, time.perf_counter()
+        pending, n, t0, c0 = [], 0, time.perf_counter(), time.process_time()
         while time.perf_counter() - t0 < seconds:  # the same pattern, no table behind it
             if len(pending) >= IN_FLIGHT:
                 ray.get(pending.pop(0))
             pending.append(target.take.remote(rows, None))
             n += CHUNK
         ray.get(pending)
-        return n, time.perf_counter() - t0
+        return n, time.perf_counter() - t0, time.process_time() - c0
 
     cluster = LocalCluster(remote_cpus=8, object_store_bytes=500_000_000)
     results = []
@@ -112,25 +164,18 @@ def main(argv=None) -> int:
                 ingest = sray.start_ingest(srv.socket, "t", node_id=head)
                 ray.get(ingest.stats.remote())  # started and connected (its numba import), untimed
                 rows_ref = ray.put(rows)
+                # untimed: start as many producer workers as the largest cell
+                # needs, both ways, so no timed round pays a worker's start
+                ray.get([produce.remote(target, rows_ref, 0.3, target is ingest)
+                         for target in (ingest, sink) for _ in range(max(a.producers))])
+                receiver = {"remote": (ingest, ray.get(ingest.pid.remote())), "ray": (sink, ray.get(sink.pid.remote()))}
                 for n in a.producers:
                     cell = {"workload": wl, "producers": n, "remote": [], "ray": [], "ratio": []}
-                    cost = {"insert_us": 0.0, "flush_us": 0.0, "daemon_cpu_us": 0.0, "chunks": 0}
                     for r in range(a.rounds):  # alternating which side goes first
-                        sides = (("remote", ingest), ("ray", sink))
-                        for side, target in (sides if r % 2 == 0 else sides[::-1]):
-                            before, cpu0 = ray.get(ingest.stats.remote()), cpu_seconds(srv.pid)
-                            got = ray.get([produce.remote(target, rows_ref, a.seconds, side == "remote")
-                                           for _ in range(n)])
-                            cell[side].append(sum(k for k, _ in got) / max(s for _, s in got))
-                            if side == "remote":  # what a chunk costs the ingest and the daemon
-                                after = ray.get(ingest.stats.remote())
-                                cost["chunks"] += after["chunks"] - before["chunks"]
-                                cost["insert_us"] += (after["insert_s"] - before["insert_s"]) * 1e6
-                                cost["flush_us"] += (after["flush_s"] - before["flush_s"]) * 1e6
-                                cost["daemon_cpu_us"] += (cpu_seconds(srv.pid) - cpu0) * 1e6
-                        cell["ratio"].append(cell["remote"][-1] / cell["ray"][-1])
-                    chunks = max(1, cost.pop("chunks"))
-                    cell.update({k: v / chunks for k, v in cost.items()})
+                        for side in (("remote", "ray") if r % 2 == 0 else ("ray", "remote")):
+                            cell[side].append(run_side(produce, receiver[side], srv.pid, rows_ref, n, a.seconds,
+                                                       ingest if side == "remote" else None))
+                        cell["ratio"].append(cell["remote"][-1]["items_s"] / cell["ray"][-1]["items_s"])
                     ctx = mp.get_context("spawn")
                     q = ctx.Queue()
                     procs = [ctx.Process(target=local_writer, args=(srv.socket, "t", rows, a.seconds, q))
@@ -141,15 +186,8 @@ def main(argv=None) -> int:
                     for p in procs:
                         p.join(60)
                     cell["local"] = sum(k for k, _ in got) / max(s for _, s in got)
-                    cell["mb"] = w.item_bytes / 1e6
                     results.append(cell)
-                    med = {k: statistics.median(cell[k]) for k in ("remote", "ray", "ratio")}
-                    print(f"{wl:>10} x{n}: remote {med['remote']:9,.0f} items/s "
-                          f"({med['remote'] * cell['mb']:7.1f} MB/s)  ray {med['ray']:9,.0f} "
-                          f"({med['ray'] * cell['mb']:7.1f} MB/s)  local {cell['local']:10,.0f}  "
-                          f"remote/ray {med['ratio']:.2f} (rounds {' '.join(f'{x:.2f}' for x in cell['ratio'])})"
-                          f"  per chunk: ingest insert {cell['insert_us']:.0f} us, flush {cell['flush_us']:.0f} us,"
-                          f" daemon cpu {cell['daemon_cpu_us']:.0f} us", flush=True)
+                    print(report(wl, n, cell, w.item_bytes / 1e6), flush=True)
                 ray.kill(ingest)
     finally:
         cluster.stop()

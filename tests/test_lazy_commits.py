@@ -66,3 +66,22 @@ def test_lazy_commits_is_kept_across_a_fork(start_daemon):
     os.waitpid(pid, 0)
     assert len(c.table("t")) == 1
     c.close()
+
+
+def test_a_lease_renewed_lazily_keeps_every_row_in_order(start_daemon):
+    """Batches into a lease that asks for its next reservation ahead, lazily
+    (CommandPipe.send's wake=False): the next batch that needs it waits for
+    that reply (ringing the daemon first), and every row arrives in order."""
+    d = start_daemon(tables=[{"name": "t", "capacity": 20_000, "fields": FIELDS}])  # leases of 78
+    c = d.connect()
+    c.lazy_commits = True
+    t = c.table("t")
+    for i in range(200):  # ~330 reservations, each asked ahead while the last one runs
+        t.insert_batch({"x": np.arange(i * 50, (i + 1) * 50, dtype=np.int64)})
+        if i % 16 == 15:
+            c.flush(keep_leases=True)
+    c.flush()
+    from readback import committed
+    got, _ = committed(t)
+    np.testing.assert_array_equal(got["x"], np.arange(10_000))
+    c.close()

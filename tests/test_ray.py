@@ -55,7 +55,11 @@ def test_remote_producers_feed_the_table_through_an_ingest_on_the_replay_node(cl
         np.testing.assert_array_equal(b.data["obs"], rows(b.data["id"])["obs"])  # nothing torn
     stats = ray.get(ingest.stats.remote())
     assert stats["rows"] == 1500 and stats["chunks"] == 3 * 8
-    assert stats["flushes"] <= 3 + 3  # confirmation is batched: once per 8 chunks, once per producer's flush
+    assert stats["flushes"] <= 3 + 3  # confirmation is batched: once per 16 chunks, once per producer's flush
+    # the plain call, for a driver that inserts now and then: inserted and flushed when it returns
+    assert ray.get(ingest.insert.remote(rows(np.arange(90_000, 90_010)), None), timeout=HANG_S) == 10
+    with d.connect() as c:
+        assert len(c.table("t")) == 1510
     ray.kill(ingest)
 
 

@@ -64,13 +64,17 @@ class CommandPipe:
         self.loads_per_s = atomics.loads_per_second()
         self.spin = int(16 * SPIN_MIN_S * self.loads_per_s)
         self.lazy_commits = False  # the session's choice (Client.lazy_commits)
+        self.owed_bell = False  # a lazy record left the daemon asleep: ring before waiting on it
 
     def send(self, put, *args, wake: bool = True) -> int:
         """Send one request: ``put(ring, seq, *args)`` is a ``wire.records``
         encoder.  Returns its sequence number.  ``wake=False`` (a COMMIT,
-        which nobody waits for) with ``lazy_commits`` set leaves a sleeping
-        daemon asleep: it reads the record at its next wake (the next
-        request that is waited for, another client's, or its idle timeout)."""
+        which nobody waits for, or a RESERVE asked ahead, whose reply is
+        collected later) with ``lazy_commits`` set leaves a sleeping daemon
+        asleep: it reads the record at its next wake (the next request that
+        wakes it, another client's, or its idle timeout), and the next
+        ``wait`` rings first, so waiting on a reply never waits on a daemon
+        nobody woke."""
         ring = self.req
         seq = self.seq + 1
         deadline = None
@@ -85,8 +89,12 @@ class CommandPipe:
                 raise ReplayTimeout(f"command ring stayed full for {self.timeout} s")
             time.sleep(20e-6)
         self.seq = seq
-        if ring.publish() and (wake or not self.lazy_commits):
-            ring_bell(self.to_daemon)
+        if ring.publish():  # the daemon sleeps
+            if wake or not self.lazy_commits:
+                ring_bell(self.to_daemon)
+                self.owed_bell = False
+            else:
+                self.owed_bell = True  # rung by the next wait (``wait``)
         return seq
 
     def expect(self, seq: int) -> None:
@@ -103,6 +111,9 @@ class CommandPipe:
         if seq in self.stash:
             self.expected.discard(seq)
             return _finish(*self.stash.pop(seq), take)
+        if self.owed_bell and seq:  # the reply may need a record the daemon was not woken for
+            ring_bell(self.to_daemon)
+            self.owed_bell = False
         ring = self.resp
         started = time.perf_counter()
         deadline = time.monotonic() + self.timeout + timeout

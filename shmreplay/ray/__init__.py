@@ -29,11 +29,14 @@ ordinary local client.
 * **Confirmation, batched.**  A chunk is *confirmed* once its rows are
   committed and flushed (``Client.flush``: the daemon has applied every
   insert before it).  A flush costs about four times a small chunk's
-  insert, so the ingest flushes once per ``flush_every`` chunks (of all
-  producers) and when a producer asks; its answers carry the sequence
-  numbers flushed since.  A writer keeps each answered chunk until it is
-  confirmed (at most ``hold`` of them; past that it asks), to send it
-  again if the ingest or the daemon loses it.  ``w.flush()`` returning
+  insert and wakes the daemon, so the ingest flushes once per
+  ``flush_every`` chunks (16 by default, of all producers) and when a
+  producer asks; its answers carry the sequence numbers flushed since.  A
+  writer keeps each answered chunk until it is confirmed (at most
+  ``hold``, 16 by default, of them; past that it asks), to send it again
+  if the ingest or the daemon loses it: a producer keeps up to ``(in_flight
+  + hold) x chunk`` rows in its own memory (a dqn-atari chunk of 64 rows is
+  1.8 MB: ~32 MB).  ``w.flush()`` returning
   means every row inserted before it is confirmed.  An ingest call that
   fails for good (the table refused the rows, no ingest for ``retries``
   attempts) raises in the producer at its next send or ``flush``, as

@@ -40,7 +40,7 @@ class Ingest:
     may have lost (``lost``: it sends them again), and this incarnation's
     id, so a producer sees that a restart lost what it had not flushed."""
 
-    def __init__(self, socket_path: str, table: str, timeout: float | None, flush_every: int = 8):
+    def __init__(self, socket_path: str, table: str, timeout: float | None, flush_every: int = 16):
         import uuid
 
         import shmreplay
@@ -58,16 +58,39 @@ class Ingest:
         self.lost: dict[str, list[int]] = {}       # producer -> seqs a daemon restart may have lost
         self.leased_at = None                       # the first insert since the lease was handed back
 
-    def insert(self, chunk: dict, priorities, producer: str | None = None, seq: int = 0,
-               sync: bool = False):
-        """Insert one chunk (waiting for the table's limits).  Without
-        ``producer``: flush and return how many rows.  With it: flush if
-        ``sync`` or ``flush_every`` chunks wait, and return ``(rows, acked,
-        lost, incarnation)`` for that producer.  Raises the table's or the
-        daemon's error (the chunk is then not counted as inserted)."""
+    def insert(self, chunk: dict, priorities=None):
+        """Insert one chunk (waiting for the table's limits), flush, and
+        return how many rows: the plain call, for a driver that inserts now
+        and then.  Raises the table's or the daemon's error."""
+        n = self._insert(chunk, priorities)
+        self._flush(None, None)
+        return n
+
+    def put(self, chunk: dict, meta: tuple):
+        """A ``RemoteWriter``'s chunk: ``meta`` is ``(priorities, producer,
+        seq, sync)`` (one argument: Ray serializes each argument apart, and
+        a call's arguments cost the producer and this actor more CPU than
+        inserting a small chunk).  Inserts the chunk (waiting for the
+        table's limits), flushes if ``sync`` or ``flush_every`` chunks wait,
+        and returns ``(rows, acked, lost, incarnation)`` for that producer.
+        Raises the table's or the daemon's error (the chunk is then not
+        counted as inserted)."""
+        priorities, producer, seq, sync = meta
+        reconnects = self.client.reconnects
+        n = self._insert(chunk, priorities)
+        self.unflushed.setdefault(producer, []).append(seq)
+        # a reconnect during the insert (the daemon restarted): flush now, so
+        # the chunks unflushed before it are reported lost at once, not at
+        # the next flush with every chunk inserted since
+        waiting = sum(map(len, self.unflushed.values()))  # chunks inserted since the last flush
+        if sync or waiting >= self.flush_every or self.client.reconnects != reconnects:
+            self._flush(producer, seq)
+        return self._answer(producer, n)
+
+    def _insert(self, chunk: dict, priorities) -> int:
         if self.leased_at is not None and time.monotonic() - self.leased_at > LEASE_KEEP_S:
             self._flush(None, None, keep_leases=False)  # before its lease goes stale (LEASE_KEEP_S)
-        reconnects, t0 = self.client.reconnects, time.perf_counter()
+        t0 = time.perf_counter()
         try:
             if self.leased_at is None:
                 self.leased_at = time.monotonic()
@@ -79,17 +102,7 @@ class Ingest:
         n = len(next(iter(chunk.values())))
         self.chunks += 1
         self.rows += n
-        if producer is None:
-            self._flush(None, None)
-            return n
-        self.unflushed.setdefault(producer, []).append(seq)
-        # a reconnect during the insert (the daemon restarted): flush now, so
-        # the chunks unflushed before it are reported lost at once, not at
-        # the next flush with every chunk inserted since
-        waiting = sum(map(len, self.unflushed.values()))  # chunks inserted since the last flush
-        if sync or waiting >= self.flush_every or self.client.reconnects != reconnects:
-            self._flush(producer, seq)
-        return self._answer(producer, n)
+        return n
 
     def sync(self, producer: str):
         """Flush now, handing the slot lease back (a producer asks when it
@@ -142,7 +155,7 @@ class Ingest:
 
 
 def start_ingest(socket_path: str, table: str, node_id: str | None = None, name: str | None = None,
-                 timeout: float | None = None, max_restarts: int = -1, flush_every: int = 8):
+                 timeout: float | None = None, max_restarts: int = -1, flush_every: int = 16):
     """An ingest actor for ``table`` of the daemon at ``socket_path``,
     pinned (``soft=False``) to ``node_id`` (default: the caller's node,
     which must be the daemon's).  ``name``: a Ray actor name, so producers

@@ -27,7 +27,7 @@ class RemoteNStepWriter:
     ROLES = ("obs", "action", "reward", "discount", "next_obs")
 
     def __init__(self, ingest, n: int = 3, gamma: float = 0.99, priority_fn=None, fields: dict | None = None,
-                 chunk: int = 64, in_flight: int = 2, hold: int = 8):
+                 chunk: int = 64, in_flight: int = 2, hold: int = 16):
         if not isinstance(n, int) or n < 1 or not 0.0 <= gamma <= 1.0:
             raise ReplayError(f"n must be an int >= 1 and gamma in [0, 1], got {n!r}, {gamma!r}")
         self.role = {r: str((fields or {}).get(r, r)) for r in self.ROLES}
@@ -80,7 +80,7 @@ class RemoteSequenceWriter:
     pads and sends every open sequence (see ``shmreplay.SequenceWriter``)."""
 
     def __init__(self, ingest, length: int, period: int, priority_fn=None, length_field: str = "length",
-                 chunk: int = 16, in_flight: int = 2, hold: int = 8):
+                 chunk: int = 16, in_flight: int = 2, hold: int = 16):
         if not (isinstance(length, int) and isinstance(period, int) and length >= 1 and period >= 1):
             raise ReplayError(f"length and period must be ints >= 1, got {length!r}, {period!r}")
         spec = ray.get(ingest.fields.remote())

@@ -31,7 +31,7 @@ class RemoteWriter:
     docstring): at most ``in_flight + hold`` chunks of it are outside the
     table's vouched-for rows at any time."""
 
-    def __init__(self, ingest, chunk: int = 64, in_flight: int = 2, retries: int = 10, hold: int = 8):
+    def __init__(self, ingest, chunk: int = 64, in_flight: int = 2, retries: int = 10, hold: int = 16):
         for name, v in (("chunk", chunk), ("in_flight", in_flight), ("hold", hold)):
             if not isinstance(v, int) or v < 1:
                 raise ReplayError(f"{name} must be an int >= 1, got {v!r}")
@@ -128,7 +128,7 @@ class RemoteWriter:
         sync = self._asking is None and len(self._held) + len(self._calls) + 1 >= self.hold
         if sync:
             self._asking = seq
-        self._calls.append([self.ingest.insert.remote(part, prios, self.id, seq, sync), seq, part, prios, attempts])
+        self._calls.append([self.ingest.put.remote(part, (prios, self.id, seq, sync)), seq, part, prios, attempts])
 
     def _send_again(self) -> None:
         while self._again:

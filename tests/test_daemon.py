@@ -154,6 +154,11 @@ def test_bad_config_exits_with_a_message(tmp_path):
     out = subprocess.run([sys.executable, "-m", "shmreplay.server.daemon", "--config", cfg],
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 2 and "capacity -5 outside" in out.stderr
+    for bad in ("-1", "inf", '"soon"'):  # a negative one made the idle engine sleep for ever
+        path.write_text(f'[daemon]\ninstance = "x"\nidle_timeout_s = {bad}\n')
+        out = subprocess.run([sys.executable, "-m", "shmreplay.server.daemon", "--config", str(path)],
+                             capture_output=True, text=True, timeout=60)
+        assert out.returncode == 2 and "idle_timeout_s must be a number in 0.001..3600" in out.stderr, out.stderr
 
 
 def test_second_daemon_on_the_same_socket_is_refused(start_daemon, tmp_path):

@@ -154,7 +154,10 @@ def parse_config(doc: dict, where: str = "config") -> DaemonConfig:
         raise SchemaError(f"{where}: segment_mode {mode!r} is not an octal mode") from exc
     cfg.spin_us = _number(d, "spin_us", cfg.spin_us, where, lo=0.0)
     cfg.learner_spin_us = _number(d, "learner_spin_us", cfg.learner_spin_us, where, lo=0.0)
-    cfg.idle_timeout_s = float(d.get("idle_timeout_s", cfg.idle_timeout_s))
+    # the longest an idle engine sleeps: a lazy commit is applied by then at
+    # the latest, so it must be a finite time (a negative one made epoll wait
+    # for ever)
+    cfg.idle_timeout_s = _number(d, "idle_timeout_s", cfg.idle_timeout_s, where, lo=0.001, hi=3600.0)
     cfg.metrics_address = str(d.get("metrics_address", cfg.metrics_address))
     if "metrics_port" in d:
         port = d["metrics_port"]
@@ -248,10 +251,12 @@ def _bool(d: dict, key: str, default: bool, where: str) -> bool:
     return v
 
 
-def _number(d: dict, key: str, default: float, where: str, lo: float = 0.0) -> float:
+def _number(d: dict, key: str, default: float, where: str, lo: float = 0.0,
+            hi: float | None = None) -> float:
     v = d.get(key, default)
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not v >= lo:
-        raise SchemaError(f"{where}: {key} must be a number >= {lo:g}, got {v!r}")
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not v >= lo or (hi is not None and not v <= hi):
+        bounds = f">= {lo:g}" if hi is None else f"in {lo:g}..{hi:g}"
+        raise SchemaError(f"{where}: {key} must be a number {bounds}, got {v!r}")
     return float(v)
 
 

@@ -80,6 +80,23 @@ def held_by_a_full_queue(c, d, cluster, capacity: int, n: int):
     return q, ingest, p, job
 
 
+def test_the_ingest_forgets_what_it_owes_a_producer_that_stopped_calling(cluster, start_daemon):
+    """A producer that died never collects the sequence numbers flushed
+    after its last answer: past ``forget_s`` the ingest drops them."""
+    d = start_daemon(tables=[{"name": "t", "capacity": 4096, "fields": FIELDS}])
+    ingest = sray.start_ingest(d.socket, "t", node_id=cluster, flush_every=1000, forget_s=0)
+    assert ray.get(ingest.put.remote(rows(np.arange(8)), (None, "gone", 1, False)), timeout=HANG_S)[1] == []
+    # another producer's flush vouches for "gone"'s chunk, which "gone" will never hear of
+    assert ray.get(ingest.sync.remote("live"), timeout=HANG_S)[0] == 0
+    stats = ray.get(ingest.stats.remote())
+    assert stats["forgotten"] == 1 and stats["producers"] == 1  # "live" only
+    with d.connect() as c:
+        assert len(c.table("t")) == 8  # forgetting drops bookkeeping, never rows
+    with pytest.raises(shmreplay.ReplayError, match="forget_s must be"):
+        sray.start_ingest(d.socket, "t", node_id=cluster, forget_s=-1)
+    ray.kill(ingest)
+
+
 def test_a_rate_limited_table_holds_remote_producers_back(cluster, start_daemon):
     """A queue of 64 items and no learner: the producer stops with at most
     in_flight + hold (+ 1 waiting for room) chunks unconfirmed (nothing piles up anywhere), then

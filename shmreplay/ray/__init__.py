@@ -62,7 +62,10 @@ Failures (at-least-once: nothing confirmed is lost, nothing is torn):
 * **A producer dies**: the rows it had buffered or sent unconfirmed may be
   lost; chunks already sent are inserted whole or not at all by a live
   ingest (a chunk on a rate-limited table is inserted as the limiter
-  admits it; ``timeout`` bounds that).
+  admits it; ``timeout`` bounds that).  What the ingest owed it (sequence
+  numbers flushed after its last answer) is dropped once it has not called
+  for ``forget_s`` (600 s); a producer that was only silent that long
+  sends its unconfirmed chunks again at its next flush.
 * **Anything else the table refuses** (a wrong field, a bad priority)
   raises ``ChunkRefused`` in the producer at once, naming why.
 

@@ -27,6 +27,13 @@ _LOSSES = (DaemonUnavailable, ReservationExpired)
 # (ReservationExpired, which the ingest also survives: the chunks go again).
 LEASE_KEEP_S = 10.0
 
+# What the ingest owes a producer (sequence numbers flushed or lost since
+# its last answer) is dropped once the producer has not called for this
+# long: a producer that died never collects it.  One that only went quiet
+# and comes back finds its held chunks unaccounted for at its next flush
+# and sends them again (stored twice, never lost).
+FORGET_S = 600.0
+
 
 class Ingest:
     """The ingest actor: one local client of the daemon, one table.
@@ -40,7 +47,8 @@ class Ingest:
     may have lost (``lost``: it sends them again), and this incarnation's
     id, so a producer sees that a restart lost what it had not flushed."""
 
-    def __init__(self, socket_path: str, table: str, timeout: float | None, flush_every: int = 16):
+    def __init__(self, socket_path: str, table: str, timeout: float | None, flush_every: int = 16,
+                 forget_s: float = FORGET_S):
         import uuid
 
         import shmreplay
@@ -57,6 +65,9 @@ class Ingest:
         self.acked: dict[str, list[int]] = {}      # producer -> seqs flushed, not yet told
         self.lost: dict[str, list[int]] = {}       # producer -> seqs a daemon restart may have lost
         self.leased_at = None                       # the first insert since the lease was handed back
+        self.forget_s = forget_s
+        self.seen: dict[str, float] = {}            # producer -> when it was last answered (FORGET_S)
+        self.forgotten = 0                          # producers whose dues were dropped
 
     def insert(self, chunk: dict, priorities=None):
         """Insert one chunk (waiting for the table's limits), flush, and
@@ -112,7 +123,19 @@ class Ingest:
 
     def _answer(self, producer: str, rows: int):
         """What a producer is told: (rows, acked, lost, incarnation)."""
+        self.seen[producer] = time.monotonic()
         return rows, self.acked.pop(producer, []), self.lost.pop(producer, []), self.incarnation
+
+    def _forget_silent(self) -> None:
+        """Drop what is owed to producers silent for ``forget_s`` (FORGET_S)."""
+        now = time.monotonic()
+        for p in [p for p, t in self.seen.items() if now - t > self.forget_s]:
+            if p in self.unflushed:  # it has chunks waiting for the next flush: still current
+                continue
+            del self.seen[p]
+            self.acked.pop(p, None)
+            self.lost.pop(p, None)
+            self.forgotten += 1
 
     def _flush(self, producer, seq, keep_leases: bool = True) -> None:
         t0 = time.perf_counter()
@@ -135,6 +158,7 @@ class Ingest:
         for p, seqs in self.unflushed.items():
             self.acked.setdefault(p, []).extend(seqs)
         self.unflushed.clear()
+        self._forget_silent()
 
     def _lose_unflushed(self) -> None:
         for p, seqs in self.unflushed.items():
@@ -147,6 +171,7 @@ class Ingest:
     def stats(self) -> dict:
         return {"chunks": self.chunks, "rows": self.rows, "flushes": self.flushes,
                 "insert_s": self.insert_s, "flush_s": self.flush_s,
+                "producers": len(self.seen), "forgotten": self.forgotten,
                 "node": ray.get_runtime_context().get_node_id()}
 
     def fields(self) -> dict:
@@ -155,19 +180,23 @@ class Ingest:
 
 
 def start_ingest(socket_path: str, table: str, node_id: str | None = None, name: str | None = None,
-                 timeout: float | None = None, max_restarts: int = -1, flush_every: int = 16):
+                 timeout: float | None = None, max_restarts: int = -1, flush_every: int = 16,
+                 forget_s: float = FORGET_S):
     """An ingest actor for ``table`` of the daemon at ``socket_path``,
     pinned (``soft=False``) to ``node_id`` (default: the caller's node,
     which must be the daemon's).  ``name``: a Ray actor name, so producers
     may find it with ``ray.get_actor``.  ``timeout``: the longest a chunk
     may wait for the table's limits (None: as long as it takes; the
     producers wait with it).  ``flush_every``: chunks inserted per flush
-    (a producer may ask for one sooner)."""
+    (a producer may ask for one sooner).  ``forget_s``: how long what is
+    owed to a producer that stopped calling is kept (FORGET_S)."""
     if not isinstance(flush_every, int) or flush_every < 1:
         raise ReplayError(f"flush_every must be an int >= 1, got {flush_every!r}")
+    if isinstance(forget_s, bool) or not isinstance(forget_s, (int, float)) or not forget_s >= 0:
+        raise ReplayError(f"forget_s must be a number of seconds >= 0, got {forget_s!r}")
     node = node_id or ray.get_runtime_context().get_node_id()
     opts = dict(num_cpus=0, max_restarts=max_restarts,
                 scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=node, soft=False))
     if name is not None:
         opts["name"] = name
-    return ray.remote(Ingest).options(**opts).remote(socket_path, table, timeout, flush_every)
+    return ray.remote(Ingest).options(**opts).remote(socket_path, table, timeout, flush_every, forget_s)

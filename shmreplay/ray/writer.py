@@ -149,8 +149,10 @@ class RemoteWriter:
         except ray.exceptions.RayTaskError as exc:
             if not isinstance(exc.cause, _RETRIABLE):
                 raise ChunkRefused(f"the ingest refused a chunk: {exc.cause!r}") from None
-            # the daemon went away: the ingest's client reconnects meanwhile
-            self._again_later(seq, part, prios, attempts, exc.cause, pause=True)
+            # the daemon went away (the ingest's client reconnects meanwhile:
+            # give it time), or the ingest's lease was void (renewed already)
+            self._again_later(seq, part, prios, attempts, exc.cause,
+                              pause=not isinstance(exc.cause, ReservationExpired))
             return
         finally:
             self._calls.popleft()

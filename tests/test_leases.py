@@ -6,6 +6,7 @@ import signal
 import time
 
 import numpy as np
+import pytest
 
 import shmreplay
 from readback import committed
@@ -154,3 +155,27 @@ def test_a_killed_writers_lease_is_reclaimed(daemon, client):
     assert stats(client)["reclaimed_reservations"] == t.lease_size - 1
     got, _ = committed(t)
     assert len(t) == 1 and got["v"].tolist() == [1]
+
+
+def test_a_widened_lease_reserves_for_many_batches_at_once(client):
+    """Table.widen_lease (the Ray ingest's): 64-row batches into a table
+    whose default lease (capacity/256 = 78) fits one batch need a
+    reservation nearly every call; widened, one per eight batches.  Bounded
+    by a 32nd of the capacity; a rate-limited table keeps its lease."""
+    t = client.create_table("big", capacity=20_000, fields=FIELDS)
+    assert t.lease_size == 78
+    assert t.widen_lease(10) == 78  # never below the default
+    assert t.widen_lease(10**6) == 20_000 // 32
+    assert t.widen_lease(512) == 512
+    for i in range(40):
+        t.insert_batch({"v": np.arange(i * 64, (i + 1) * 64), "w": np.zeros((64, 3), np.float32)})
+    t.flush()
+    st = stats(client)
+    assert st["inserts"] == 2560 and st["reservations"] <= 2560 // 512 + 2
+    got, _ = committed(t)
+    np.testing.assert_array_equal(got["v"], np.arange(2560))
+    q = client.create_table("q", capacity=20_000, fields=FIELDS, samples_per_insert=1.0,
+                            min_size_to_sample=1, error_buffer=100)
+    assert q.widen_lease(512) == q.lease_size == 16
+    with pytest.raises(shmreplay.ReplayError, match="widen_lease takes"):
+        t.widen_lease(-1)

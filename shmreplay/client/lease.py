@@ -28,7 +28,7 @@ binds it to the table as mapped now (``bind``: the daemon's id for the
 table, the field views, the counters whose epoch it checks), again after
 every reconnect, and voids it (``void``) when the connection goes.
 
-Who calls it: its table handle (``bind``, ``void``; ``write`` for
+Who calls it: its table handle (``bind``, ``void``, ``resize``; ``write`` for
 ``insert``/``insert_batch``; ``release`` at the client's flush) and its
 writer (``begin``, ``check``, ``take``, ``commit``, ``release``, ``run``,
 ``views``, ``renewed``).  Same threading rule as the table handle: one
@@ -81,6 +81,12 @@ class SlotLease:
         if self._words.epoch != self._epoch:
             raise DaemonUnavailable(f"table {self._name!r} was taken over by a restarted daemon; "
                                     "this client's slot leases died with the old one")
+
+    def resize(self, size: int) -> int:
+        """Reserve ``size`` slots at a time from the next reservation on
+        (its table handle bounds it: ``Table.widen_lease``); returns it."""
+        self.size = size
+        return size
 
     def void(self) -> bool:
         """The connection these slots were reserved on is gone (reconnect,

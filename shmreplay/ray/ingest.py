@@ -66,6 +66,7 @@ class Ingest:
         self.lost: dict[str, list[int]] = {}       # producer -> seqs a daemon restart may have lost
         self.leased_at = None                       # the first insert since the lease was handed back
         self.forget_s = forget_s
+        self.lease_asked = 0  # slots per reservation asked of the table (Table.widen_lease)
         self.seen: dict[str, float] = {}            # producer -> when it was last answered (FORGET_S)
         self.forgotten = 0                          # producers whose dues were dropped
 
@@ -113,6 +114,13 @@ class Ingest:
         n = len(next(iter(chunk.values())))
         self.chunks += 1
         self.rows += n
+        if n * self.flush_every > self.lease_asked:
+            # a lease of flush_every chunks: one reservation (a daemon
+            # wake-up) per flush, where a small table's default lease
+            # (capacity/256: 78 slots of a 20,000-item one) needed one for
+            # nearly every 64-row chunk
+            self.lease_asked = n * self.flush_every
+            self.table.widen_lease(self.lease_asked)
         return n
 
     def sync(self, producer: str):

@@ -88,30 +88,26 @@ class Table:
         self._bind(desc)
 
     def retire(self) -> None:
-        """After a reconnect the daemon serves no table of this name: no
-        table has id 0, so every later call raises UnknownTable."""
+        """After a reconnect no table has this name: id 0, so every later call raises UnknownTable."""
         self.id = 0
         for lease in list(self._leases):
             self._bind_lease(lease)
 
     def forget_connection(self) -> bool:
-        """The connection this handle's leases and holds were made on is
-        gone (reconnect, fork); True if a writer had items open in a lease
-        (possibly lost)."""
+        """The connection of this handle's leases and holds is gone (reconnect,
+        fork); True if a writer had items open in a lease (possibly lost)."""
         self._held = []
         return any([lease.void() for lease in list(self._leases)])
 
     def hand_back(self) -> None:
-        """Hand back unused slots of this handle's lease and the slots
-        ``sample_indices`` holds (the client's flush)."""
+        """The client's flush: hand back unused leased slots and ``sample_indices``' holds."""
         self._lease.release()
         self.release()
 
     def renew_leases(self) -> None:
-        """The daemon voided a reservation of this client
-        (``ReservationExpired``): every lease of this table hands back what
-        it can and starts anew, so no item goes into a void one; a writer's
-        open items are gone (its lease is renewed, as after a reconnect)."""
+        """The daemon voided a reservation of this client (``ReservationExpired``):
+        every lease of this table hands back what it can and starts anew, so
+        no item goes into a void one; a writer's open items are gone."""
         for lease in list(self._leases):
             lease.release()
             if lease is not self._lease:
@@ -190,26 +186,12 @@ class Table:
                               None if prios is None else prios[lo:hi], False, deadline)
 
     def widen_lease(self, slots: int) -> int:
-        """Let this handle's inserts reserve up to ``slots`` slots at a time,
-        for a writer that inserts large batches back to back (the Ray
-        ingest): with the default lease (capacity/256) a 64-row batch into
-        a 20,000-item table needs a reservation, a daemon wake-up, nearly
-        every call.  Never below the default, at most a 32nd of the
-        capacity (two leases withhold at most ~6% of the table from
-        sampling) and LEASE_MAX; a rate-limited table or a tiny one keeps
-        its lease (its limiter counts a reserved slot as an insert).
-        Returns the lease size now; it takes effect at the next
-        reservation."""
-        if isinstance(slots, bool) or not isinstance(slots, int) or slots < 0:
-            raise ReplayError(f"widen_lease takes a number of slots >= 0, got {slots!r}")
-        if self.lease_size == 0 or self.spec.rate_limited:
-            return self._lease.size
-        cap = min(LEASE_MAX, self.spec.capacity // 32, self._session.max_batch)
-        return self._lease.resize(max(self.lease_size, min(slots, cap)))
+        """Reserve up to ``slots`` at a time from the next reservation on
+        (``widened_lease_size`` says how far); returns the lease size now."""
+        return self._lease.resize(widened_lease_size(self.spec, self.lease_size, slots, self._session.max_batch))
 
     def lease(self) -> SlotLease:
-        """A slot lease of this table's lease size, for a writer whose items
-        stay open across calls (``writers.py``)."""
+        """A slot lease for a writer whose items stay open across calls (``writers.py``)."""
         lease = SlotLease(self.lease_size, self.name, self._session, self._priorities)
         self._bind_lease(lease)
         self._leases.add(lease)
@@ -338,6 +320,22 @@ def lease_size(spec, max_batch: int) -> int:
     if spec.rate_limited:
         size = min(size, QUEUE_LEASE_MAX, cap // 64)
     return max(0, min(LEASE_MAX, size, max_batch))
+
+
+def widened_lease_size(spec, default: int, slots, max_batch: int) -> int:
+    """``Table.widen_lease``: the lease size for a writer that inserts large
+    batches back to back (the Ray ingest), which asks for ``slots``: with
+    the default lease (capacity/256) a 64-row batch into a 20,000-item
+    table needs a reservation, a daemon wake-up, nearly every call.  Never
+    below the default, at most a 32nd of the capacity (two leases withhold
+    at most ~6% of the table from sampling) and LEASE_MAX; a rate-limited
+    table or a tiny one keeps its lease (its limiter counts a reserved slot
+    as an insert)."""
+    if isinstance(slots, bool) or not isinstance(slots, int) or slots < 0:
+        raise ReplayError(f"widen_lease takes a number of slots >= 0, got {slots!r}")
+    if default == 0 or spec.rate_limited:
+        return default
+    return max(default, min(slots, LEASE_MAX, spec.capacity // 32, max_batch))
 
 
 def _reopen(client, name: str) -> Table:

@@ -70,8 +70,10 @@ def test_lazy_commits_is_kept_across_a_fork(start_daemon):
 
 def test_a_lease_renewed_lazily_keeps_every_row_in_order(start_daemon):
     """Batches into a lease that asks for its next reservation ahead, lazily
-    (CommandPipe.send's wake=False): the next batch that needs it waits for
-    that reply (ringing the daemon first), and every row arrives in order."""
+    (CommandPipe.send's wake=False): the next batch that needs it collects
+    that reply, and every row arrives once, in order.  (That the wait rings
+    the daemon first, instead of waiting for its next wake, is a matter of
+    latency, which no test here times.)"""
     d = start_daemon(tables=[{"name": "t", "capacity": 20_000, "fields": FIELDS}])  # leases of 78
     c = d.connect()
     c.lazy_commits = True

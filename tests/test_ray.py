@@ -89,7 +89,10 @@ def test_the_ingest_forgets_what_it_owes_a_producer_that_stopped_calling(cluster
     # another producer's flush vouches for "gone"'s chunk, which "gone" will never hear of
     assert ray.get(ingest.sync.remote("live"), timeout=HANG_S)[0] == 0
     stats = ray.get(ingest.stats.remote())
-    assert stats["forgotten"] == 1 and stats["producers"] == 1  # "live" only
+    assert stats["forgotten"] == 0 and stats["producers"] == 2  # "gone" was calling until now
+    assert ray.get(ingest.sync.remote("live"), timeout=HANG_S)[1] == []
+    stats = ray.get(ingest.stats.remote())
+    assert stats["forgotten"] == 1 and stats["producers"] == 1  # what "gone" was owed is dropped
     with d.connect() as c:
         assert len(c.table("t")) == 8  # forgetting drops bookkeeping, never rows
     with pytest.raises(shmreplay.ReplayError, match="forget_s must be"):

@@ -135,15 +135,15 @@ class Ingest:
         return rows, self.acked.pop(producer, []), self.lost.pop(producer, []), self.incarnation
 
     def _forget_silent(self) -> None:
-        """Drop what is owed to producers silent for ``forget_s`` (FORGET_S)."""
+        """Drop what is owed to producers silent for ``forget_s`` (FORGET_S);
+        ``forgotten`` counts those that were owed something."""
         now = time.monotonic()
         for p in [p for p, t in self.seen.items() if now - t > self.forget_s]:
-            if p in self.unflushed:  # it has chunks waiting for the next flush: still current
+            if p in self.unflushed:  # its chunk is being flushed now: it is calling
                 continue
             del self.seen[p]
-            self.acked.pop(p, None)
-            self.lost.pop(p, None)
-            self.forgotten += 1
+            owed = self.acked.pop(p, None), self.lost.pop(p, None)
+            self.forgotten += owed != (None, None)
 
     def _flush(self, producer, seq, keep_leases: bool = True) -> None:
         t0 = time.perf_counter()
@@ -163,10 +163,10 @@ class Ingest:
             self.leased_at = None
         self.flushes += 1
         self.flush_s += time.perf_counter() - t0
+        self._forget_silent()  # before the flushed seqs move: their producers are calling
         for p, seqs in self.unflushed.items():
             self.acked.setdefault(p, []).extend(seqs)
         self.unflushed.clear()
-        self._forget_silent()
 
     def _lose_unflushed(self) -> None:
         for p, seqs in self.unflushed.items():

@@ -93,8 +93,12 @@ def test_the_ingest_forgets_what_it_owes_a_producer_that_stopped_calling(cluster
     assert ray.get(ingest.sync.remote("live"), timeout=HANG_S)[1] == []
     stats = ray.get(ingest.stats.remote())
     assert stats["forgotten"] == 1 and stats["producers"] == 1  # what "gone" was owed is dropped
+    # a producer silent past forget_s that calls again is told what it is owed, not forgotten
+    ray.get(ingest.put.remote(rows(np.arange(8, 16)), (None, "back", 7, False)), timeout=HANG_S)
+    ray.get(ingest.sync.remote("live"), timeout=HANG_S)  # vouches for "back"'s chunk
+    assert ray.get(ingest.sync.remote("back"), timeout=HANG_S)[1] == [7]
     with d.connect() as c:
-        assert len(c.table("t")) == 8  # forgetting drops bookkeeping, never rows
+        assert len(c.table("t")) == 16  # forgetting drops bookkeeping, never rows
     with pytest.raises(shmreplay.ReplayError, match="forget_s must be"):
         sray.start_ingest(d.socket, "t", node_id=cluster, forget_s=-1)
     ray.kill(ingest)

@@ -82,7 +82,7 @@ class CommandPipe:
             # the daemon is behind; it frees room without waking us, so poll
             if deadline is None:
                 deadline = time.monotonic() + self.timeout
-                if self.lazy_commits:  # it may sleep on records nobody announced
+                if self.lazy_commits or self.owed_bell:  # it may sleep on records nobody announced
                     ring_bell(self.to_daemon)
             self.link.live()
             if time.monotonic() > deadline:

@@ -69,11 +69,13 @@ class Ingest:
         self.lease_asked = 0  # slots per reservation asked of the table (Table.widen_lease)
         self.seen: dict[str, float] = {}            # producer -> when it was last answered (FORGET_S)
         self.forgotten = 0                          # producers whose dues were dropped
+        self.calling = None                         # the producer whose call runs now: never forgotten
 
     def insert(self, chunk: dict, priorities=None):
         """Insert one chunk (waiting for the table's limits), flush, and
         return how many rows: the plain call, for a driver that inserts now
         and then.  Raises the table's or the daemon's error."""
+        self.calling = None
         n = self._insert(chunk, priorities)
         self._flush(None, None)
         return n
@@ -88,6 +90,7 @@ class Ingest:
         Raises the table's or the daemon's error (the chunk is then not
         counted as inserted)."""
         priorities, producer, seq, sync = meta
+        self.calling = producer
         reconnects = self.client.reconnects
         n = self._insert(chunk, priorities)
         self.unflushed.setdefault(producer, []).append(seq)
@@ -126,6 +129,7 @@ class Ingest:
     def sync(self, producer: str):
         """Flush now, handing the slot lease back (a producer asks when it
         is done or about to idle); ``(0, acked, lost, incarnation)``."""
+        self.calling = producer
         self._flush(None, None, keep_leases=False)
         return self._answer(producer, 0)
 
@@ -139,7 +143,7 @@ class Ingest:
         ``forgotten`` counts those that were owed something."""
         now = time.monotonic()
         for p in [p for p, t in self.seen.items() if now - t > self.forget_s]:
-            if p in self.unflushed:  # its chunk is being flushed now: it is calling
+            if p == self.calling or p in self.unflushed:  # calling now, or its chunk is being flushed
                 continue
             del self.seen[p]
             owed = self.acked.pop(p, None), self.lost.pop(p, None)

@@ -38,16 +38,12 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import shmreplay  # noqa: E402
+from shmreplay.bench.peers import process_cpu_seconds as cpu_seconds  # noqa: E402
 from shmreplay.bench.raycluster import LocalCluster  # noqa: E402
 from shmreplay.bench.workloads import WORKLOADS  # noqa: E402
 
 CHUNK, IN_FLIGHT = 64, 2
 
-
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU a process has used (/proc/PID/stat)."""
-    f = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
-    return (int(f[11]) + int(f[12])) / os.sysconf("SC_CLK_TCK")
 
 def box_cpu() -> tuple[float, float]:
     """(busy, idle) CPU seconds of the whole box so far (/proc/stat)."""

@@ -71,6 +71,14 @@ def new_priorities(n: int, rng) -> np.ndarray:
 
 # ---------------------------------------------------------------- shmreplay
 
+
+def process_cpu_seconds(pid: int) -> float:
+    """User + system CPU a process has used so far (/proc/PID/stat)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 class Daemon:
     """A private shmreplayd for one cell (started and stopped by the cell)."""
 
@@ -93,9 +101,7 @@ class Daemon:
         raise RuntimeError("shmreplayd did not come up")
 
     def cpu_seconds(self) -> float:
-        with open(f"/proc/{self.proc.pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        return process_cpu_seconds(self.proc.pid)
 
     def stop(self) -> None:
         self.proc.send_signal(signal.SIGTERM)

@@ -89,12 +89,15 @@ class CommandPipe:
                 raise ReplayTimeout(f"command ring stayed full for {self.timeout} s")
             time.sleep(20e-6)
         self.seq = seq
-        if ring.publish():  # the daemon sleeps
-            if wake or not self.lazy_commits:
+        sleeping = ring.publish()
+        if wake or not self.lazy_commits:
+            # a daemon that reads this record reads every one before it: no
+            # wake-up is owed once it is woken, or was awake to see it
+            self.owed_bell = False
+            if sleeping:
                 ring_bell(self.to_daemon)
-                self.owed_bell = False
-            else:
-                self.owed_bell = True  # rung by the next wait (``wait``)
+        elif sleeping:
+            self.owed_bell = True  # rung by the next wait (``wait``)
         return seq
 
     def expect(self, seq: int) -> None:

@@ -87,6 +87,7 @@ def test_a_squatted_checkpoint_directory_is_refused_and_nothing_is_deleted(start
     store = tmp_path / "tables"
     parent = open_parent()
     ck = os.path.join(parent, "ck")
+    d = None
     try:
         # first, as the hostile-user review found it: the configured name was free
         links = {STALE_TMP: str(store), LONG_AGO: victim(tmp_path / "old"),
@@ -117,6 +118,8 @@ def test_a_squatted_checkpoint_directory_is_refused_and_nothing_is_deleted(start
             c.flush()
             assert len(t) == 30 and len(t.sample(8)) == 8
     finally:
+        if d is not None:  # first: its periodic checkpoint makes ck anew once the squat is gone
+            d.stop()
         shutil.rmtree(parent)  # does not follow the links
 
 

@@ -85,7 +85,7 @@ def test_the_ingest_forgets_what_it_owes_a_producer_that_stopped_calling(cluster
     after its last answer: past ``forget_s`` the ingest drops them."""
     d = start_daemon(tables=[{"name": "t", "capacity": 4096, "fields": FIELDS}])
     ingest = sray.start_ingest(d.socket, "t", node_id=cluster, flush_every=1000, forget_s=0)
-    assert ray.get(ingest.put.remote(rows(np.arange(8)), (None, "gone", 1, False)), timeout=HANG_S)[1] == []
+    assert ray.get(ingest.put.remote(rows(np.arange(8)), [None, "gone", 1, False]), timeout=HANG_S)[1] == []
     # another producer's flush vouches for "gone"'s chunk, which "gone" will never hear of
     assert ray.get(ingest.sync.remote("live"), timeout=HANG_S)[0] == 0
     stats = ray.get(ingest.stats.remote())
@@ -94,13 +94,60 @@ def test_the_ingest_forgets_what_it_owes_a_producer_that_stopped_calling(cluster
     stats = ray.get(ingest.stats.remote())
     assert stats["forgotten"] == 1 and stats["producers"] == 1  # what "gone" was owed is dropped
     # a producer silent past forget_s that calls again is told what it is owed, not forgotten
-    ray.get(ingest.put.remote(rows(np.arange(8, 16)), (None, "back", 7, False)), timeout=HANG_S)
+    ray.get(ingest.put.remote(rows(np.arange(8, 16)), [None, "back", 7, False]), timeout=HANG_S)
     ray.get(ingest.sync.remote("live"), timeout=HANG_S)  # vouches for "back"'s chunk
     assert ray.get(ingest.sync.remote("back"), timeout=HANG_S)[1] == [7]
     with d.connect() as c:
         assert len(c.table("t")) == 16  # forgetting drops bookkeeping, never rows
     with pytest.raises(shmreplay.ReplayError, match="forget_s must be"):
         sray.start_ingest(d.socket, "t", node_id=cluster, forget_s=-1)
+    ray.kill(ingest)
+
+
+def test_small_chunks_are_inserted_together_and_none_waits_for_a_call(cluster, start_daemon):
+    """Small chunks between two flushes are inserted as one batch per run
+    of priorities given or not (coalesce.py), each row with its own
+    priority; chunks held with no call after them are inserted by the
+    ingest's thread (a quiet producer's rows become sampleable); with
+    ``hold_s=0`` each chunk is inserted when it comes."""
+    d = start_daemon(tables=[{"name": "t", "capacity": 64, "fields": FIELDS, "sampler": "prioritized",
+                              "alpha": 1.0}])
+    # hold_s=10: far longer than these calls take, so only the flush inserts
+    ingest = sray.start_ingest(d.socket, "t", node_id=cluster, flush_every=1000, hold_s=10)
+    prios = np.arange(1.0, 9.0)
+    ray.get(ingest.put.remote(rows(np.arange(8)), [prios, "p", 1, False]), timeout=HANG_S)
+    ray.get(ingest.put.remote(rows(np.arange(8, 16)), [None, "p", 2, False]), timeout=HANG_S)
+    before = ray.get(ingest.stats.remote())
+    assert (before["held"], before["inserts"]) == (2, 0)
+    assert ray.get(ingest.put.remote(rows(np.arange(16, 24)), [None, "p", 3, True]), timeout=HANG_S)[1] == [1, 2, 3]
+    after = ray.get(ingest.stats.remote())
+    assert (after["held"], after["inserts"], after["chunks"], after["flushes"]) == (0, 2, 3, 1)  # runs: [1], [2, 3]
+    with d.connect() as c:
+        t = c.table("t")
+        b = t.sample(512)
+        assert len(t) == 24 and set(b.data["id"].tolist()) == set(range(24))
+        # alpha 1: P(i) is i's priority over the total; unprioritized rows got the max so far (8)
+        want = np.where(b.data["id"] < 8, b.data["id"] + 1.0, 8.0)
+        np.testing.assert_allclose(b.probabilities, want / (prios.sum() + 16 * 8.0))
+        np.testing.assert_array_equal(b.data["obs"], rows(b.data["id"])["obs"])
+    ray.kill(ingest)
+
+    ingest = sray.start_ingest(d.socket, "t", node_id=cluster, flush_every=1000)  # hold_s: 0.05 s
+    ray.get(ingest.put.remote(rows(np.arange(24, 32)), [None, "quiet", 1, False]), timeout=HANG_S)
+    with d.connect() as c:  # no call inserts it: the thread does, unconfirmed (nothing flushed)
+        wait_for(lambda: len(c.table("t")) == 32, "a held chunk to be inserted with no call after it")
+    stats = ray.get(ingest.stats.remote())
+    assert (stats["held"], stats["inserts"], stats["flushes"], stats["release_errors"]) == (0, 1, 0, 0)
+    ray.kill(ingest)
+
+    ingest = sray.start_ingest(d.socket, "t", node_id=cluster, flush_every=1000, hold_s=0)
+    for k in range(2):
+        ray.get(ingest.put.remote(rows(np.arange(32 + 8 * k, 40 + 8 * k)), [None, "p", k, False]), timeout=HANG_S)
+    stats = ray.get(ingest.stats.remote())
+    assert (stats["held"], stats["inserts"]) == (0, 2)
+    for bad in (-1, 11, "1", True):
+        with pytest.raises(shmreplay.ReplayError, match="hold_s must be"):
+            sray.start_ingest(d.socket, "t", node_id=cluster, hold_s=bad)
     ray.kill(ingest)
 
 
@@ -126,7 +173,8 @@ def test_a_rate_limited_table_holds_remote_producers_back(cluster, start_daemon)
 def test_remote_producers_lose_nothing_confirmed_when_the_ingest_or_the_daemon_goes(
         cluster, start_daemon, breakage):
     """Producers pause with their chunks so far inserted but none confirmed
-    (the ingest flushes only when asked), the ingest is killed (Ray
+    (the ingest flushes only when asked, and its thread inserts the small
+    chunks it held), the ingest is killed (Ray
     restarts it) or the daemon is SIGKILLed and started again (it adopts
     the table); the producers go on: every chunk the break may have lost is
     sent again, every row arrives, none torn (at-least-once: a re-sent
@@ -138,6 +186,8 @@ def test_remote_producers_lose_nothing_confirmed_when_the_ingest_or_the_daemon_g
             for k, p in enumerate(producers)]
     wait_for(lambda: all(ray.get([p.is_paused.remote() for p in producers])), "the producers to pause")
     assert [ray.get(p.progress.remote())[1] for p in producers] == [0, 0]  # nothing confirmed yet
+    # the held chunks inserted (the ingest's thread, hold_s after they came): a restart loses them
+    wait_for(lambda: ray.get(ingest.stats.remote())["held"] == 0, "the ingest to insert the chunks it held")
     if breakage == "ingest killed":
         ray.kill(ingest, no_restart=False)
     else:

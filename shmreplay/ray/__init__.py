@@ -41,6 +41,16 @@ ordinary local client.
   fails for good (the table refused the rows, no ingest for ``retries``
   attempts) raises in the producer at its next send or ``flush``, as
   ``ChunkRefused`` naming why.
+* **Small chunks, inserted together.**  On a table without a rate limiter,
+  a chunk of at most 64 KiB (coalesce.py) is checked when it arrives and
+  held; the held chunks go in as one ``insert_batch`` (per run of chunks
+  with priorities given, or not) just before the flush, once they reach
+  1 MiB, or ``hold_s`` (0.05 s) after the first came, by the ingest's own
+  thread when no call comes: a quiet producer's rows are sampleable within
+  about ``2 x hold_s`` plus the daemon's ``idle_timeout_s``.  For a 64-row
+  sac-mujoco chunk this halves the ingest's and the daemon's work per
+  chunk.  ``start_ingest(hold_s=0)`` inserts each chunk when it comes, as
+  a rate-limited table's ingest always does.
 
 Priorities, rate limits and reuse limits are the table's, exactly as for a
 local writer: the ingest is one.
@@ -58,10 +68,11 @@ Failures (at-least-once: nothing confirmed is lost, nothing is torn):
   (``reconnect=True``) and the restarted daemon adopts the tables; the
   ingest's next flush says inserts since the last one may be lost, and
   every chunk inserted since is sent again by its producer (told in its
-  next answer; possibly stored twice).
+  next answer; possibly stored twice); chunks the ingest inserted after
+  it had reconnected are kept, not sent again.
 * **A producer dies**: the rows it had buffered or sent unconfirmed may be
   lost; chunks already sent are inserted whole or not at all by a live
-  ingest (a chunk on a rate-limited table is inserted as the limiter
+  ingest (unless the daemon also fails part-way through their batch) (a chunk on a rate-limited table is inserted as the limiter
   admits it; ``timeout`` bounds that).  What the ingest owed it (sequence
   numbers flushed after its last answer) is dropped once it has not called
   for ``forget_s`` (600 s); a producer that was only silent that long

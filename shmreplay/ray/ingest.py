@@ -8,16 +8,17 @@ by ``RemoteWriter`` (writer.py) from any node.
 from __future__ import annotations
 
 import os
+import threading
 import time
 
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+from ..client.rows import check_rows
 from ..errors import DaemonUnavailable, ReplayError, ReservationExpired
-
-# what says inserts since the last flush may not be stored: a daemon restart
-# (the client reconnected), or a lease the daemon voided (ReservationExpired)
-_LOSSES = (DaemonUnavailable, ReservationExpired)
+from ..priorities import as_priorities
+from .coalesce import CHUNK_BYTES, HOLD_S, Coalescer
+from .dues import Dues
 
 # A slot lease the ingest has held this long is handed back (a flush that
 # keeps nothing) before its next insert: the daemon voids a reservation no
@@ -29,26 +30,27 @@ LEASE_KEEP_S = 10.0
 
 # What the ingest owes a producer (sequence numbers flushed or lost since
 # its last answer) is dropped once the producer has not called for this
-# long: a producer that died never collects it.  One that only went quiet
-# and comes back finds its held chunks unaccounted for at its next flush
-# and sends them again (stored twice, never lost).
+# long (dues.py).
 FORGET_S = 600.0
 
 
 class Ingest:
     """The ingest actor: one local client of the daemon, one table.
 
-    Confirmation is batched: a chunk is inserted when it arrives, but the
-    client's flush (a round trip that vouches for every insert before it
-    and hands back unused slot leases, four times a 64-row chunk's insert)
-    runs once per ``flush_every`` chunks, or when a producer asks (``sync``).
+    Confirmation is batched: the client's flush (a round trip that vouches
+    for every insert before it and hands back unused slot leases, four
+    times a 64-row chunk's insert) runs once per ``flush_every`` chunks, or
+    when a producer asks (``sync``).  A chunk is checked when it arrives;
+    a small one, on a table without a rate limiter, is held and inserted
+    with the others held just before that flush (coalesce.py), any other
+    is inserted at once.
     Each answer to a producer carries the sequence numbers of its chunks
     flushed since its last answer (``acked``) and of those a daemon restart
     may have lost (``lost``: it sends them again), and this incarnation's
     id, so a producer sees that a restart lost what it had not flushed."""
 
     def __init__(self, socket_path: str, table: str, timeout: float | None, flush_every: int = 16,
-                 forget_s: float = FORGET_S):
+                 forget_s: float = FORGET_S, hold_s: float = HOLD_S):
         import uuid
 
         import shmreplay
@@ -59,62 +61,109 @@ class Ingest:
         self.table = self.client.table(table)
         self.timeout, self.flush_every = timeout, flush_every
         self.incarnation = uuid.uuid4().hex
-        self.chunks = self.rows = self.flushes = 0
+        self.chunks = self.rows = self.flushes = self.inserts = 0  # inserts: insert_batch calls
         self.insert_s = self.flush_s = 0.0  # time spent inserting (limiter waits included) and flushing
-        self.unflushed: dict[str, list[int]] = {}  # producer -> seqs inserted since the last flush
-        self.acked: dict[str, list[int]] = {}      # producer -> seqs flushed, not yet told
-        self.lost: dict[str, list[int]] = {}       # producer -> seqs a daemon restart may have lost
+        self.dues = Dues(forget_s)
         self.leased_at = None                       # the first insert since the lease was handed back
-        self.forget_s = forget_s
         self.lease_asked = 0  # slots per reservation asked of the table (Table.widen_lease)
-        self.seen: dict[str, float] = {}            # producer -> when it was last answered (FORGET_S)
-        self.forgotten = 0                          # producers whose dues were dropped
-        self.calling = None                         # the producer whose call runs now: never forgotten
+        self.order = [f.name for f in self.table.spec.fields]
+        self.names = frozenset(self.order)
+        self.hold_s = hold_s
+        self.coalescing = hold_s > 0 and not self.table.spec.rate_limited  # see _accept
+        self.held = Coalescer()                     # small chunks to insert as one batch
+        self.release_errors = 0                     # held inserts by the thread that failed (lost, re-sent)
+        # Ray runs this actor's calls one at a time on its main thread; the
+        # lock keeps them apart from _release_held's thread, set going by
+        # ``holding`` when chunks are held
+        self.lock, self.holding = threading.Lock(), threading.Event()
+        if self.coalescing:
+            threading.Thread(target=self._release_held, name="shmreplay-ingest-held", daemon=True).start()
 
     def insert(self, chunk: dict, priorities=None):
         """Insert one chunk (waiting for the table's limits), flush, and
         return how many rows: the plain call, for a driver that inserts now
         and then.  Raises the table's or the daemon's error."""
-        self.calling = None
-        n = self._insert(chunk, priorities)
-        self._flush(None, None)
-        return n
+        with self.lock:
+            self.dues.calling = None
+            self._renew_lease()
+            n = self._accept(chunk, priorities, None)
+            self._flush(None, None)
+            return n
 
-    def put(self, chunk: dict, meta: tuple):
-        """A ``RemoteWriter``'s chunk: ``meta`` is ``(priorities, producer,
-        seq, sync)`` (one argument: Ray serializes each argument apart, and
+    def put(self, chunk: dict, meta: list):
+        """A ``RemoteWriter``'s chunk: ``meta`` is ``[priorities, producer,
+        seq, sync]`` (one argument: Ray serializes each argument apart, and
         a call's arguments cost the producer and this actor more CPU than
-        inserting a small chunk).  Inserts the chunk (waiting for the
-        table's limits), flushes if ``sync`` or ``flush_every`` chunks wait,
-        and returns ``(rows, acked, lost, incarnation)`` for that producer.
-        Raises the table's or the daemon's error (the chunk is then not
-        counted as inserted)."""
+        inserting a small chunk; a list, not a tuple: Ray packs a list of
+        plain values with msgpack but pickles a tuple, ~18 us more each
+        way).  Checks the chunk, holds it (coalesce.py) or inserts it
+        (waiting for the table's limits), flushes if ``sync`` or
+        ``flush_every`` chunks wait, and returns ``[rows, acked, lost,
+        incarnation]`` for that producer.  Raises the table's or the
+        daemon's error (the chunk is then not counted as inserted)."""
         priorities, producer, seq, sync = meta
-        self.calling = producer
-        reconnects = self.client.reconnects
-        n = self._insert(chunk, priorities)
-        self.unflushed.setdefault(producer, []).append(seq)
-        # a reconnect during the insert (the daemon restarted): flush now, so
-        # the chunks unflushed before it are reported lost at once, not at
-        # the next flush with every chunk inserted since
-        waiting = sum(map(len, self.unflushed.values()))  # chunks inserted since the last flush
-        if sync or waiting >= self.flush_every or self.client.reconnects != reconnects:
-            self._flush(producer, seq)
-        return self._answer(producer, n)
+        with self.lock:
+            self.dues.calling = producer
+            self._renew_lease()
+            reconnects = self.client.reconnects
+            n = self._accept(chunk, priorities, (producer, seq))
+            self.dues.accept(producer, seq)
+            # a reconnect during the insert (the daemon restarted): flush now, so
+            # the chunks unflushed before it are reported lost at once, not at
+            # the next flush with every chunk inserted since
+            if sync or self.dues.waiting >= self.flush_every or self.client.reconnects != reconnects:
+                self._flush(producer, seq)
+            elif self.held.full:
+                self._flush(producer, seq, vouch=False)
+            elif self.held.chunks and not self.holding.is_set():
+                self.holding.set()
+            return self._answer(producer, n)
 
-    def _insert(self, chunk: dict, priorities) -> int:
+    def _release_held(self) -> None:
+        """A thread: inserts chunks held ``hold_s`` with no call to insert
+        them (producers that went quiet), so a held row is sampleable within
+        about 2 x ``hold_s`` plus the daemon's idle_timeout_s (lazy commits)."""
+        while True:
+            self.holding.wait()
+            time.sleep(self.hold_s)
+            with self.lock:
+                if self.held.chunks and time.monotonic() - self.held.since >= self.hold_s:
+                    try:
+                        self._flush(None, None, vouch=False)
+                    except Exception:  # their producers are told they were lost, and send them again
+                        self.release_errors += 1
+                if not self.held.chunks:
+                    self.holding.clear()
+
+    def _renew_lease(self) -> None:
         if self.leased_at is not None and time.monotonic() - self.leased_at > LEASE_KEEP_S:
             self._flush(None, None, keep_leases=False)  # before its lease goes stale (LEASE_KEEP_S)
-        t0 = time.perf_counter()
+
+    def _accept(self, chunk: dict, priorities, tag) -> int:
+        """Check a chunk, then hold it (a producer's, ``tag`` (producer,
+        seq), small, on a table without a rate limiter: coalesce.py) or
+        insert it now, after what is held (arrival order); its rows.  A
+        rate-limited table's limiter admits each chunk as it comes."""
+        if tag is not None and self.coalescing:
+            arrays, n = check_rows(self.table.spec, self.names, chunk, batch=True)
+            nbytes = sum(a.nbytes for a in arrays)
+            if nbytes <= CHUNK_BYTES:
+                if priorities is not None:
+                    priorities = as_priorities(priorities, n, f"a chunk for table {self.table.name!r}",
+                                               self.table.spec.alpha)
+                if n:
+                    self.held.add(dict(zip(self.order, arrays)), priorities, nbytes, tag)
+                return self._count(n)
+        if self.held.chunks:
+            self._flush(None, None, vouch=False)
         try:
-            if self.leased_at is None:
-                self.leased_at = time.monotonic()
-            self.table.insert_batch(chunk, priorities, timeout=self.timeout)
+            n = self._insert(chunk, priorities)
         except ReservationExpired:
-            self._lose_unflushed()  # this chunk's producer sends it again (the call raises)
+            self._lose()  # this chunk's producer sends it again (the call raises)
             raise
-        self.insert_s += time.perf_counter() - t0
-        n = len(next(iter(chunk.values())))
+        return self._count(n)
+
+    def _count(self, n: int) -> int:
         self.chunks += 1
         self.rows += n
         if n * self.flush_every > self.lease_asked:
@@ -126,65 +175,95 @@ class Ingest:
             self.table.widen_lease(self.lease_asked)
         return n
 
+    def _insert(self, chunk: dict, priorities) -> int:
+        t0 = time.perf_counter()
+        if self.leased_at is None:
+            self.leased_at = time.monotonic()
+        self.table.insert_batch(chunk, priorities, timeout=self.timeout)
+        self.inserts += 1
+        self.insert_s += time.perf_counter() - t0
+        return len(next(iter(chunk.values())))
+
     def sync(self, producer: str):
         """Flush now, handing the slot lease back (a producer asks when it
-        is done or about to idle); ``(0, acked, lost, incarnation)``."""
-        self.calling = producer
-        self._flush(None, None, keep_leases=False)
-        return self._answer(producer, 0)
+        is done or about to idle); ``[0, acked, lost, incarnation]``."""
+        with self.lock:
+            self.dues.calling = producer
+            self._flush(None, None, keep_leases=False)
+            return self._answer(producer, 0)
 
     def _answer(self, producer: str, rows: int):
-        """What a producer is told: (rows, acked, lost, incarnation)."""
-        self.seen[producer] = time.monotonic()
-        return rows, self.acked.pop(producer, []), self.lost.pop(producer, []), self.incarnation
+        """What a producer is told: [rows, acked, lost, incarnation] (a list: see ``put``)."""
+        return [rows, *self.dues.answer(producer), self.incarnation]
 
-    def _forget_silent(self) -> None:
-        """Drop what is owed to producers silent for ``forget_s`` (FORGET_S);
-        ``forgotten`` counts those that were owed something."""
-        now = time.monotonic()
-        for p in [p for p, t in self.seen.items() if now - t > self.forget_s]:
-            if p == self.calling or p in self.unflushed:  # calling now, or its chunk is being flushed
-                continue
-            del self.seen[p]
-            owed = self.acked.pop(p, None), self.lost.pop(p, None)
-            self.forgotten += owed != (None, None)
-
-    def _flush(self, producer, seq, keep_leases: bool = True) -> None:
+    def _flush(self, producer, seq, keep_leases: bool = True, vouch: bool = True) -> None:
+        """Insert what is held, then (``vouch``) flush: the daemon vouches
+        for every insert since the last flush.  If either fails, nothing
+        since the last flush is vouched for: the current call's chunk
+        (``producer``, ``seq``; None if it is not among them) is re-sent by
+        its producer or refused (the call raises); the others are reported
+        lost in their producers' answers and sent again."""
         t0 = time.perf_counter()
         try:
-            # keep the slot lease: the next chunk's insert then needs no
-            # reservation round trip (LEASE_KEEP_S bounds how long)
-            self.client.flush(keep_leases=keep_leases)
-        except _LOSSES:
-            # inserts since the last flush may not be stored.  The current
-            # call's chunk is re-sent by its producer (the call raises); the
-            # others are reported lost in their producers' answers.
-            if producer is not None:
-                self.unflushed[producer].remove(seq)
-            self._lose_unflushed()
+            if self._insert_held():
+                vouch = True  # what went in before the restart is reported lost now, not later
+            if vouch:
+                # keep the slot lease: the next chunk's insert then needs no
+                # reservation round trip (LEASE_KEEP_S bounds how long)
+                self.client.flush(keep_leases=keep_leases)
+        except Exception:
+            self.dues.withdraw(producer, seq)
+            self._lose()
             raise
+        if not vouch:
+            return
         if not keep_leases:
             self.leased_at = None
         self.flushes += 1
         self.flush_s += time.perf_counter() - t0
-        self._forget_silent()  # before the flushed seqs move: their producers are calling
-        for p, seqs in self.unflushed.items():
-            self.acked.setdefault(p, []).extend(seqs)
-        self.unflushed.clear()
+        self.dues.vouch()
 
-    def _lose_unflushed(self) -> None:
-        for p, seqs in self.unflushed.items():
-            self.lost.setdefault(p, []).extend(seqs)
-        self.unflushed.clear()
+    def _insert_held(self) -> bool:
+        """Insert the held chunks, in order; True if the client reconnected
+        meanwhile (the daemon restarted).  Then the chunks inserted before
+        the reconnect are reported lost, and those from the batch that met
+        it on (each retried whole into the restarted daemon) are kept for
+        this flush: none of them is sent twice for nothing."""
+        after = None  # tags of the chunks inserted after a reconnect
+        for batch, priorities, tags in self.held.take():
+            reconnects = self.client.reconnects
+            self._insert(batch, priorities)
+            if self.client.reconnects != reconnects:
+                after = []
+            if after is not None:
+                after += tags
+        if after is None:
+            return False
+        for tag in after:
+            self.dues.withdraw(*tag)
+        try:
+            self.client.flush(keep_leases=True)  # the restart's notice: inserts before it may be lost
+        except DaemonUnavailable:
+            pass
+        self._lose()
+        for tag in after:
+            self.dues.accept(*tag)
+        return True
+
+    def _lose(self) -> None:
+        self.held.clear()
+        self.dues.lose()
 
     def pid(self) -> int:
         return os.getpid()
 
     def stats(self) -> dict:
-        return {"chunks": self.chunks, "rows": self.rows, "flushes": self.flushes,
-                "insert_s": self.insert_s, "flush_s": self.flush_s,
-                "producers": len(self.seen), "forgotten": self.forgotten,
-                "node": ray.get_runtime_context().get_node_id()}
+        with self.lock:
+            return {"chunks": self.chunks, "rows": self.rows, "flushes": self.flushes, "inserts": self.inserts,
+                    "insert_s": self.insert_s, "flush_s": self.flush_s,
+                    "producers": len(self.dues.seen), "forgotten": self.dues.forgotten,
+                    "held": self.held.chunks, "release_errors": self.release_errors,
+                    "node": ray.get_runtime_context().get_node_id()}
 
     def fields(self) -> dict:
         """The table's fields, name -> (dtype, shape): remote writers build rows to fit."""
@@ -193,7 +272,7 @@ class Ingest:
 
 def start_ingest(socket_path: str, table: str, node_id: str | None = None, name: str | None = None,
                  timeout: float | None = None, max_restarts: int = -1, flush_every: int = 16,
-                 forget_s: float = FORGET_S):
+                 forget_s: float = FORGET_S, hold_s: float = HOLD_S):
     """An ingest actor for ``table`` of the daemon at ``socket_path``,
     pinned (``soft=False``) to ``node_id`` (default: the caller's node,
     which must be the daemon's).  ``name``: a Ray actor name, so producers
@@ -201,14 +280,17 @@ def start_ingest(socket_path: str, table: str, node_id: str | None = None, name:
     may wait for the table's limits (None: as long as it takes; the
     producers wait with it).  ``flush_every``: chunks inserted per flush
     (a producer may ask for one sooner).  ``forget_s``: how long what is
-    owed to a producer that stopped calling is kept (FORGET_S)."""
+    owed to a producer that stopped calling is kept (FORGET_S).
+    ``hold_s``: the longest a small chunk waits to be inserted with others
+    (coalesce.py; 0: each chunk is inserted when it comes)."""
     if not isinstance(flush_every, int) or flush_every < 1:
         raise ReplayError(f"flush_every must be an int >= 1, got {flush_every!r}")
-    if isinstance(forget_s, bool) or not isinstance(forget_s, (int, float)) or not forget_s >= 0:
-        raise ReplayError(f"forget_s must be a number of seconds >= 0, got {forget_s!r}")
+    for what, v, hi in (("forget_s", forget_s, float("inf")), ("hold_s", hold_s, 10.0)):
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v <= hi:
+            raise ReplayError(f"{what} must be a number of seconds in 0..{hi:g}, got {v!r}")
     node = node_id or ray.get_runtime_context().get_node_id()
     opts = dict(num_cpus=0, max_restarts=max_restarts,
                 scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=node, soft=False))
     if name is not None:
         opts["name"] = name
-    return ray.remote(Ingest).options(**opts).remote(socket_path, table, timeout, flush_every, forget_s)
+    return ray.remote(Ingest).options(**opts).remote(socket_path, table, timeout, flush_every, forget_s, hold_s)

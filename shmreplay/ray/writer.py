@@ -128,7 +128,9 @@ class RemoteWriter:
         sync = self._asking is None and len(self._held) + len(self._calls) + 1 >= self.hold
         if sync:
             self._asking = seq
-        self._calls.append([self.ingest.put.remote(part, (prios, self.id, seq, sync)), seq, part, prios, attempts])
+        # the rest as one list: Ray packs plain values in a list with msgpack
+        # and pickles a tuple (Ingest.put)
+        self._calls.append([self.ingest.put.remote(part, [prios, self.id, seq, sync]), seq, part, prios, attempts])
 
     def _send_again(self) -> None:
         while self._again:

@@ -55,6 +55,7 @@ def test_remote_producers_feed_the_table_through_an_ingest_on_the_replay_node(cl
         np.testing.assert_array_equal(b.data["obs"], rows(b.data["id"])["obs"])  # nothing torn
     stats = ray.get(ingest.stats.remote())
     assert stats["rows"] == 1500 and stats["chunks"] == 3 * 8
+    assert stats["packed"] == 3 * 8  # small chunks travel as one byte array each (packing.py)
     assert stats["flushes"] <= 3 + 3  # confirmation is batched: once per 16 chunks, once per producer's flush
     # the plain call, for a driver that inserts now and then: inserted and flushed when it returns
     assert ray.get(ingest.insert.remote(rows(np.arange(90_000, 90_010)), None), timeout=HANG_S) == 10
@@ -145,6 +146,22 @@ def test_small_chunks_are_inserted_together_and_none_waits_for_a_call(cluster, s
         ray.get(ingest.put.remote(rows(np.arange(32 + 8 * k, 40 + 8 * k)), [None, "p", k, False]), timeout=HANG_S)
     stats = ray.get(ingest.stats.remote())
     assert (stats["held"], stats["inserts"]) == (0, 2)
+    # a writer packs rows the table's check would pass (float64 obs: cast), sends the rest as they are
+    w = sray.RemoteWriter(ingest, chunk=8)
+    data = rows(np.arange(48, 56))
+    w.insert_batch({"id": data["id"], "obs": data["obs"].astype(np.float64)})
+    w.flush()
+    assert ray.get(ingest.stats.remote())["packed"] == 1
+    with d.connect() as c:
+        b = c.table("t").sample(512)
+        got = b.data["id"] >= 48
+        assert set(b.data["id"][got].tolist()) == set(range(48, 56))
+        np.testing.assert_array_equal(b.data["obs"][got], rows(b.data["id"][got])["obs"])
+    w.insert_batch({"id": np.arange(56, 60)})
+    with pytest.raises(sray.ChunkRefused, match="missing field"):
+        w.flush()
+    with pytest.raises(ray.exceptions.RayTaskError, match="packed chunk has rows of 40 bytes"):
+        ray.get(ingest.put.remote(np.zeros((4, 39), np.uint8), [None, "p", 9, False]), timeout=HANG_S)
     for bad in (-1, 11, "1", True):
         with pytest.raises(shmreplay.ReplayError, match="hold_s must be"):
             sray.start_ingest(d.socket, "t", node_id=cluster, hold_s=bad)

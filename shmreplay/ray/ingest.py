@@ -11,6 +11,7 @@ import os
 import threading
 import time
 
+import numpy as np
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
@@ -19,6 +20,7 @@ from ..errors import DaemonUnavailable, ReplayError, ReservationExpired
 from ..priorities import as_priorities
 from .coalesce import CHUNK_BYTES, HOLD_S, Coalescer
 from .dues import Dues
+from .packing import row_dtype, unpack
 
 # A slot lease the ingest has held this long is handed back (a flush that
 # keeps nothing) before its next insert: the daemon voids a reservation no
@@ -61,12 +63,13 @@ class Ingest:
         self.table = self.client.table(table)
         self.timeout, self.flush_every = timeout, flush_every
         self.incarnation = uuid.uuid4().hex
-        self.chunks = self.rows = self.flushes = self.inserts = 0  # inserts: insert_batch calls
+        self.chunks = self.rows = self.flushes = self.inserts = self.packed = 0  # insert_batch calls; packed chunks
         self.insert_s = self.flush_s = 0.0  # time spent inserting (limiter waits included) and flushing
         self.dues = Dues(forget_s)
         self.leased_at = None                       # the first insert since the lease was handed back
         self.lease_asked = 0  # slots per reservation asked of the table (Table.widen_lease)
         self.order = [f.name for f in self.table.spec.fields]
+        self.row = row_dtype(self.fields())  # a packed chunk's rows (packing.py)
         self.names = frozenset(self.order)
         self.hold_s = hold_s
         self.coalescing = hold_s > 0 and not self.table.spec.rate_limited  # see _accept
@@ -91,7 +94,8 @@ class Ingest:
             return n
 
     def put(self, chunk: dict, meta: list):
-        """A ``RemoteWriter``'s chunk: ``meta`` is ``[priorities, producer,
+        """A ``RemoteWriter``'s chunk (a dict of field -> rows, or a small
+        one packed: packing.py): ``meta`` is ``[priorities, producer,
         seq, sync]`` (one argument: Ray serializes each argument apart, and
         a call's arguments cost the producer and this actor more CPU than
         inserting a small chunk; a list, not a tuple: Ray packs a list of
@@ -103,6 +107,9 @@ class Ingest:
         daemon's error (the chunk is then not counted as inserted)."""
         priorities, producer, seq, sync = meta
         with self.lock:
+            if isinstance(chunk, np.ndarray):  # packed by the writer
+                chunk = unpack(chunk, self.row, self.table.name)
+                self.packed += 1
             self.dues.calling = producer
             self._renew_lease()
             reconnects = self.client.reconnects
@@ -260,6 +267,7 @@ class Ingest:
     def stats(self) -> dict:
         with self.lock:
             return {"chunks": self.chunks, "rows": self.rows, "flushes": self.flushes, "inserts": self.inserts,
+                    "packed": self.packed,
                     "insert_s": self.insert_s, "flush_s": self.flush_s,
                     "producers": len(self.dues.seen), "forgotten": self.dues.forgotten,
                     "held": self.held.chunks, "release_errors": self.release_errors,

@@ -15,6 +15,7 @@ import numpy as np
 import ray
 
 from ..errors import DaemonUnavailable, ReplayError, ReservationExpired
+from .packing import pack, row_dtype
 
 # an ingest call failed for one of these may succeed if sent again
 _RETRIABLE = (DaemonUnavailable, ReservationExpired)
@@ -45,6 +46,7 @@ class RemoteWriter:
         self._again: collections.deque = collections.deque()  # (seq, part, prios, attempts) to send again
         self._incarnation = None  # the ingest's, as of its last answer
         self._asking = None  # the seq of the call in flight that asks the ingest to flush
+        self._row = None  # the table's packed row (packing.py), asked of the ingest at the first chunk
         self.sent = self.confirmed = self.resent = 0
 
     def insert(self, priority=None, **fields) -> None:
@@ -113,6 +115,14 @@ class RemoteWriter:
         self._submit(part, prios)
 
     def _submit(self, part: dict, prios) -> None:
+        if self._row is None:
+            try:
+                self._row = row_dtype(ray.get(self.ingest.fields.remote()))
+            except Exception:  # an ingest that cannot say (gone, or not ours): chunks go unpacked
+                self._row = False
+        packed = pack(part, self._row) if self._row is not False else None
+        if packed is not None:
+            part = packed  # the wire form, sent again as it is
         self._seq += 1
         self.sent += 1
         # queued first: if waiting for room raises (another chunk refused),

@@ -19,6 +19,10 @@ ordinary local client.
 * **Zero copy on arrival.**  A chunk is a dict of numpy arrays; Ray stores
   large ones in the object store and the ingest reads them as read-only
   views of it, which ``insert_batch`` copies once, into the table's slots.
+  A small one (up to 64 KiB) travels packed: its rows in one byte array,
+  in the table's row layout (packing.py), which the ingest reads back as
+  views: Ray pickles each array of a call apart, and one array instead of
+  five cut a sac-mujoco chunk's serialization from 100 to 38 us.
 * **Back-pressure.**  A writer keeps at most ``in_flight`` ingest calls
   unanswered; the next send waits for the oldest.  The ingest admits a
   chunk as the table's rate limiter admits its rows (``insert_batch``

@@ -34,6 +34,9 @@ def cluster():
         yield c.connect()
     finally:
         c.stop()
+    # every process of both nodes is gone, workers too (their own process
+    # groups: a paused threaded Producer once outlived the nodes' killpg)
+    assert not c.leftovers()
 
 
 def test_remote_producers_feed_the_table_through_an_ingest_on_the_replay_node(cluster, start_daemon):

@@ -25,6 +25,7 @@ import time
 
 ENV = {"RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}
 START_S = 120.0  # a hang guard for a node to come up on a loaded box
+REAP_S = 30.0    # ... and for what is left of one to go after SIGKILL
 
 
 class LocalCluster:
@@ -32,6 +33,7 @@ class LocalCluster:
         """``pythonpath``: a folder the nodes' workers import from (a test's helpers)."""
         self.remote_cpus, self.store, self.pythonpath = remote_cpus, object_store_bytes, pythonpath
         self.nodes: list[subprocess.Popen] = []
+        self.sessions: list[int] = []  # each node's session id (its ``ray start``'s pid)
         self.temp = self.address = None
         self._saved = None
 
@@ -77,6 +79,7 @@ class LocalCluster:
             for p in reversed(self.nodes):
                 _stop(p)
             self.nodes = []
+            _reap(self.sessions)
             if self.temp:
                 shutil.rmtree(self.temp, ignore_errors=True)
             for k, v in (self._saved or {}).items():
@@ -85,15 +88,21 @@ class LocalCluster:
                 else:
                     os.environ[k] = v
 
+    def leftovers(self) -> list[int]:
+        """Live processes of the nodes' sessions (none once ``stop`` returned)."""
+        return [pid for sid in self.sessions for pid in _session(sid)]
+
     def _node(self, *args) -> subprocess.Popen:
         env = dict(os.environ, **ENV)
         if self.pythonpath:
             env["PYTHONPATH"] = os.pathsep.join(p for p in (self.pythonpath, os.environ.get("PYTHONPATH")) if p)
-        return subprocess.Popen([sys.executable, "-m", "ray.scripts.scripts", "start", "--block",
-                                 "--node-ip-address=127.0.0.1", f"--object-store-memory={self.store}",
-                                 "--disable-usage-stats", f"--temp-dir={self.temp}", *args],
-                                env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                                start_new_session=True)
+        p = subprocess.Popen([sys.executable, "-m", "ray.scripts.scripts", "start", "--block",
+                              "--node-ip-address=127.0.0.1", f"--object-store-memory={self.store}",
+                              "--disable-usage-stats", f"--temp-dir={self.temp}", *args],
+                             env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                             start_new_session=True)
+        self.sessions.append(p.pid)
+        return p
 
 
 def _listening(port: int) -> bool:
@@ -120,3 +129,42 @@ def _stop(p: subprocess.Popen) -> None:
     except ProcessLookupError:
         pass
     p.wait()
+
+
+def _session(sid: int) -> list[int]:
+    """Live (not zombie) processes of session ``sid``: a node's ``ray
+    start`` and everything it started, workers included, which make
+    process groups of their own (so ``killpg`` misses them) but keep the
+    session.  A worker is meant to exit when its raylet dies; one that
+    did not (a threaded actor, seen once) would outlive the cluster."""
+    out = []
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
+        try:
+            with open(f"/proc/{d}/stat") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        state, _, _, session = stat[stat.rindex(")") + 2:].split()[:4]
+        if int(session) == sid and state != "Z":
+            out.append(int(d))
+    return out
+
+
+def _reap(sessions: list[int]) -> None:
+    """SIGKILL whatever of the nodes' sessions is still alive, and wait
+    (at most REAP_S) until it is gone."""
+    deadline = time.monotonic() + REAP_S
+    while True:
+        left = [pid for sid in sessions for pid in _session(sid)]
+        if not left:
+            return
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"Ray processes outlived SIGKILL for {REAP_S} s: {left}")
+        for pid in left:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        time.sleep(0.05)

@@ -15,6 +15,7 @@ import shmreplay  # noqa: E402
 import shmreplay.ray as sray  # noqa: E402
 from rayproducer import FIELDS, Producer, rows  # noqa: E402
 from shmreplay.bench.raycluster import ENV, LocalCluster  # noqa: E402
+from shmreplay.ray.packing import layout_id, row_dtype  # noqa: E402
 from waiting import HANG_S, wait_for  # noqa: E402
 
 
@@ -89,7 +90,7 @@ def test_the_ingest_forgets_what_it_owes_a_producer_that_stopped_calling(cluster
     after its last answer: past ``forget_s`` the ingest drops them."""
     d = start_daemon(tables=[{"name": "t", "capacity": 4096, "fields": FIELDS}])
     ingest = sray.start_ingest(d.socket, "t", node_id=cluster, flush_every=1000, forget_s=0)
-    assert ray.get(ingest.put.remote(rows(np.arange(8)), [None, "gone", 1, False]), timeout=HANG_S)[1] == []
+    assert ray.get(ingest.put.remote(rows(np.arange(8)), [None, "gone", 1, False, None]), timeout=HANG_S)[1] == []
     # another producer's flush vouches for "gone"'s chunk, which "gone" will never hear of
     assert ray.get(ingest.sync.remote("live"), timeout=HANG_S)[0] == 0
     stats = ray.get(ingest.stats.remote())
@@ -98,7 +99,7 @@ def test_the_ingest_forgets_what_it_owes_a_producer_that_stopped_calling(cluster
     stats = ray.get(ingest.stats.remote())
     assert stats["forgotten"] == 1 and stats["producers"] == 1  # what "gone" was owed is dropped
     # a producer silent past forget_s that calls again is told what it is owed, not forgotten
-    ray.get(ingest.put.remote(rows(np.arange(8, 16)), [None, "back", 7, False]), timeout=HANG_S)
+    ray.get(ingest.put.remote(rows(np.arange(8, 16)), [None, "back", 7, False, None]), timeout=HANG_S)
     ray.get(ingest.sync.remote("live"), timeout=HANG_S)  # vouches for "back"'s chunk
     assert ray.get(ingest.sync.remote("back"), timeout=HANG_S)[1] == [7]
     with d.connect() as c:
@@ -119,11 +120,13 @@ def test_small_chunks_are_inserted_together_and_none_waits_for_a_call(cluster, s
     # hold_s=10: far longer than these calls take, so only the flush inserts
     ingest = sray.start_ingest(d.socket, "t", node_id=cluster, flush_every=1000, hold_s=10)
     prios = np.arange(1.0, 9.0)
-    ray.get(ingest.put.remote(rows(np.arange(8)), [prios, "p", 1, False]), timeout=HANG_S)
-    ray.get(ingest.put.remote(rows(np.arange(8, 16)), [None, "p", 2, False]), timeout=HANG_S)
+    ray.get(ingest.put.remote(rows(np.arange(8)), [prios, "p", 1, False, None]), timeout=HANG_S)
+    ray.get(ingest.put.remote(rows(np.arange(8, 16)), [None, "p", 2, False, None]), timeout=HANG_S)
     before = ray.get(ingest.stats.remote())
     assert (before["held"], before["inserts"]) == (2, 0)
-    assert ray.get(ingest.put.remote(rows(np.arange(16, 24)), [None, "p", 3, True]), timeout=HANG_S)[1] == [1, 2, 3]
+    # ids as uint64: cast to the table's int64 when held (concatenated with int64 they would be float64)
+    unsigned = {k: v.astype(np.uint64) if k == "id" else v for k, v in rows(np.arange(16, 24)).items()}
+    assert ray.get(ingest.put.remote(unsigned, [None, "p", 3, True, None]), timeout=HANG_S)[1] == [1, 2, 3]
     after = ray.get(ingest.stats.remote())
     assert (after["held"], after["inserts"], after["chunks"], after["flushes"]) == (0, 2, 3, 1)  # runs: [1], [2, 3]
     with d.connect() as c:
@@ -137,7 +140,7 @@ def test_small_chunks_are_inserted_together_and_none_waits_for_a_call(cluster, s
     ray.kill(ingest)
 
     ingest = sray.start_ingest(d.socket, "t", node_id=cluster, flush_every=1000)  # hold_s: 0.05 s
-    ray.get(ingest.put.remote(rows(np.arange(24, 32)), [None, "quiet", 1, False]), timeout=HANG_S)
+    ray.get(ingest.put.remote(rows(np.arange(24, 32)), [None, "quiet", 1, False, None]), timeout=HANG_S)
     with d.connect() as c:  # no call inserts it: the thread does, unconfirmed (nothing flushed)
         wait_for(lambda: len(c.table("t")) == 32, "a held chunk to be inserted with no call after it")
     stats = ray.get(ingest.stats.remote())
@@ -146,7 +149,7 @@ def test_small_chunks_are_inserted_together_and_none_waits_for_a_call(cluster, s
 
     ingest = sray.start_ingest(d.socket, "t", node_id=cluster, flush_every=1000, hold_s=0)
     for k in range(2):
-        ray.get(ingest.put.remote(rows(np.arange(32 + 8 * k, 40 + 8 * k)), [None, "p", k, False]), timeout=HANG_S)
+        ray.get(ingest.put.remote(rows(np.arange(32 + 8 * k, 40 + 8 * k)), [None, "p", k, False, None]), timeout=HANG_S)
     stats = ray.get(ingest.stats.remote())
     assert (stats["held"], stats["inserts"]) == (0, 2)
     # a writer packs rows the table's check would pass (float64 obs: cast), sends the rest as they are
@@ -164,7 +167,12 @@ def test_small_chunks_are_inserted_together_and_none_waits_for_a_call(cluster, s
     with pytest.raises(sray.ChunkRefused, match="missing field"):
         w.flush()
     with pytest.raises(ray.exceptions.RayTaskError, match="packed chunk has rows of 40 bytes"):
-        ray.get(ingest.put.remote(np.zeros((4, 39), np.uint8), [None, "p", 9, False]), timeout=HANG_S)
+        ray.get(ingest.put.remote(np.zeros((4, 39), np.uint8), [None, "p", 9, False, None]), timeout=HANG_S)
+    # packed for another layout of the same width (a table made anew with other fields)
+    other = row_dtype({"obs": ("float32", (8,)), "id": ("int64", ())})
+    with pytest.raises(ray.exceptions.RayTaskError, match="packed for other fields"):
+        ray.get(ingest.put.remote(np.zeros((4, 40), np.uint8), [None, "p", 9, False, layout_id(other)]),
+                timeout=HANG_S)
     for bad in (-1, 11, "1", True):
         with pytest.raises(shmreplay.ReplayError, match="hold_s must be"):
             sray.start_ingest(d.socket, "t", node_id=cluster, hold_s=bad)

@@ -72,12 +72,14 @@ Failures (at-least-once: nothing confirmed is lost, nothing is torn):
   (``reconnect=True``) and the restarted daemon adopts the tables; the
   ingest's next flush says inserts since the last one may be lost, and
   every chunk inserted since is sent again by its producer (told in its
-  next answer; possibly stored twice); chunks the ingest inserted after
-  it had reconnected are kept, not sent again.
+  next answer; possibly stored twice); when the restart is met while
+  inserting held chunks, the held batch that met the reconnect and those
+  after it are kept, not sent again.
 * **A producer dies**: the rows it had buffered or sent unconfirmed may be
   lost; chunks already sent are inserted whole or not at all by a live
-  ingest (unless the daemon also fails part-way through their batch) (a chunk on a rate-limited table is inserted as the limiter
-  admits it; ``timeout`` bounds that).  What the ingest owed it (sequence
+  ingest, unless the daemon also fails part-way through their batch (a
+  chunk on a rate-limited table is inserted as the limiter admits it;
+  ``timeout`` bounds that).  What the ingest owed it (sequence
   numbers flushed after its last answer) is dropped once it has not called
   for ``forget_s`` (600 s); a producer that was only silent that long
   sends its unconfirmed chunks again at its next flush.

@@ -75,9 +75,8 @@ class Ingest:
         self.coalescing = hold_s > 0 and not self.table.spec.rate_limited  # see _accept
         self.held = Coalescer()                     # small chunks to insert as one batch
         self.release_errors = 0                     # held inserts by the thread that failed (lost, re-sent)
-        # Ray runs this actor's calls one at a time on its main thread; the
-        # lock keeps them apart from _release_held's thread, set going by
-        # ``holding`` when chunks are held
+        # Ray runs the calls one at a time; the lock keeps them apart from
+        # _release_held's thread, set going by ``holding``
         self.lock, self.holding = threading.Lock(), threading.Event()
         if self.coalescing:
             threading.Thread(target=self._release_held, name="shmreplay-ingest-held", daemon=True).start()
@@ -96,7 +95,8 @@ class Ingest:
     def put(self, chunk: dict, meta: list):
         """A ``RemoteWriter``'s chunk (a dict of field -> rows, or a small
         one packed: packing.py): ``meta`` is ``[priorities, producer,
-        seq, sync]`` (one argument: Ray serializes each argument apart, and
+        seq, sync, layout]`` (layout: a packed chunk's ``layout_id``;
+        one argument: Ray serializes each argument apart, and
         a call's arguments cost the producer and this actor more CPU than
         inserting a small chunk; a list, not a tuple: Ray packs a list of
         plain values with msgpack but pickles a tuple, ~18 us more each
@@ -104,11 +104,13 @@ class Ingest:
         (waiting for the table's limits), flushes if ``sync`` or
         ``flush_every`` chunks wait, and returns ``[rows, acked, lost,
         incarnation]`` for that producer.  Raises the table's or the
-        daemon's error (the chunk is then not counted as inserted)."""
-        priorities, producer, seq, sync = meta
+        daemon's error, about this chunk or about held chunks whose insert
+        this call ran (this chunk is then not accepted: its producer sends
+        it again or gives up; the others are reported lost)."""
+        priorities, producer, seq, sync, layout = meta
         with self.lock:
             if isinstance(chunk, np.ndarray):  # packed by the writer
-                chunk = unpack(chunk, self.row, self.table.name)
+                chunk = unpack(chunk, self.row, self.table.name, layout)
                 self.packed += 1
             self.dues.calling = producer
             self._renew_lease()
@@ -153,6 +155,8 @@ class Ingest:
         rate-limited table's limiter admits each chunk as it comes."""
         if tag is not None and self.coalescing:
             arrays, n = check_rows(self.table.spec, self.names, chunk, batch=True)
+            # cast as check_rows allows: concatenated, int64 and uint64 make float64
+            arrays = [a if a.dtype == f.dtype else a.astype(f.dtype) for a, f in zip(arrays, self.table.spec.fields)]
             nbytes = sum(a.nbytes for a in arrays)
             if nbytes <= CHUNK_BYTES:
                 if priorities is not None:
@@ -232,10 +236,9 @@ class Ingest:
 
     def _insert_held(self) -> bool:
         """Insert the held chunks, in order; True if the client reconnected
-        meanwhile (the daemon restarted).  Then the chunks inserted before
-        the reconnect are reported lost, and those from the batch that met
-        it on (each retried whole into the restarted daemon) are kept for
-        this flush: none of them is sent twice for nothing."""
+        meanwhile (the daemon restarted): then what went in before is lost,
+        and the batch that met the reconnect (retried whole into the new
+        daemon) and those after it are kept for this flush."""
         after = None  # tags of the chunks inserted after a reconnect
         for batch, priorities, tags in self.held.take():
             reconnects = self.client.reconnects
@@ -248,13 +251,20 @@ class Ingest:
             return False
         for tag in after:
             self.dues.withdraw(*tag)
+        reconnects = self.client.reconnects
         try:
             self.client.flush(keep_leases=True)  # the restart's notice: inserts before it may be lost
         except DaemonUnavailable:
             pass
+        except Exception:
+            for tag in after:  # lost with every other unflushed chunk (_flush)
+                self.dues.accept(*tag)
+            raise
         self._lose()
         for tag in after:
             self.dues.accept(*tag)
+        if self.client.reconnects != reconnects:
+            self._lose()  # another restart during that flush: they went with the daemon they were in
         return True
 
     def _lose(self) -> None:

@@ -10,13 +10,17 @@ to its bytes, and packing would copy them all once more.
 
 A packed row is the table's fields, in the table's order, each in the
 table's dtype and shape, with no padding (``row_dtype``): the writer learns
-them from the ingest (``Ingest.fields``), and the ingest reads the rows
-back as views of the array (``unpack``), refusing any other width.
+them from the ingest (``Ingest.fields``) and sends, with each packed chunk,
+the layout's fingerprint (``layout_id``); the ingest reads the rows back
+as views of the array (``unpack``), refusing any other width or layout
+(a writer that outlived its table's re-creation with other fields).
 
 Who calls it: ``RemoteWriter`` (``pack``) and the ingest (``unpack``).
 """
 
 from __future__ import annotations
+
+import zlib
 
 import numpy as np
 
@@ -30,6 +34,11 @@ def row_dtype(fields: dict) -> np.dtype:
     """The packed row of ``fields`` (name -> (dtype, shape), the table's
     order): a structured dtype without padding."""
     return np.dtype([(name, np.dtype(dt), tuple(shape)) for name, (dt, shape) in fields.items()])
+
+
+def layout_id(row: np.dtype) -> int:
+    """A fingerprint of a packed row's fields, dtypes, shapes and offsets."""
+    return zlib.crc32(repr(row.descr).encode())
 
 
 def pack(part: dict, row: np.dtype) -> np.ndarray | None:
@@ -54,11 +63,15 @@ def pack(part: dict, row: np.dtype) -> np.ndarray | None:
     return out
 
 
-def unpack(packed: np.ndarray, row: np.dtype, table: str) -> dict:
-    """The rows of a packed chunk as views, field -> (n, *shape)."""
+def unpack(packed: np.ndarray, row: np.dtype, table: str, layout) -> dict:
+    """The rows of a packed chunk as views, field -> (n, *shape);
+    ``layout``: the fingerprint the writer packed it for."""
     if packed.dtype != np.uint8 or packed.ndim != 2 or packed.shape[1] != row.itemsize:
         raise FieldError(f"table {table!r}: a packed chunk has rows of {row.itemsize} bytes "
                          f"(the table's fields {list(row.fields)}), got a {packed.dtype} array of shape "
                          f"{packed.shape}: send rows as a dict of field -> array (RemoteWriter packs them)")
+    if layout != layout_id(row):
+        raise FieldError(f"table {table!r}: a chunk packed for other fields than the table's "
+                         f"{list(row.fields)} (made anew since the writer started?): make the RemoteWriter anew")
     rec = np.ascontiguousarray(packed).view(row).reshape(packed.shape[0])
     return {name: rec[name] for name in row.fields}

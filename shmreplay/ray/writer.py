@@ -15,7 +15,7 @@ import numpy as np
 import ray
 
 from ..errors import DaemonUnavailable, ReplayError, ReservationExpired
-from .packing import pack, row_dtype
+from .packing import layout_id, pack, row_dtype
 
 # an ingest call failed for one of these may succeed if sent again
 _RETRIABLE = (DaemonUnavailable, ReservationExpired)
@@ -47,6 +47,7 @@ class RemoteWriter:
         self._incarnation = None  # the ingest's, as of its last answer
         self._asking = None  # the seq of the call in flight that asks the ingest to flush
         self._row = None  # the table's packed row (packing.py), asked of the ingest at the first chunk
+        self._layout = None  # its fingerprint, sent with each packed chunk
         self.sent = self.confirmed = self.resent = 0
 
     def insert(self, priority=None, **fields) -> None:
@@ -118,9 +119,12 @@ class RemoteWriter:
         if self._row is None:
             try:
                 self._row = row_dtype(ray.get(self.ingest.fields.remote()))
-            except Exception:  # an ingest that cannot say (gone, or not ours): chunks go unpacked
+                self._layout = layout_id(self._row)
+            except ray.exceptions.RayActorError:
+                pass  # restarting: this chunk goes unpacked, the next one asks again
+            except Exception:  # not an ingest of this version: chunks go unpacked
                 self._row = False
-        packed = pack(part, self._row) if self._row is not False else None
+        packed = pack(part, self._row) if isinstance(self._row, np.dtype) else None
         if packed is not None:
             part = packed  # the wire form, sent again as it is
         self._seq += 1
@@ -140,7 +144,9 @@ class RemoteWriter:
             self._asking = seq
         # the rest as one list: Ray packs plain values in a list with msgpack
         # and pickles a tuple (Ingest.put)
-        self._calls.append([self.ingest.put.remote(part, [prios, self.id, seq, sync]), seq, part, prios, attempts])
+        layout = self._layout if isinstance(part, np.ndarray) else None
+        self._calls.append([self.ingest.put.remote(part, [prios, self.id, seq, sync, layout]), seq, part, prios,
+                            attempts])
 
     def _send_again(self) -> None:
         while self._again:

@@ -20,7 +20,7 @@ from ..errors import DaemonUnavailable, ReplayError, ReservationExpired
 from ..priorities import as_priorities
 from .coalesce import CHUNK_BYTES, HOLD_S, Coalescer
 from .dues import Dues
-from .packing import row_dtype, unpack
+from .packing import layout_id, row_dtype, unpack
 
 # A slot lease the ingest has held this long is handed back (a flush that
 # keeps nothing) before its next insert: the daemon voids a reservation no
@@ -69,10 +69,10 @@ class Ingest:
         self.leased_at = None                       # the first insert since the lease was handed back
         self.lease_asked = 0  # slots per reservation asked of the table (Table.widen_lease)
         self.order = [f.name for f in self.table.spec.fields]
-        self.row = row_dtype(self.fields())  # a packed chunk's rows (packing.py)
+        self.row = row_dtype(self.fields())  # a packed chunk's rows (packing.py), and their id:
+        self.row_id = layout_id(self.row)
         self.names = frozenset(self.order)
-        self.hold_s = hold_s
-        self.coalescing = hold_s > 0 and not self.table.spec.rate_limited  # see _accept
+        self.hold_s, self.coalescing = hold_s, hold_s > 0 and not self.table.spec.rate_limited  # _accept
         self.held = Coalescer()                     # small chunks to insert as one batch
         self.release_errors = 0                     # held inserts by the thread that failed (lost, re-sent)
         # Ray runs the calls one at a time; the lock keeps them apart from
@@ -110,7 +110,7 @@ class Ingest:
         priorities, producer, seq, sync, layout = meta
         with self.lock:
             if isinstance(chunk, np.ndarray):  # packed by the writer
-                chunk = unpack(chunk, self.row, self.table.name, layout)
+                chunk = unpack(chunk, self.row, self.row_id, self.table.name, layout)
                 self.packed += 1
             self.dues.calling = producer
             self._renew_lease()

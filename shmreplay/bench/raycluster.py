@@ -90,7 +90,7 @@ class LocalCluster:
 
     def leftovers(self) -> list[int]:
         """Live processes of the nodes' sessions (none once ``stop`` returned)."""
-        return [pid for sid in self.sessions for pid in _session(sid)]
+        return _alive(self.sessions)
 
     def _node(self, *args) -> subprocess.Popen:
         env = dict(os.environ, **ENV)
@@ -152,12 +152,16 @@ def _session(sid: int) -> list[int]:
     return out
 
 
+def _alive(sessions: list[int]) -> list[int]:
+    return [pid for sid in sessions for pid in _session(sid)]
+
+
 def _reap(sessions: list[int]) -> None:
     """SIGKILL whatever of the nodes' sessions is still alive, and wait
     (at most REAP_S) until it is gone."""
     deadline = time.monotonic() + REAP_S
     while True:
-        left = [pid for sid in sessions for pid in _session(sid)]
+        left = _alive(sessions)
         if not left:
             return
         if time.monotonic() > deadline:

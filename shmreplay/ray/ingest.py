@@ -46,10 +46,9 @@ class Ingest:
     a small one, on a table without a rate limiter, is held and inserted
     with the others held just before that flush (coalesce.py), any other
     is inserted at once.
-    Each answer to a producer carries the sequence numbers of its chunks
-    flushed since its last answer (``acked``) and of those a daemon restart
-    may have lost (``lost``: it sends them again), and this incarnation's
-    id, so a producer sees that a restart lost what it had not flushed."""
+    Each answer carries what is owed to its producer (dues.py) and this
+    incarnation's id, so a producer sees that a restart lost what it had
+    not flushed."""
 
     def __init__(self, socket_path: str, table: str, timeout: float | None, flush_every: int = 16,
                  forget_s: float = FORGET_S, hold_s: float = HOLD_S):
@@ -57,9 +56,7 @@ class Ingest:
 
         import shmreplay
         self.client = shmreplay.connect(socket_path, reconnect=True)
-        # chunks come in bursts and a flush follows every few: commits need
-        # not wake the daemon each (Client.lazy_commits)
-        self.client.lazy_commits = True
+        self.client.lazy_commits = True  # bursts, a flush every few: commits need not wake the daemon
         self.table = self.client.table(table)
         self.timeout, self.flush_every = timeout, flush_every
         self.incarnation = uuid.uuid4().hex
@@ -88,7 +85,7 @@ class Ingest:
         with self.lock:
             self.dues.calling = None
             self._renew_lease()
-            n = self._accept(chunk, priorities, None)
+            n = self._accept(chunk, priorities, None, False)
             self._flush(None, None)
             return n
 
@@ -108,14 +105,15 @@ class Ingest:
         this call ran (this chunk is then not accepted: its producer sends
         it again or gives up; the others are reported lost)."""
         priorities, producer, seq, sync, layout = meta
+        packed = isinstance(chunk, np.ndarray)  # by the writer
         with self.lock:
-            if isinstance(chunk, np.ndarray):  # packed by the writer
+            if packed:
                 chunk = unpack(chunk, self.row, self.row_id, self.table.name, layout)
                 self.packed += 1
             self.dues.calling = producer
             self._renew_lease()
             reconnects = self.client.reconnects
-            n = self._accept(chunk, priorities, (producer, seq))
+            n = self._accept(chunk, priorities, (producer, seq), packed)
             self.dues.accept(producer, seq)
             # a reconnect during the insert (the daemon restarted): flush now, so
             # the chunks unflushed before it are reported lost at once, not at
@@ -148,15 +146,15 @@ class Ingest:
         if self.leased_at is not None and time.monotonic() - self.leased_at > LEASE_KEEP_S:
             self._flush(None, None, keep_leases=False)  # before its lease goes stale (LEASE_KEEP_S)
 
-    def _accept(self, chunk: dict, priorities, tag) -> int:
+    def _accept(self, chunk: dict, priorities, tag, unpacked: bool) -> int:
         """Check a chunk, then hold it (a producer's, ``tag`` (producer,
         seq), small, on a table without a rate limiter: coalesce.py) or
         insert it now, after what is held (arrival order); its rows.  A
-        rate-limited table's limiter admits each chunk as it comes."""
+        rate-limited table's limiter admits each chunk as it comes.
+        ``unpacked``: views of a packed chunk, the table's fields already."""
         if tag is not None and self.coalescing:
-            arrays, n = check_rows(self.table.spec, self.names, chunk, batch=True)
-            # cast as check_rows allows: concatenated, int64 and uint64 make float64
-            arrays = [a if a.dtype == f.dtype else a.astype(f.dtype) for a, f in zip(arrays, self.table.spec.fields)]
+            arrays, n = (list(chunk.values()), len(next(iter(chunk.values())))) if unpacked else _table_arrays(
+                self.table.spec, self.names, chunk)
             nbytes = sum(a.nbytes for a in arrays)
             if nbytes <= CHUNK_BYTES:
                 if priorities is not None:
@@ -286,6 +284,14 @@ class Ingest:
     def fields(self) -> dict:
         """The table's fields, name -> (dtype, shape): remote writers build rows to fit."""
         return {f.name: (f.dtype.str, tuple(f.shape)) for f in self.table.spec.fields}
+
+
+def _table_arrays(spec, names: frozenset, chunk: dict) -> tuple[list, int]:
+    """A chunk's arrays in the table's field order and dtypes (casts that
+    check_rows allows: concatenated, int64 and uint64 would make float64),
+    and its rows."""
+    arrays, n = check_rows(spec, names, chunk, batch=True)
+    return [a if a.dtype == f.dtype else a.astype(f.dtype) for a, f in zip(arrays, spec.fields)], n
 
 
 def start_ingest(socket_path: str, table: str, node_id: str | None = None, name: str | None = None,

@@ -31,6 +31,18 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _counter = itertools.count()
 
 
+def nested_env(**extra: str) -> dict[str, str]:
+    """The environment for a pytest run a test starts: this one's, less what
+    pytest and pytest-xdist set for their own processes (a nested run that
+    inherits ``PYTEST_XDIST_WORKER`` takes itself for a worker of this run
+    and locks files in the base folder every run on the box shares), plus
+    ``extra``."""
+    env = {k: v for k, v in os.environ.items()
+           if not (k.startswith("PYTEST_XDIST_") or k in ("PYTEST_CURRENT_TEST", "PYTEST_ADDOPTS"))}
+    env.update(extra)
+    return env
+
+
 def shm_entries(marker: str = "shmreplay.test") -> set[str]:
     return {n for n in os.listdir("/dev/shm") if marker in n}
 
@@ -74,13 +86,7 @@ def own_entries() -> set[str]:
 def pytest_collection_modifyitems(items):
     """The suite runs on two pytest-xdist workers (pyproject's addopts:
     ``-n 2 --dist loadgroup``); tests that must not overlap share a group,
-    which one worker runs in turn: those that make the system users of
-    fault/people.py (every module makes and removes the same names), and
-    those that write gigabytes to disk (each would slow the other's
-    writeback past its hang guards)."""
-    for item in items:
-        if "users" in getattr(item, "fixturenames", ()):
-            item.add_marker(pytest.mark.xdist_group("people"))
+    which one worker runs in turn."""
 
 
 ALONE_WAIT_S = 1200.0  # a hang guard for the lock below: longer than any test

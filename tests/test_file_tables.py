@@ -15,7 +15,7 @@ import shmreplay
 from shmreplay.server.tables.barrier import headroom
 from shmreplay.wire.layout import TableLayout
 
-from conftest import shm_entries, table_objects, write_config
+from conftest import nested_env, shm_entries, table_objects, write_config
 from shmreplay.wire.names import lock_path
 
 FIELDS = {"obs": ("uint8", (64,)), "id": ("int64", ())}
@@ -208,7 +208,6 @@ def test_a_checkpoint_moves_a_table_from_dev_shm_to_disk(start_daemon, tmp_path)
         np.testing.assert_allclose(b.probabilities, p / ((np.arange(1, 101) ** 0.6).sum()), rtol=1e-9)
 
 
-@pytest.mark.xdist_group("disk")  # not beside the other disk-heavy test (conftest.py)
 def test_the_api_writer_and_semantics_tests_pass_on_file_backed_tables():
     """Everything a /dev/shm table does, a file-backed one does: the tests
     that move or choose rows rerun with every table's rows in a file
@@ -227,7 +226,7 @@ def test_the_api_writer_and_semantics_tests_pass_on_file_backed_tables():
     run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "0",
                           "-k", pick, *(os.path.join(here, m) for m in FILE_MODULES)],
                          cwd=os.path.dirname(here), capture_output=True, text=True, timeout=1200,
-                         env=dict(os.environ, SHMREPLAY_TEST_ROWS="file"))
+                         env=nested_env(SHMREPLAY_TEST_ROWS="file"))
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
     assert " passed" in run.stdout.splitlines()[-1] and "skipped" not in run.stdout.splitlines()[-1]
 

@@ -15,6 +15,7 @@ import sys
 import time
 
 from shmreplay.wire.names import runtime_dir
+from conftest import nested_env
 from waiting import processes
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -26,7 +27,7 @@ def session_members(sid: int) -> list[int]:
 
 
 def test_a_failure_mid_fault_test_ends_the_run_and_leaves_nothing(tmp_path):
-    env = dict(os.environ, SHMREPLAY_TEST_DELIBERATE_FAILURE="client_kills")
+    env = nested_env(SHMREPLAY_TEST_DELIBERATE_FAILURE="client_kills")
     run = subprocess.Popen(
         [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", "-n", "0",
          "tests/fault/test_client_kills.py::test_clients_killed_at_every_step_cost_nobody_anything"],

@@ -1,51 +1,98 @@
 """Real second and third users for the access tests (root only: useradd),
-and running a function as one of them in a forked child."""
+and running a function as one of them in a forked child.
+
+The names carry this process's pid, so two runs of the suite on one box
+(or two pytest-xdist workers) never make, use or delete each other's
+users; each module that needs them makes them and deletes them again, and
+the session checks that none is left (``leftover_people``).
+"""
 
 import os
 import pickle
 import shutil
 import subprocess
 import tempfile
+import time
 import traceback
 from pathlib import Path
 
 import pytest
 
-GROUP, ADMINS = "shmrtest", "shmrtadm"
-MEMBER, ADMIN, STRANGER = "shmrt1", "shmrt2", "shmrt3"
+PREFIX = f"shmr{os.getpid()}"  # at most 12 characters: useradd takes 32
+GROUP, ADMINS = f"{PREFIX}g", f"{PREFIX}a"
+MEMBER, ADMIN, STRANGER = f"{PREFIX}m", f"{PREFIX}d", f"{PREFIX}s"
 
 needs_root = pytest.mark.skipif(
     os.geteuid() != 0 or shutil.which("useradd") is None,
     reason="needs root and useradd to make the second and third users")
 
 
+LOCK_WAIT_S = 60.0  # a hang guard: another run's useradd holds /etc/passwd for milliseconds
+
+
 def run(*cmd):
-    subprocess.run(cmd, check=True, capture_output=True)
+    """Run a user or group tool; when another run's tool holds the lock on
+    /etc/passwd or /etc/group (they fail at once, saying so), try again,
+    up to LOCK_WAIT_S."""
+    deadline = time.monotonic() + LOCK_WAIT_S
+    while True:
+        p = subprocess.run(cmd, capture_output=True, text=True)
+        if p.returncode == 0:
+            return
+        if "lock" not in p.stderr.lower() or time.monotonic() > deadline:
+            raise AssertionError(f"{' '.join(cmd)} exited {p.returncode}: {p.stderr.strip()}")
+        time.sleep(0.05)
 
 
 @pytest.fixture(scope="module")
 def users():
     import grp
     import pwd
-    made = []
+    # a name of ours left by a killed run of an earlier process with this
+    # pid would carry other groups: remove it, then make every one afresh
+    remove_people()
+    for g in (GROUP, ADMINS):
+        run("groupadd", g)
+    for u, groups in ((MEMBER, [GROUP]), (ADMIN, [GROUP, ADMINS]), (STRANGER, [])):
+        run("useradd", "--no-create-home", "--shell", "/usr/sbin/nologin",
+            *(["--groups", ",".join(groups)] if groups else []), u)
+    yield {u: (pwd.getpwnam(u).pw_uid, pwd.getpwnam(u).pw_gid,
+               [grp.getgrnam(g).gr_gid for g in groups])
+           for u, groups in ((MEMBER, [GROUP]), (ADMIN, [GROUP, ADMINS]), (STRANGER, []))}
+    remove_people()
+    left = leftover_people()
+    assert not left, f"users or groups the test made are still there: {left}"
+
+
+def leftover_people() -> list[str]:
+    """This process's users and groups still in /etc/passwd or /etc/group."""
+    left = []
+    for path in ("/etc/passwd", "/etc/group"):
+        try:
+            with open(path) as f:
+                left += [f"{path}: {line.split(':')[0]}" for line in f
+                         if line.split(":")[0] in (GROUP, ADMINS, MEMBER, ADMIN, STRANGER)]
+        except OSError:
+            pass
+    return left
+
+
+def remove_people() -> None:
+    """Delete whichever of this process's users and groups exist."""
+    import grp
+    import pwd
+    for u in (MEMBER, ADMIN, STRANGER):
+        try:
+            pwd.getpwnam(u)
+        except KeyError:
+            continue
+        run("userdel", u)
     for g in (GROUP, ADMINS):
         try:
             grp.getgrnam(g)
         except KeyError:
-            run("groupadd", g)
-            made.append(("groupdel", g))
-    for u, groups in ((MEMBER, [GROUP]), (ADMIN, [GROUP, ADMINS]), (STRANGER, [])):
-        try:
-            pwd.getpwnam(u)
-        except KeyError:
-            run("useradd", "--no-create-home", "--shell", "/usr/sbin/nologin",
-                 *(["--groups", ",".join(groups)] if groups else []), u)
-            made.insert(0, ("userdel", u))
-    yield {u: (pwd.getpwnam(u).pw_uid, pwd.getpwnam(u).pw_gid,
-               [grp.getgrnam(g).gr_gid for g in groups])
-           for u, groups in ((MEMBER, [GROUP]), (ADMIN, [GROUP, ADMINS]), (STRANGER, []))}
-    for cmd in made:
-        subprocess.run(cmd, capture_output=True)
+            continue
+        run("groupdel", g)
 
 
 def as_user(ident, fn, *args):

@@ -5,15 +5,41 @@ Slow and obviously correct: updates rebuild the whole tree level by level
 from the leaves; sampling advances all descents with vectorised numpy.  The
 tests assert the numba kernels produce identical arrays (each internal node
 is ``fl(left + right)`` in both, so equality is exact, not approximate).
+
+Powers (tree values ``p ** alpha``, weights ``(v / min) ** -beta``) are
+the one operation whose rounding is not fixed by IEEE 754: the kernels'
+``**`` on floats is LLVM's ``llvm.pow.f64``, which calls the C library's
+``pow``; numpy's ``np.power`` does not always (on AVX-512 machines it runs
+its own vectorised pow, within 1 ulp of the C library's, and it turns some
+exponents into ``sqrt``, ``square`` or ``reciprocal``).  A fresh-clone run
+once failed on exactly that, 1 ulp apart.  So the twins raise to a power
+with the C library's own ``pow`` (``libm_pow``), element by element, as
+the kernels do, and agree bit for bit on every machine whose numba calls
+that same ``pow`` (it would not with Intel's SVML installed, ``icc_rt``,
+which numba then uses to vectorise such loops; the test extra does not
+install it).
 """
 
 from __future__ import annotations
 
+import ctypes
 import math
 
 import numpy as np
 
 from shmreplay.server.tables.sumtree import DRIFT_SAFETY, new_trees, tree_size  # noqa: F401  (same public names)
+
+
+_pow = ctypes.CDLL(None).pow  # the process's C library: the symbol numba's pow calls
+_pow.argtypes = (ctypes.c_double, ctypes.c_double)
+_pow.restype = ctypes.c_double
+
+
+def libm_pow(x, y: float) -> np.ndarray:
+    """``x ** y`` element by element with the C library's ``pow`` (inf on
+    overflow, as the kernels give), float64."""
+    x = np.asarray(x, dtype=np.float64)
+    return np.array([_pow(float(v), float(y)) for v in x.ravel()], dtype=np.float64).reshape(x.shape)
 
 
 def _rebuild_internal(sums: np.ndarray, mins: np.ndarray) -> None:
@@ -66,7 +92,7 @@ def tree_sample_stratified(sums, u01, out_idx, out_value):
 def tree_draw(sums, mins, u01, beta, out_idx, out_prob, out_weight):
     tree_sample_stratified(sums, u01, out_idx, out_prob)
     v = out_prob.copy()
-    out_weight[:] = (v / mins[1]) ** -beta
+    out_weight[:] = libm_pow(v / mins[1], -beta)
     out_prob[:] = v / sums[1]
 
 
@@ -83,8 +109,7 @@ def tree_check(sums, mins):
 
 def tree_values(priorities, alpha, out):
     pr = np.asarray(priorities, dtype=np.float64)
-    with np.errstate(divide="ignore", over="ignore"):
-        out[:] = np.where(pr > 0, np.power(np.where(pr > 0, pr, 1.0), alpha), 0.0)
+    out[:] = np.where(pr > 0, libm_pow(np.where(pr > 0, pr, 1.0), alpha), 0.0)
 
 
 def first_invalid_priority(priorities):
@@ -101,8 +126,7 @@ def update_fault(keys, prios, alpha, capacity):
     bad = np.flatnonzero(~((prios >= 0) & (prios < np.inf)))
     if bad.size:
         return BAD_PRIORITY, int(bad[0])
-    with np.errstate(over="ignore"):
-        big = np.flatnonzero(prios ** alpha > MAX_TREE_VALUE)
+    big = np.flatnonzero(libm_pow(prios, alpha) > MAX_TREE_VALUE)
     if big.size:
         return TOO_LARGE, int(big[0])
     beyond = np.flatnonzero((np.asarray(keys, np.uint64) & np.uint64(0xFFFFFFFF)) >= capacity)

@@ -107,6 +107,21 @@ def end_all(procs):
             p.join(10)
 
 
+def thread_states(pid: int) -> dict[str, tuple[str, str]]:
+    """Each thread of process ``pid``: its state letter (``/proc/.../stat``)
+    and where in the kernel it waits (``wchan``)."""
+    out = {}
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                state = f.read().rsplit(")", 1)[1].split()[0]
+            with open(f"/proc/{pid}/task/{tid}/wchan") as f:
+                out[tid] = (state, f.read().strip())
+        except OSError:  # a thread that just ended
+            pass
+    return out
+
+
 def all_threads_stopped(pid: int) -> bool:
     """Whether every thread of process ``pid`` is stopped: ``kill(SIGSTOP)``
     returns before the stop takes hold."""

@@ -253,16 +253,46 @@ class DaemonProcess:
     def stop(self, timeout: float = 30.0) -> int:
         """SIGTERM and wait; a daemon that does not stop in ``timeout`` is
         SIGKILLed (and its objects removed) so no test leaves one running,
-        and the hang is reported as the exit code -SIGKILL."""
+        and the hang is reported as the exit code -SIGKILL, with where each
+        of its threads waited in ``hang_dump`` (read before the kill)."""
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
         try:
             code = self.proc.wait(timeout)
         except subprocess.TimeoutExpired:
+            self.hang_dump = self.dump_threads()
             self.kill()
             code = -signal.SIGKILL
         self._log.close()
         return code
+
+    hang_dump = ""
+
+    def dump_threads(self) -> str:
+        """Where every thread of the running daemon is: its Python stacks
+        (SIGUSR1: the daemon's faulthandler writes them to its log) and each
+        thread's state, kernel wait channel and kernel stack from /proc (the
+        kernel stack needs root)."""
+        from waiting import thread_states
+        logged = self.log()
+        before = len(logged)
+        out = [f"daemon {self.pid} did not stop; the end of its log:\n{logged[-3000:]}\nits threads:"]
+        for tid, (state, wchan) in sorted(thread_states(self.pid).items()):
+            try:
+                with open(f"/proc/{self.pid}/task/{tid}/stack") as f:
+                    stack = f.read().strip()
+            except OSError as exc:
+                stack = f"(no kernel stack: {exc.strerror})"
+            out.append(f"thread {tid}: state {state}, waiting in {wchan or '-'}\n{stack}")
+        try:
+            os.kill(self.pid, signal.SIGUSR1)
+        except ProcessLookupError:
+            return "\n".join(out)
+        deadline = time.monotonic() + 10.0  # a hang guard: faulthandler writes at once
+        while "Thread 0x" not in self.log()[before:] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        out.append("Python stacks (SIGUSR1):\n" + self.log()[before:])
+        return "\n".join(out)
 
     def crash(self) -> None:
         """SIGKILL: everything it made stays behind, as after a real crash."""
@@ -298,7 +328,7 @@ def start_daemon(tmp_path):
         if killed or code < 0:
             remove_entries(d.instance)
             if not killed:
-                problems.append(f"daemon {d.instance} did not stop on SIGTERM:\n{d.log()}")
+                problems.append(f"daemon {d.instance} did not stop on SIGTERM:\n{d.log()}\n{d.hang_dump}")
             continue
         if code != 0:
             problems.append(f"daemon exited with {code}:\n{d.log()}")

@@ -250,3 +250,18 @@ def test_tells_systemd_when_ready_and_when_stopping(tmp_path):
         if proc.poll() is None:
             proc.kill()
         sink.close()
+
+
+def test_sigusr1_writes_every_threads_stack_to_the_log_and_the_daemon_serves_on(start_daemon):
+    """docs/operations.md, "A daemon that does not stop": SIGUSR1 dumps the
+    Python stack of each thread (the suite reads it before it kills a
+    daemon that did not stop: conftest's DaemonProcess.dump_threads)."""
+    d = start_daemon(tables=[TABLE])
+    dump = d.dump_threads()
+    assert "Current thread" in dump or "Thread 0x" in dump, dump
+    assert dump.count("Thread 0x") + dump.count("Current thread 0x") >= 3, dump  # main, engine, control
+    assert "engine" in dump and "state S" in dump, dump  # the engine thread's frames; /proc states
+    with d.connect() as c:
+        c.table("cfg").insert(**good_row(1))
+        c.flush()
+        assert len(c.table("cfg")) == 1

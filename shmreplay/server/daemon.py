@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import faulthandler
 import logging
 import os
 import signal
@@ -244,6 +245,12 @@ def main(argv=None) -> int:
     logging.basicConfig(level=(args.log_level or cfg.log_level).upper(), stream=sys.stderr,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
     logging.getLogger("numba").setLevel(logging.WARNING)  # its debug output is compiler IR
+    # SIGUSR1 writes every thread's Python stack to the log (stderr) and the
+    # daemon goes on: what an operator (or the suite, before it kills a
+    # daemon that did not stop) reads to see where a stuck daemon waits.
+    # faulthandler writes from the signal handler itself, so it works while
+    # every thread is blocked, the event loop's included.
+    faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=True)
     daemon = Daemon(cfg, cfg.socket_path(args.socket), args.restore)
     try:
         uvloop.run(daemon.run())

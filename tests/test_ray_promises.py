@@ -1,6 +1,7 @@
 """Issue 33: promises of the Ray integration, on a real two-node Ray
 cluster (rayfixtures.cluster: both nodes on 127.0.0.1) and a real daemon:
-the parameter relay."""
+the parameter relay, and a chunk sent again after the daemon voided the
+ingest's lease."""
 
 import numpy as np
 import pytest
@@ -9,8 +10,10 @@ ray = pytest.importorskip("ray")
 import shmreplay  # noqa: E402
 import shmreplay.ray as sray  # noqa: E402
 from rayfixtures import cluster  # noqa: E402,F401 (a fixture)
-from rayproducer import read_parameters  # noqa: E402
-from waiting import HANG_S  # noqa: E402
+from rayproducer import FIELDS, Producer, read_parameters, rows  # noqa: E402
+from readback import committed  # noqa: E402
+from shmreplay.ray.coalesce import HOLD_S  # noqa: E402
+from waiting import HANG_S, wait_for  # noqa: E402
 
 # one pytest-xdist worker runs every test that starts Ray: one Ray at a time on the box
 pytestmark = pytest.mark.xdist_group("ray")
@@ -62,3 +65,53 @@ def test_remote_actors_read_the_learners_parameters_through_the_relay(cluster, s
         check(read(0), 2)  # the newest, not each version in turn
         check(read(None), 2)
     ray.kill(relay)
+
+
+ROUNDS = 5  # rounds of one chunk each, at most, until one met a void lease
+
+
+@pytest.mark.parametrize("hold_s", [HOLD_S, 0], ids=["held", "at-once"])
+def test_a_chunk_the_daemon_refused_for_a_void_lease_is_sent_again_and_stored_once(
+        cluster, start_daemon, hold_s):
+    """docs/scaling.md (Failures: "a lease the daemon voided
+    (``ReservationExpired``) is handled the same way": the chunk is sent
+    again) and ingest.py (LEASE_KEEP_S: a commit into a void lease is
+    refused, which the ingest survives).  The ingest keeps its slot lease
+    between chunks; the daemon voids it once no commit touched it for
+    ``reservation_timeout_s`` (docs/reliability.md).  A producer's chunk
+    copied into those slots is refused at the ingest's flush; the producer
+    sends it again and sees it confirmed, and the table holds every row
+    exactly once.  Each chunk is flushed before the next is sent
+    (``hold=1``, ``in_flight=1``), so nothing else is unconfirmed when the
+    lease goes: a chunk stored twice would be a defect, not at-least-once.
+    With the chunk held until the flush (coalesce.py), and inserted as it
+    comes (``hold_s=0``)."""
+    d = start_daemon(tables=[{"name": "t", "capacity": 4096, "fields": FIELDS}], reservation_timeout_s=1.0)
+    ingest = sray.start_ingest(d.socket, "t", node_id=cluster, flush_every=1000, hold_s=hold_s)
+    producer = Producer.remote(ingest, 8, 1, 1)  # chunks of 8 rows, each flushed as it goes
+    with d.connect() as c:
+        def table():
+            return c.stats()["tables"]["t"]
+
+        # the first chunk: a reservation of 16 slots (capacity/256), 8 of them used, 8 kept
+        assert ray.get(producer.write.remote(np.arange(8), False), timeout=HANG_S) == 1
+        chunks = 1
+        # a round: every reservation the ingest holds is void, then one chunk.  The
+        # ingest hands back a lease it has held LEASE_KEEP_S (10 s) before its next
+        # insert, and a chunk that came that late, on a stalled machine, goes into
+        # a new one: then the round proves nothing, and another one runs
+        while ray.get(producer.resent.remote(), timeout=HANG_S) == 0:
+            assert chunks < ROUNDS, f"no chunk of {ROUNDS} met a void lease"
+            wait_for(lambda: 0 < table()["reserved"] == table()["voided"],
+                     "the daemon to void every slot the ingest reserved")
+            lo = 8 * chunks
+            assert ray.get(producer.write.remote(np.arange(lo, lo + 8), False), timeout=HANG_S) == chunks + 1
+            chunks += 1
+        sent, confirmed, _, unconfirmed = ray.get(producer.progress.remote(), timeout=HANG_S)
+        assert (sent, confirmed, unconfirmed) == (chunks, chunks, 0)  # each chunk confirmed, none pending
+        assert table()["voided_reserved_slots"] >= 8  # the daemon did void slots the ingest held
+        got, _ = committed(c.table("t"))
+        assert sorted(got["id"].tolist()) == list(range(8 * chunks))  # each row once: none lost, none twice
+        np.testing.assert_array_equal(got["obs"], rows(got["id"])["obs"])
+    ray.kill(producer)
+    ray.kill(ingest)

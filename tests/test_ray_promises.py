@@ -1,7 +1,9 @@
-"""Issue 33: promises of the Ray integration, on a real two-node Ray
+"""Issue 33: three promises of the Ray integration, on a real two-node Ray
 cluster (rayfixtures.cluster: both nodes on 127.0.0.1) and a real daemon:
-the parameter relay, and a chunk sent again after the daemon voided the
-ingest's lease."""
+the parameter relay, a chunk sent again after the daemon voided the
+ingest's lease, and held chunks inserted once they reach 1 MiB."""
+
+import time
 
 import numpy as np
 import pytest
@@ -9,7 +11,7 @@ import pytest
 ray = pytest.importorskip("ray")
 import shmreplay  # noqa: E402
 import shmreplay.ray as sray  # noqa: E402
-from rayfixtures import cluster  # noqa: E402,F401 (a fixture)
+from rayfixtures import HOLD_MAX, before_the_ingest_thread, cluster  # noqa: E402,F401 (a fixture)
 from rayproducer import FIELDS, Producer, read_parameters, rows  # noqa: E402
 from readback import committed  # noqa: E402
 from shmreplay.ray.coalesce import HOLD_S  # noqa: E402
@@ -115,3 +117,57 @@ def test_a_chunk_the_daemon_refused_for_a_void_lease_is_sent_again_and_stored_on
         np.testing.assert_array_equal(got["obs"], rows(got["id"])["obs"])
     ray.kill(producer)
     ray.kill(ingest)
+
+
+# 8 + 120 bytes a row: a chunk of 512 rows is 65,536 bytes, 64 KiB, the most
+# the ingest holds (coalesce.CHUNK_BYTES); 16 of them are 1 MiB (BATCH_BYTES)
+BLOB = {"id": ("int64", ()), "blob": ("uint8", (120,))}
+ROW_BYTES = 8 + 120
+
+
+def blob_rows(lo: int, n: int) -> dict:
+    ids = np.arange(lo, lo + n, dtype=np.int64)
+    return {"id": ids, "blob": (ids[:, None] + np.arange(120)).astype(np.uint8)}
+
+
+def test_held_chunks_are_inserted_once_they_reach_1_MiB(cluster, start_daemon):
+    """shmreplay/ray/__init__.py ("Small chunks, inserted together") and
+    docs/scaling.md: chunks of up to 64 KiB are held and inserted as one
+    batch before the flush, once they reach 1 MiB, or ``hold_s`` after the
+    first.  With no flush asked (``flush_every=1000``) and ``hold_s`` at its
+    most (read within it: rayfixtures.before_the_ingest_thread), held
+    chunks 128 bytes short of 1 MiB stay held, and the chunk that brings
+    them to 1 MiB has them all inserted, in one batch, by its own call,
+    before any flush.  A chunk over 64 KiB is not held."""
+    assert 512 * ROW_BYTES == 64 << 10 and 16 * (64 << 10) == 1 << 20
+    d = start_daemon()
+    with d.connect() as c:
+        def fill(k):
+            name = f"t{k}"
+            c.create_table(name, 16384, BLOB)
+            ingest = sray.start_ingest(d.socket, name, node_id=cluster, flush_every=1000, hold_s=HOLD_MAX)
+            ray.get(ingest.stats.remote(), timeout=HANG_S)  # serving: its start is no part of the window
+
+            def put(lo, n, seq):
+                ray.get(ingest.put.remote(blob_rows(lo, n), [None, "p", seq, False, None]), timeout=HANG_S)
+                return ray.get(ingest.stats.remote(), timeout=HANG_S)
+
+            t0 = time.monotonic()
+            for i in range(15):  # 15 x 512 rows x 128 B = 983,040 B (960 KiB)
+                put(512 * i, 512, i + 1)
+            before = put(7680, 511, 16)  # + 511 x 128 B = 65,408 B: 1,048,448 B, 1 MiB - 128 B
+            after = put(8191, 1, 17)  # + 128 B: 1,048,576 B, 1 MiB
+            seconds = time.monotonic() - t0
+            # 513 x 128 B = 65,664 B, over 64 KiB: inserted as it comes, never held
+            big = put(8192, 513, 18)
+            ray.get(ingest.sync.remote("p"), timeout=HANG_S)  # the flush: every insert applied
+            ray.kill(ingest)
+            return seconds, (name, before, after, big)
+
+        name, before, after, big = before_the_ingest_thread(fill)
+        assert (before["chunks"], before["held"], before["inserts"]) == (16, 16, 0)
+        assert (after["chunks"], after["held"], after["inserts"], after["flushes"]) == (17, 0, 1, 0)
+        assert (big["chunks"], big["held"], big["inserts"], big["flushes"]) == (18, 0, 2, 0)
+        got, _ = committed(c.table(name))  # in commit order: the batch, then the large chunk
+        np.testing.assert_array_equal(got["id"], np.arange(8192 + 513))
+        np.testing.assert_array_equal(got["blob"], blob_rows(0, 8192 + 513)["blob"])

@@ -1,5 +1,6 @@
-"""A producer actor for tests/test_ray.py, in a module of its own so the
-Ray workers (started with this folder on PYTHONPATH) can import it."""
+"""A producer actor and a parameter reader for the Ray tests, in a module
+of its own so the Ray workers (started with this folder on PYTHONPATH)
+can import them."""
 
 import threading
 
@@ -85,3 +86,10 @@ def sequence_steps(ingest, episodes, length, period) -> int:
         w.end_episode()
     w.close()
     return w.writer.confirmed
+
+
+@ray.remote(resources={"remote_node": 1}, num_cpus=0)
+def read_parameters(relay, newer_than):
+    """What an actor on the other node (as on another machine: it cannot
+    map the board) gets from a parameter relay, and that node's id."""
+    return ray.get(relay.latest.remote(newer_than)), ray.get_runtime_context().get_node_id()

@@ -6,6 +6,7 @@ node.  The cluster is started once for this module and stopped at the end."""
 import os
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -13,8 +14,9 @@ import pytest
 ray = pytest.importorskip("ray")
 import shmreplay  # noqa: E402
 import shmreplay.ray as sray  # noqa: E402
+from rayfixtures import HOLD_MAX, before_the_ingest_thread, cluster  # noqa: E402,F401 (a fixture)
 from rayproducer import FIELDS, Producer, rows  # noqa: E402
-from shmreplay.bench.raycluster import ENV, LocalCluster  # noqa: E402
+from shmreplay.bench.raycluster import ENV  # noqa: E402
 from shmreplay.ray.packing import layout_id, row_dtype  # noqa: E402
 from waiting import HANG_S, wait_for  # noqa: E402
 
@@ -23,21 +25,6 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 # one pytest-xdist worker runs every test that starts Ray (this module's
 # cluster, the docs' local-Ray snippet): one Ray at a time on the box
 pytestmark = pytest.mark.xdist_group("ray")
-
-
-@pytest.fixture(scope="module")
-def cluster():
-    """The head node's id; workers import the producer class from this
-    folder (rayproducer.py)."""
-    c = LocalCluster(remote_cpus=3, object_store_bytes=100_000_000, pythonpath=HERE)
-    try:
-        c.start()
-        yield c.connect()
-    finally:
-        c.stop()
-    # every process of both nodes is gone, workers too (their own process
-    # groups: a paused threaded Producer once outlived the nodes' killpg)
-    assert not c.leftovers()
 
 
 def test_remote_producers_feed_the_table_through_an_ingest_on_the_replay_node(cluster, start_daemon):
@@ -115,34 +102,43 @@ def test_small_chunks_are_inserted_together_and_none_waits_for_a_call(cluster, s
     priority; chunks held with no call after them are inserted by the
     ingest's thread (a quiet producer's rows become sampleable); with
     ``hold_s=0`` each chunk is inserted when it comes."""
-    d = start_daemon(tables=[{"name": "t", "capacity": 64, "fields": FIELDS, "sampler": "prioritized",
-                              "alpha": 1.0}])
-    # hold_s=10: far longer than these calls take, so only the flush inserts
-    ingest = sray.start_ingest(d.socket, "t", node_id=cluster, flush_every=1000, hold_s=10)
+    d = start_daemon(tables=[{"name": "t", "capacity": 64, "fields": FIELDS}])
     prios = np.arange(1.0, 9.0)
-    ray.get(ingest.put.remote(rows(np.arange(8)), [prios, "p", 1, False, None]), timeout=HANG_S)
-    ray.get(ingest.put.remote(rows(np.arange(8, 16)), [None, "p", 2, False, None]), timeout=HANG_S)
-    before = ray.get(ingest.stats.remote())
-    assert (before["held"], before["inserts"]) == (2, 0)
     # ids as uint64: cast to the table's int64 when held (concatenated with int64 they would be float64)
     unsigned = {k: v.astype(np.uint64) if k == "id" else v for k, v in rows(np.arange(16, 24)).items()}
-    assert ray.get(ingest.put.remote(unsigned, [None, "p", 3, True, None]), timeout=HANG_S)[1] == [1, 2, 3]
-    after = ray.get(ingest.stats.remote())
-    assert (after["held"], after["inserts"], after["chunks"], after["flushes"]) == (0, 2, 3, 1)  # runs: [1], [2, 3]
     with d.connect() as c:
-        t = c.table("t")
+        def held_then_flushed(k):
+            # hold_s at its most: the thread leaves the chunks to the calls (counts read within it)
+            name = f"batch{k}"
+            c.create_table(name, 64, FIELDS, sampler="prioritized", alpha=1.0)
+            ingest = sray.start_ingest(d.socket, name, node_id=cluster, flush_every=1000, hold_s=HOLD_MAX)
+            ray.get(ingest.stats.remote(), timeout=HANG_S)  # serving: its start is no part of the window
+            t0 = time.monotonic()
+            ray.get(ingest.put.remote(rows(np.arange(8)), [prios, "p", 1, False, None]), timeout=HANG_S)
+            ray.get(ingest.put.remote(rows(np.arange(8, 16)), [None, "p", 2, False, None]), timeout=HANG_S)
+            before = ray.get(ingest.stats.remote())
+            acked = ray.get(ingest.put.remote(unsigned, [None, "p", 3, True, None]), timeout=HANG_S)[1]
+            after = ray.get(ingest.stats.remote())
+            seconds = time.monotonic() - t0
+            ray.kill(ingest)
+            return seconds, (name, before, acked, after)
+
+        name, before, acked, after = before_the_ingest_thread(held_then_flushed)
+        assert (before["held"], before["inserts"]) == (2, 0)
+        assert acked == [1, 2, 3]
+        assert (after["held"], after["inserts"], after["chunks"], after["flushes"]) == (0, 2, 3, 1)  # runs: [1], [2, 3]
+        t = c.table(name)
         b = t.sample(512)
         assert len(t) == 24 and set(b.data["id"].tolist()) == set(range(24))
         # alpha 1: P(i) is i's priority over the total; unprioritized rows got the max so far (8)
         want = np.where(b.data["id"] < 8, b.data["id"] + 1.0, 8.0)
         np.testing.assert_allclose(b.probabilities, want / (prios.sum() + 16 * 8.0))
         np.testing.assert_array_equal(b.data["obs"], rows(b.data["id"])["obs"])
-    ray.kill(ingest)
 
     ingest = sray.start_ingest(d.socket, "t", node_id=cluster, flush_every=1000)  # hold_s: 0.05 s
     ray.get(ingest.put.remote(rows(np.arange(24, 32)), [None, "quiet", 1, False, None]), timeout=HANG_S)
     with d.connect() as c:  # no call inserts it: the thread does, unconfirmed (nothing flushed)
-        wait_for(lambda: len(c.table("t")) == 32, "a held chunk to be inserted with no call after it")
+        wait_for(lambda: len(c.table("t")) == 8, "a held chunk to be inserted with no call after it")
     stats = ray.get(ingest.stats.remote())
     assert (stats["held"], stats["inserts"], stats["flushes"], stats["release_errors"]) == (0, 1, 0, 0)
     ray.kill(ingest)

@@ -17,13 +17,21 @@ class ParameterRelay:
         import shmreplay
         self.client = shmreplay.connect(socket_path, reconnect=True)
         self.board = shmreplay.ParameterBoard.attach(self.client, board, like=like)
+        self.newest = None  # (version, {name: array}): the newest read, for every caller
 
     def latest(self, newer_than: int | None = None):
-        got = self.board.latest(newer_than=newer_than)
-        if got is None:
+        # One board reads for every caller, and its ``newer_than`` shortcut
+        # (None when nothing was published since *its* last read) would
+        # answer None to an actor behind the one that read last: the board
+        # is asked what is newer than the newest read here, and each caller
+        # is answered from that.
+        got = self.board.latest(newer_than=None if self.newest is None else self.newest[0])
+        if got is not None:
+            version, arrays = got
+            self.newest = version, {k: np.array(v) for k, v in arrays.items()}  # the board reuses its buffer
+        if self.newest is None or (newer_than is not None and self.newest[0] <= newer_than):
             return None
-        version, arrays = got
-        return version, {k: np.array(v) for k, v in arrays.items()}  # the board reuses its buffer
+        return self.newest
 
 
 def start_parameter_relay(socket_path: str, board: str, like: dict, node_id: str | None = None):

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import numpy as np
 import posix_ipc
 
-from ..errors import CapacityError, InferenceClosed, ReplayError, ReplayTimeout
+from ..errors import CapacityError, ForeignObject, InferenceClosed, ReplayError, ReplayTimeout
 from ..wire import atomics
 from ..wire import inference as wi
 from ..wire.inference import (ATTACHING, CHECK_S, DONE, H_SLEEPING, H_STATE, IDLE, OPEN, POSTED, SLOT_WORDS,
@@ -115,7 +115,11 @@ class InferenceServer(_Handle):
         self._closed = False
 
     def _semaphore(self, name: str):
-        sem = posix_ipc.Semaphore(name, posix_ipc.O_CREX, mode=0o600, initial_value=0)
+        try:
+            sem = posix_ipc.Semaphore(name, posix_ipc.O_CREX, mode=0o600, initial_value=0)
+        except posix_ipc.ExistentialError:  # its token is new: someone planted it; never posix_ipc's error
+            raise ForeignObject(f"{wi.SHM_DIR}/sem.{name[1:]} exists already: an InferenceServer uses "
+                                "no name it did not make; remove it, or find out who created it") from None
         self._made[1].append(name)
         self._sems.append(sem)
         return sem

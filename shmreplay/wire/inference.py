@@ -151,9 +151,14 @@ def open_segment(base: str) -> mmap.mmap:
     except posix_ipc.ExistentialError:
         raise InferenceClosed(f"no inference channel {base}: its server closed or sealed it (a "
                               "sealed channel takes no new envs), or it never existed") from None
+    except posix_ipc.PermissionsError:  # another user's, with no bits for us: not our server's
+        raise ForeignObject(f"{SHM_DIR}{base} is not an inference channel an InferenceServer of this "
+                            "user made (permission denied): not using it") from None
     try:
         st = os.fstat(shm.fd)
         check_owned(SHM_DIR + base, st, 0o600)
+        if st.st_size < HEADER_BYTES:  # mmap refuses an empty file (a ValueError): say what it is
+            raise LayoutError(f"{base} is {st.st_size} bytes: not an inference channel")
         return mmap.mmap(shm.fd, st.st_size)
     finally:
         shm.close_fd()
@@ -169,6 +174,9 @@ def open_semaphore(name: str):
     except (OSError, posix_ipc.ExistentialError):
         raise InferenceClosed(f"semaphore {name} of the inference channel is gone: its server "
                               "closed or sealed it") from None
+    except posix_ipc.PermissionsError:  # another user's, with no bits for us: not our server's
+        raise ForeignObject(f"{path} is not a semaphore an InferenceServer of this user made "
+                            "(permission denied): not using it") from None
     if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o077:
         sem.close()
         raise ForeignObject(f"{path} is not a semaphore an InferenceServer of this user made "

@@ -1,0 +1,265 @@
+"""Issue 33: the inference channel across the lives of its processes: a
+forked child, a server that hangs, and the names a server leaves (or not)
+when it closes, exits or is killed (docs/protocol.md, "Inference channel":
+"Leaving", "Who may call what", "Failure semantics").
+
+Every server here is a real process (tests/inference_learner.py where a
+process's own exit is what is checked), and what is left is read from
+/dev/shm itself, never from the channel's books.  No assertion depends on
+timing: a hang guard on each wait.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+
+import pytest
+
+import shmreplay
+from inferencekit import FORK, PREFIX, REQUEST, RESPONSE, env_main, raw_ctrl, serve, server, state
+from shmreplay.wire import inference as wi
+from waiting import HANG_S, all_threads_stopped, reap, wait_for
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+OBS = {"obs": [1, 2, 0, 0], "reward": 0.0, "done": False}
+
+
+def entries(address: str) -> set[str]:
+    """Every /dev/shm entry whose name holds the channel's."""
+    return {n for n in os.listdir("/dev/shm") if address[1:] in n}
+
+
+def channel(address: str, slots: int) -> set[str]:
+    """A channel's names, as the doc lists them: the segment, the doorbell
+    ``.d`` and one reply bell ``.r<i>`` per slot."""
+    base = address[1:]
+    return {base, f"sem.{base}.d"} | {f"sem.{base}.r{i}" for i in range(slots)}
+
+
+def learner(mode: str) -> subprocess.Popen:
+    """tests/inference_learner.py ``mode``; its names start ``<PREFIX>.<mode>.``."""
+    return subprocess.Popen([sys.executable, os.path.join(HERE, "inference_learner.py"), mode,
+                             f"{PREFIX}.{mode}"],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def report(p: subprocess.Popen) -> dict:
+    """The learner's next JSON line; a hang guard on the wait for it."""
+    got = []
+    t = threading.Thread(target=lambda: got.append(p.stdout.readline()), daemon=True)
+    t.start()
+    t.join(HANG_S)
+    assert got, f"the learner said nothing in {HANG_S} s"
+    assert got[0], f"the learner ended (exit {p.wait(HANG_S)}): {p.stderr.read()}"
+    return json.loads(got[0])
+
+
+def go_on(p: subprocess.Popen) -> None:
+    p.stdin.write("\n")
+    p.stdin.flush()
+
+
+def end(p: subprocess.Popen, mode: str) -> None:
+    """After a failed assert: the learner killed, its names removed (every
+    name of its prefix: it may have failed before saying its address)."""
+    if p.poll() is None:
+        p.kill()
+    p.wait(HANG_S)
+    for f in (p.stdin, p.stdout, p.stderr):
+        f.close()
+    for n in os.listdir("/dev/shm"):
+        if f"{PREFIX}.{mode}." in n:
+            os.unlink(os.path.join("/dev/shm", n))
+
+
+def test_a_forked_child_attaches_its_own_and_its_exit_leaves_the_parents_channel():
+    """"The InferenceServer belongs to the process that made it ... In any
+    other process (a forked child) they raise, and nothing it does there
+    closes or unlinks the parent's channel"; "An InferenceClient belongs to
+    the process that attached it; a forked child attaches its own"; a server
+    left at interpreter exit is closed then, "never in a forked child".
+    The child (os.fork, then a normal exit: atexit and the finalizers run)
+    uses the inherited handles, closes them, attaches its own client and
+    is served; afterwards every name of the parent's is still there and
+    the parent's own client is served in its own slot."""
+    p = learner("fork")
+    try:
+        first = report(p)
+        address, child = first["address"], first["child"]["pid"]
+        belongs = (f"belongs to process {p.pid}, not {child}: a forked child attaches its own, "
+                   "InferenceClient(address)")
+        assert first == {
+            "address": address, "child_status": 0, "served": [1],  # the child's own client: slot 1
+            "child": {"pid": child,
+                      "client call": f"ReplayError: this InferenceClient {belongs}",
+                      "server receive": f"ReplayError: this InferenceServer {belongs}",
+                      "server seal": f"ReplayError: this InferenceServer {belongs}",
+                      "slot": 1, "answer": 7 * 100_000 + 8}}  # inferencekit.policy: obs[0] * 1e5 + obs[1]
+        assert entries(address) == channel(address, 2)
+        go_on(p)
+        assert report(p) == {"slot": 0, "served": [0], "answer": 3 * 100_000 + 4}
+        assert entries(address) == set()  # close() unlinked every name
+        go_on(p)
+        assert p.wait(HANG_S) == 0, p.stderr.read()
+    finally:
+        end(p, "fork")
+
+
+def test_a_server_left_open_at_interpreter_exit_is_closed_then():
+    """"A server object collected or left at interpreter exit without
+    close() is closed then": every name is gone from /dev/shm, and an env
+    attached across the exit is told the channel closed (not that its
+    learner died: the server marked it closed on its way out)."""
+    p = learner("exit")
+    try:
+        address = report(p)["address"]
+        with shmreplay.InferenceClient(address, timeout=HANG_S) as ch:
+            assert entries(address) == channel(address, 2)
+            go_on(p)
+            assert p.wait(HANG_S) == 0, p.stderr.read()
+            assert entries(address) == set()
+            with pytest.raises(shmreplay.InferenceClosed,
+                               match=rf"^the InferenceServer closed inference channel {address}$"):
+                ch.call(**OBS)
+        with pytest.raises(shmreplay.InferenceClosed, match=rf"^no inference channel {address}: "):
+            shmreplay.InferenceClient(address)
+    finally:
+        end(p, "exit")
+
+
+def killed_learner(conn, instance: str) -> None:
+    """A learner whose names carry its pid where the default prefix does."""
+    srv = shmreplay.InferenceServer(REQUEST, RESPONSE, slots=2, prefix=f"shmreplay.{instance}.{os.getpid()}")
+    conn.send(srv.address)
+    conn.poll(HANG_S * 10)  # SIGKILLed by the test
+
+
+def cleanup(*args: str) -> str:
+    run = subprocess.run([sys.executable, "-m", "shmreplay.cli", "cleanup", *args],
+                         capture_output=True, text=True, timeout=HANG_S)
+    assert run.returncode == 0, run.stderr
+    return run.stdout
+
+
+def test_cleanup_removes_a_killed_learners_names_and_keeps_a_live_ones():
+    """"The default prefix is shmreplay.inf.<learner pid>, so shmreplay
+    cleanup removes what a dead learner left (it reads the pid from the
+    name) and lists a live one's"; a server that dies unsealed leaves its
+    names ("names stay, unless sealed; shmreplay cleanup removes them").
+    The names here have the default's shape with the instance
+    ``test<pid>inf`` for ``inf``: this run's cleanup touches nobody else's.
+    A live server's names are kept, and gone once it closes."""
+    assert wi.default_prefix() == f"shmreplay.inf.{os.getpid()}"
+    instance = f"test{os.getpid()}inf"
+    live = shmreplay.InferenceServer(REQUEST, RESPONSE, slots=2, prefix=f"shmreplay.{instance}.{os.getpid()}")
+    mine, theirs = FORK.Pipe()
+    dying = FORK.Process(target=killed_learner, args=(theirs, instance))
+    env = FORK.Process(target=env_main, args=(live.address, 1, 3))
+    dead = None
+    try:
+        dying.start()
+        assert mine.poll(HANG_S)
+        dead = mine.recv()
+        dying.kill()
+        dying.join(HANG_S)
+        assert dying.exitcode == -signal.SIGKILL
+        assert entries(dead) == channel(dead, 2) and entries(live.address) == channel(live.address, 2)
+        out = cleanup("--dry-run", "--instance", instance)
+        assert f"pid {os.getpid()}, kept 4 object(s)" in out and "owner dead, would remove 4 object(s)" in out
+        assert entries(dead) == channel(dead, 2)
+        out = cleanup("--instance", instance)
+        assert "owner dead, removed 4 object(s)" in out
+        assert entries(dead) == set()
+        assert entries(live.address) == channel(live.address, 2)
+        env.start()  # and the live one serves on
+        serve(live, 3)
+        env.join(HANG_S)
+        assert env.exitcode == 0
+    finally:
+        reap([dying, env])
+        live.close()
+        if dead is not None:
+            wi.unlink_all(wi.all_names(dead, 2), os.getpid())
+    assert entries(live.address) == set()
+
+
+def hung_learner(conn) -> None:
+    """A learner that takes one request and never answers it."""
+    with server(slots=1) as srv:
+        conn.send(srv.address)
+        while not len(srv.receive(timeout=HANG_S)):
+            pass
+        conn.send("taken")
+        conn.poll(HANG_S * 10)  # stopped meanwhile, then told to end
+
+
+def call_in_thread(ch, **values):
+    """What ``ch.call(**values)`` returned or raised; a hang guard on it."""
+    got = []
+
+    def run():
+        try:
+            got.append(ch.call(**values))
+        except BaseException as exc:
+            got.append(exc)
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    t.join(HANG_S)
+    assert got, f"call() still waiting after {HANG_S} s"
+    return got[0]
+
+
+def test_a_hung_server_gets_a_replaytimeout_and_the_env_closes_cleanly():
+    """"The server hangs or is stopped: ReplayTimeout after timeout": a
+    SIGSTOPped server takes nothing (the request is withdrawn), a server
+    that took the request and never answers gets the other message the
+    failure table gives; then ``close()`` returns, frees the slot (its
+    state word reads FREE) and a new env can take it."""
+    mine, theirs = FORK.Pipe()
+    learner_ = FORK.Process(target=hung_learner, args=(theirs,))
+    address = ch = None
+    try:
+        learner_.start()
+        assert mine.poll(HANG_S)
+        address = mine.recv()
+        ch = shmreplay.InferenceClient(address, timeout=1.0)
+        os.kill(learner_.pid, signal.SIGSTOP)
+        wait_for(lambda: all_threads_stopped(learner_.pid), "the learner stopped")
+        err = call_in_thread(ch, **OBS)
+        assert isinstance(err, shmreplay.ReplayTimeout) and str(err) == (
+            "no reply within 1.0 s; the request was withdrawn (the server had not taken it)"), err
+        os.kill(learner_.pid, signal.SIGCONT)
+        # whether the running learner takes the next request before the
+        # env's timeout is a race on a loaded machine: try until it does
+        # (a withdrawn request leaves nothing behind)
+        for _ in range(50):
+            err = call_in_thread(ch, **OBS)
+            assert isinstance(err, shmreplay.ReplayTimeout), err
+            if "withdrawn" not in str(err):
+                break
+        assert str(err) == ("no reply within 1.0 s: the server took the request and has not answered; "
+                            "the next call first waits for that reply and drops it")
+        assert mine.poll(HANG_S) and mine.recv() == "taken"
+        os.kill(learner_.pid, signal.SIGSTOP)  # and it hangs for good
+        ch.close()
+        assert state(raw_ctrl(address), 0) == (0, 0)
+        with shmreplay.InferenceClient(address) as again:  # the only slot
+            assert again.slot == 0
+        os.kill(learner_.pid, signal.SIGCONT)
+        mine.send("end")
+        learner_.join(HANG_S)
+        assert learner_.exitcode == 0
+        assert entries(address) == set()
+    finally:
+        if ch is not None:
+            ch.close()
+        if learner_.pid is not None and learner_.exitcode is None:  # not yet reaped: still ours
+            os.kill(learner_.pid, signal.SIGCONT)
+        reap([learner_])
+        if address is not None:
+            wi.unlink_all(wi.all_names(address, 1), os.getpid())

@@ -103,8 +103,10 @@ class TensorBatch:
         pinned memory to CUDA the copies are asynchronous; ``iterate`` waits
         for them before it refills this batch."""
         device = torch.device(device)
-        out = DeviceBatch({k: t.to(device, non_blocking=non_blocking) for k, t in self.data.items()},
-                          self.weights.to(device, non_blocking=non_blocking), self.keys.copy())
+        # copy=True: to() of a tensor already on ``device`` ("cpu") returns the
+        # tensor itself, which the next batch refills; the result must be new
+        out = DeviceBatch({k: t.to(device, non_blocking=non_blocking, copy=True) for k, t in self.data.items()},
+                          self.weights.to(device, non_blocking=non_blocking, copy=True), self.keys.copy())
         if device.type == "cuda" and non_blocking:
             self._copied = torch.cuda.Event()
             self._copied.record()

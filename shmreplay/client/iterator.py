@@ -58,13 +58,15 @@ class BatchIterator:
         self._wait_s = timeout
         self.timeout = None if timeout is None else timeout + owner.timeout
         self._join_s = owner.timeout + _POLL_S
-        self._client = owner.clone()
-        self._table = self._client.table(table.name)
         self._n, self._beta = int(batch_size), float(beta)
         self._check = bool(check_reuse)
         count = prefetch + 1 + self._check  # the check recycles a batch one step late
+        # the buffers before the connection: one that cannot be made (pinned
+        # memory without CUDA) must not leave a connection open behind the error
         self._buffers = [None if buffers is None else buffers() for _ in range(count)]
         self._batches = [None if b is None else b.batch for b in self._buffers]
+        self._client = owner.clone()
+        self._table = self._client.table(table.name)
         self._free: queue.Queue = queue.Queue()
         self._ready: queue.Queue = queue.Queue()
         for i in range(count):

@@ -158,7 +158,13 @@ def parse_config(doc: dict, where: str = "config") -> DaemonConfig:
     # the latest, so it must be a finite time (a negative one made epoll wait
     # for ever)
     cfg.idle_timeout_s = _number(d, "idle_timeout_s", cfg.idle_timeout_s, where, lo=0.001, hi=3600.0)
-    cfg.metrics_address = str(d.get("metrics_address", cfg.metrics_address))
+    address = d.get("metrics_address", cfg.metrics_address)
+    if not isinstance(address, str) or not address.strip():
+        # str() of a number or a list would bind somewhere nobody asked for
+        raise SchemaError(f"{where}: metrics_address must be a string, the address to serve "
+                          f"metrics on (default \"127.0.0.1\"; \"0.0.0.0\" for every address), "
+                          f"got {address!r}")
+    cfg.metrics_address = address
     if "metrics_port" in d:
         port = d["metrics_port"]
         if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:

@@ -25,6 +25,8 @@ from __future__ import annotations
 import logging
 import time
 
+from ...errors import ReplayError
+
 log = logging.getLogger("shmreplayd")
 
 HIST_BASE_S = 1.024e-6  # engine/commands.py: bucket k holds SAMPLEs under HIST_BASE_S * 2**k
@@ -105,12 +107,18 @@ class MetricsServer:
         try:
             from prometheus_client import CollectorRegistry, start_http_server
         except ImportError:
-            from ...errors import ReplayError
             raise ReplayError("metrics_port is set but prometheus-client is not installed: "
                               "pip install 'shmreplay[metrics]' (or prometheus-client)") from None
         registry = CollectorRegistry(auto_describe=False)
         registry.register(Collector(monitor, checkpoints, instance))
-        self.server, self.thread = start_http_server(port, address, registry=registry)
+        try:
+            self.server, self.thread = start_http_server(port, address, registry=registry)
+        except OSError as exc:  # no such address here, a name that does not resolve, a port in use
+            # a config error names the key and what to write (docs/operations.md,
+            # "The daemon does not start"), not a traceback from the socket module
+            raise ReplayError(f"cannot serve metrics at metrics_address {address!r}, metrics_port {port}: "
+                              f"{exc}; set metrics_address to an address of this host (default "
+                              f"127.0.0.1) and metrics_port to a free port (0: any)") from None
         self.address, self.port = address, self.server.server_port
         log.info("metrics at http://%s:%d/metrics", address, self.port)
 

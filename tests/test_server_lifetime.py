@@ -1,0 +1,71 @@
+"""Issue 33, item 2: ``shmreplay.Server``'s daemon does not outlive its
+program.  README.md ("Torch learners, weights to actors, a daemon of the
+program's own": "it gets SIGTERM if the program dies") and
+client/private_daemon.py ("a program killed with SIGKILL leaves no daemon
+running behind it ... the daemon's own SIGTERM path removes them").
+
+A real program (a subprocess) makes a Server with a table, and is
+SIGKILLed, so none of its own cleanup runs; from outside, the daemon must
+exit through its SIGTERM path and leave nothing in /dev/shm."""
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+
+from conftest import remove_entries, shm_entries
+from shmreplay.wire.names import lock_path
+from waiting import HANG_S, proc_stat, wait_for
+
+PROGRAM = """
+import json, sys, time
+import shmreplay
+server = shmreplay.Server(tables=[dict(name="replay", capacity=100, fields={"x": ("float32", (4,))})],
+                          instance=sys.argv[1])
+with server.connect() as c:
+    c.table("replay").insert(x=[1.0, 2.0, 3.0, 4.0])
+    c.flush()
+print(json.dumps({"pid": server.pid, "dir": server.dir, "socket": server.socket,
+                  "log": server.log_path}), flush=True)
+time.sleep(10 * 60)  # a hang guard: the test kills it long before
+"""
+
+
+def gone(pid: int) -> bool:
+    """Exited: no such process, or a zombie its new parent has not reaped yet."""
+    st = proc_stat(f"/proc/{pid}/stat")
+    return st is None or st[0] == "Z"
+
+
+def test_a_servers_daemon_exits_and_leaves_nothing_when_its_program_is_killed():
+    instance = f"test{os.getpid()}life"
+    program = subprocess.Popen([sys.executable, "-c", PROGRAM, instance], stdout=subprocess.PIPE, text=True)
+    info = None
+    try:
+        info = json.loads(program.stdout.readline())  # the Server is up, its table made
+        daemon = info["pid"]
+        assert not gone(daemon)
+        assert proc_stat(f"/proc/{daemon}/stat")[1] == str(program.pid)  # the program's child
+        assert shm_entries(f"shmreplay.{instance}.")  # the table's segments
+        program.send_signal(signal.SIGKILL)
+        assert program.wait(HANG_S) == -signal.SIGKILL
+        wait_for(lambda: gone(daemon), "the daemon to exit after its program died")
+        with open(info["log"]) as f:
+            log = f.read()
+        assert "signal received; shutting down" in log and "stopped" in log, log  # its SIGTERM path
+        assert not shm_entries(f"shmreplay.{instance}.")
+        assert not os.path.exists(info["socket"])
+        assert not os.path.exists(lock_path(instance))
+    finally:
+        if program.poll() is None:
+            program.kill()
+            program.wait(HANG_S)
+        program.stdout.close()
+        if info is not None:
+            if not gone(info["pid"]):  # the promise failed: leave nothing running for the next test
+                os.kill(info["pid"], signal.SIGKILL)
+                wait_for(lambda: gone(info["pid"]), "the leftover daemon to die")
+            shutil.rmtree(info["dir"], ignore_errors=True)  # the killed program's: Server.stop removes it
+        remove_entries(instance)

@@ -23,8 +23,8 @@ return: the mean of the last 20 episodes of the envs whose epsilon is at
 most 0.01 (the near-greedy end of the ladder; Ape-X's other envs explore).
 At the end it writes ``apex_dqn.csv`` and ``apex_dqn.png`` (the learning
 curve) under ``--out``.  Exit code 0: ``--target-return`` reached;
-1: ``--max-minutes`` passed (or ``--max-batches`` were done) first; 2: an
-actor failed.
+3: ``--max-minutes`` passed (or ``--max-batches`` were done) first; 2: an
+actor failed; 1: an error (an uncaught exception).
 """
 
 from __future__ import annotations
@@ -279,7 +279,7 @@ def main(argv=None) -> int:
         table.update(samples_per_insert=spi, error_buffer=max(2.0 * args.batch, 200.0 * spi))
     eps = dqn.epsilon_ladder(args.actors * args.envs)
     progress = dqn.Progress(args.out, "apex_dqn")
-    code, reached = 1, None
+    code, reached = dqn.NOT_REACHED, None
     print(f"apex_dqn: {args.env}, {args.actors} actors x {args.envs} envs, replay {capacity:,} items, "
           f"{spi:g} samples per insert, batch {args.batch}, seed {args.seed}", flush=True)
     with shmreplay.Server(tables=[table], instance=args.instance) as server:
@@ -318,7 +318,7 @@ def main(argv=None) -> int:
             if report():
                 break
             time.sleep(0.05)
-        if code == 1 and time.monotonic() <= deadline:
+        if code == dqn.NOT_REACHED and time.monotonic() <= deadline:
             # timeout: a batch the limiter holds for 60 s means the actors stopped
             with srt.iterate(replay, args.batch, beta=args.beta, prefetch=2, timeout=60.0) as it:
                 for b in it:
@@ -330,6 +330,7 @@ def main(argv=None) -> int:
                         board.publish(srt.numpy_state(learner.online))
                     if report() or batches == args.max_batches:
                         break
+        progress.tick(crew.steps, replay.inserts, batches)  # the last row: where the run ended
         crew.stop()
         client.close()
     csv_path, png_path = progress.save()
@@ -337,7 +338,7 @@ def main(argv=None) -> int:
     if code == 0:
         print(f"apex_dqn: reached a mean return of {progress.recent:.1f} (>= {args.target_return:g}) "
               f"after {reached:.1f} s, {steps:,} env steps, {batches:,} batches", flush=True)
-    elif code == 1:
+    elif code == dqn.NOT_REACHED:
         print(f"apex_dqn: stopped ({args.max_minutes:g} min or --max-batches); recent return {progress.recent:.1f} "
               f"after {steps:,} env steps, {batches:,} batches", flush=True)
     print(f"apex_dqn: wrote {csv_path} and {png_path}", flush=True)

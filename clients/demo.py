@@ -1,14 +1,16 @@
 #!/usr/bin/env python3
 """The main job: daemon with the bundled config, actors and a learner, throughput.
 
-    python clients/demo.py [--seconds 15] [--actors 2] [--chunk 1] [--batch 256]
+    python clients/demo.py [--seconds 15] [--actors 2] [--chunk 1] [--batch 256] [--instance NAME]
 
 Starts ``shmreplayd`` with daemon/shmreplayd.toml on a private socket
 (``shmreplay.Server``),
 runs ``--actors`` copies of clients/actor.py and one clients/learner.py
 against its "demo" table, prints inserts/s and learner batches/s once a
 second from the daemon's counters, then stops everything with SIGTERM and
-checks that nothing was left in /dev/shm.
+checks that nothing was left in /dev/shm.  ``--instance``: the daemon's
+instance name, which every object it makes carries (default
+``demo<pid>``; a test gives one it can look for).
 """
 
 from __future__ import annotations
@@ -32,10 +34,11 @@ def main(argv=None) -> int:
     ap.add_argument("--actors", type=int, default=2)
     ap.add_argument("--chunk", type=int, default=1)
     ap.add_argument("--batch", type=int, default=256)
+    ap.add_argument("--instance", default=None, help="the daemon's instance name (default demo<pid>)")
     args = ap.parse_args(argv)
 
     import shmreplay
-    instance = f"demo{os.getpid()}"
+    instance = args.instance or f"demo{os.getpid()}"
     print(f"starting shmreplayd ({args.config})", flush=True)
     server = shmreplay.Server(config=args.config, instance=instance)
     env = dict(os.environ, SHMREPLAY_SOCKET=server.socket)

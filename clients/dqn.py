@@ -19,6 +19,12 @@ import numpy as np
 import torch
 from torch import nn
 
+# Exit codes of apex_dqn.py and seed_learner.py: 0 --target-return reached;
+# 1 an error (Python's own code for an uncaught exception, so a crash is never
+# mistaken for a finished run); 2 the actors or env processes failed;
+# NOT_REACHED: stopped at --max-minutes or --max-batches before the target.
+NOT_REACHED = 3
+
 
 # ---- environments ----
 def make_env(env_id: str, seed: int):
@@ -157,6 +163,9 @@ def learner_flags(ap) -> None:
 
 
 # ---- progress ----
+COLUMNS = ["seconds", "env_steps", "inserts", "batches", "episodes", "recent_return"]  # README, "Examples"
+
+
 class Progress:
     """Once a second: env steps/s, inserts/s, batches/s, the recent return;
     at the end a CSV and a PNG learning curve under ``out_dir``."""
@@ -192,10 +201,11 @@ class Progress:
         self.last_t, self.last = now, (env_steps, inserts, batches)
 
     def save(self) -> tuple[str, str]:
-        """Write ``<name>.csv`` and ``<name>.png``; returns their paths."""
+        """Write ``<name>.csv`` (one row per ``tick``, in order; columns
+        ``COLUMNS``) and ``<name>.png``; returns their paths."""
         path = os.path.join(self.out_dir, self.name)
         with open(path + ".csv", "w", newline="") as f:
-            w = csv.DictWriter(f, fieldnames=list(self.rows[0]) if self.rows else ["seconds"])
+            w = csv.DictWriter(f, fieldnames=COLUMNS)
             w.writeheader()
             w.writerows(self.rows)
         import matplotlib

@@ -24,8 +24,9 @@ Once a second it prints env steps/s, inserts/s, batches/s, the mean
 round-trip time of an env's step through the channel, and the recent
 return (last 20 episodes of the envs whose epsilon is at most 0.01).  At
 the end: ``seed_learner.csv`` and ``seed_learner.png`` under ``--out``.
-Exit code 0: ``--target-return`` reached; 1: ``--max-minutes`` passed (or
-``--max-batches`` were done); 2: every env process died.
+Exit code 0: ``--target-return`` reached; 3: ``--max-minutes`` passed (or
+``--max-batches`` were done); 2: every env process died; 1: an error (an
+uncaught exception).
 """
 
 from __future__ import annotations
@@ -150,7 +151,7 @@ def main(argv=None) -> int:
     rng = np.random.default_rng(args.seed)
     progress = dqn.Progress(args.out, "seed_learner")
     ctx = mp.get_context("spawn")
-    code, reached = 1, None
+    code, reached = dqn.NOT_REACHED, None
     print(f"seed_learner: {args.env}, {args.envs} env processes, replay {capacity:,} items, "
           f"{spi:g} samples per insert, batch {args.batch}, seed {args.seed}", flush=True)
     with shmreplay.Server(tables=[table], instance=args.instance) as server, \
@@ -248,6 +249,7 @@ def main(argv=None) -> int:
             for wr in writers:
                 if wr is not None:
                     wr.close(timeout=5.0)
+            progress.tick(steps, replay.inserts, trainer.batches)  # the last row: where the run ended
             client.close()
     csv_path, png_path = progress.save()
     n, total = sum(c[0] for c in calls), sum(c[1] for c in calls)
@@ -256,7 +258,7 @@ def main(argv=None) -> int:
         print(f"seed_learner: reached a mean return of {progress.recent:.1f} (>= {args.target_return:g}) "
               f"after {reached:.1f} s, {steps:,} env steps, {trainer.batches:,} batches, "
               f"mean step round trip {rtt:.0f} us", flush=True)
-    elif code == 1:
+    elif code == dqn.NOT_REACHED:
         print(f"seed_learner: stopped ({args.max_minutes:g} min or --max-batches); recent return {progress.recent:.1f} "
               f"after {steps:,} env steps, {trainer.batches:,} batches, mean step round trip {rtt:.0f} us",
               flush=True)

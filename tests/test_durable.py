@@ -2,9 +2,14 @@
 committed before the last sync, bit-exact.
 
 A reboot, as the daemon sees it: the daemon is gone (stopped, or SIGKILLed),
-/dev/shm and the runtime directory are empty, and the page cache holds
-nothing of the rows file (``drop_cache``: fsync then POSIX_FADV_DONTNEED,
-so the next daemon reads what is on the disk, not what was in memory)."""
+/dev/shm and the runtime directory are empty, and the page cache holds no
+clean page of the table's files (``drop_cache``: POSIX_FADV_DONTNEED, so the
+next daemon reads from the disk what was synced).  The test never syncs
+anything itself: a reboot loses what was not synced, and DONTNEED keeps
+dirty pages, so whether the DAEMON's sync put its rows and metadata on disk
+is checked directly: right after a sync (or a clean stop), no page of any
+file in the storage directory is dirty or under writeback
+(``assert_on_disk``, Linux's cachestat: tests/pagecache.py)."""
 
 import os
 import stat
@@ -15,14 +20,17 @@ import numpy as np
 import pytest
 
 import shmreplay
-from shmreplay.server.tables.barrier import headroom
 from shmreplay.wire.layout import COMMITTED
 from shmreplay.wire.livewords import LIVE_DELETES, LIVE_INSERTS, LIVE_SAMPLES, LIVE_SIZE, LIVE_USES
 from shmreplay.wire.names import lock_path
 
 from conftest import shm_entries
+from pagecache import unsynced
 
 FIELDS = {"obs": ("uint8", (3000,)), "id": ("int64", ())}  # a row spans a page boundary
+# the sync headroom of a 64-item table (server/tables/barrier.py; README, "Tables
+# larger than RAM"): 1 % of 64 is 0, at least 64 makes 64, at most a quarter makes 16
+HEADROOM = 16
 
 
 def rows(ids):
@@ -75,12 +83,22 @@ def reboot(d, store) -> None:
 
 
 def drop_cache(path: str) -> None:
+    # no fsync here: what the daemon left dirty must not be made durable by the test
     fd = os.open(path, os.O_RDONLY)
     try:
-        os.fsync(fd)
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
     finally:
         os.close(fd)
+
+
+def assert_on_disk(store) -> None:
+    """The daemon's sync made every file of the storage directory (rows and
+    metadata) clean: no page dirty or under writeback.  Call it while
+    nothing writes those files (no client activity, ``sync_interval_s=0``)."""
+    files = sorted(os.listdir(store))
+    assert any(".r." in n for n in files) and any(".t." in n for n in files), files
+    left = unsynced(store)
+    assert not left, f"pages the sync did not write to disk: {left}"
 
 
 def busy_table(c, first: int, n: int):
@@ -103,6 +121,7 @@ def test_a_reboot_finds_every_item_of_the_last_sync_bit_exact(start_daemon, tmp_
     with d.connect() as c:
         t = busy_table(c, 0, 40)
         [rep] = c.sync("f")
+        assert_on_disk(store)  # before anything writes again
         assert rep["items"] == 40 and rep["table"] == "f"
         want = state(t)
         busy_table(c, 40, 8)  # after the sync: lost in the reboot
@@ -126,6 +145,7 @@ def test_a_clean_stop_keeps_the_table_through_a_reboot(start_daemon, tmp_path):
         t = busy_table(c, 0, 50)
         want = state(t)
     assert d.stop() == 0  # its last sync
+    assert_on_disk(store)
     assert shm_entries(f"shmreplay.{d.instance}.") == set()
     meta = os.path.join(store, f"shmreplay.{d.instance}.t.f")
     assert stat.S_IMODE(os.stat(meta).st_mode) == 0o600
@@ -169,7 +189,7 @@ def test_no_slot_listed_on_disk_is_written_before_the_next_sync(start_daemon, tm
     with d.connect() as c:
         t = c.table("f")
         ids = check_rows(t, 0, 72)
-        assert len(ids) >= 64 - headroom(64) - 8, ids
+        assert len(ids) >= 64 - HEADROOM - 8, ids
         first = int(ids[-1]) + 1
         for first in range(first, first + 104, 8):  # wraps the table one and a half times
             t.insert_batch(rows(np.arange(first, first + 8)), priorities=prio(np.arange(first, first + 8)))
@@ -177,14 +197,15 @@ def test_no_slot_listed_on_disk_is_written_before_the_next_sync(start_daemon, tm
         last = first + 8
         check_rows(t, 0, last)
         st = c.stats()["tables"]["f"]
-        assert st["syncs"] >= 3 and st["evictions"] >= 104 - headroom(64), st  # full: syncs asked for
-        assert 64 - headroom(64) - 8 <= len(t) <= 64
+        assert st["sync_headroom"] == HEADROOM, st
+        assert st["syncs"] >= 3 and st["evictions"] >= 104 - HEADROOM, st  # full: syncs asked for
+        assert 64 - HEADROOM - 8 <= len(t) <= 64
     reboot(d, store)
     d.start()
     with d.connect() as c:
         t = c.table("f")
         ids = check_rows(t, 0, last)
-        assert len(ids) >= 64 - headroom(64) - 8 and ids[-1] >= last - 8 - headroom(64), ids
+        assert len(ids) >= 64 - HEADROOM - 8 and ids[-1] >= last - 8 - HEADROOM, ids
 
 
 def test_sync_from_the_command_line_and_what_status_shows(start_daemon, tmp_path):
@@ -256,6 +277,7 @@ def test_a_durable_queue_never_evicts_an_item_nobody_sampled(start_daemon, tmp_p
     d = start_daemon(storage_dirs=[store], sync_interval_s=0)
     with d.connect() as c:
         q = c.create_queue("f", 64, FIELDS, storage_dir=store)
+        assert_on_disk(store)  # its first sync, a new file (no rename over an old one)
         q.insert_batch(rows(np.arange(64)))
         c.flush()
         assert c.sync("f")[0]["items"] == 64
@@ -266,6 +288,7 @@ def test_a_durable_queue_never_evicts_an_item_nobody_sampled(start_daemon, tmp_p
         assert st["evictions"] == 0 and st["syncs"] >= 3 and len(q) == 64, st  # create, ours, the wait's
         got += [q.sample(8).data["id"] for _ in range(4)]
         c.sync("f")
+        assert_on_disk(store)
     reboot(d, store)
     d.start()
     with d.connect() as c:

@@ -16,23 +16,39 @@ pytest.importorskip("gymnasium")
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BATCHES = 20
+NOT_REACHED = 3  # README, "Examples": stopped before --target-return (1 is an error: an uncaught exception)
+COLUMNS = ["seconds", "env_steps", "inserts", "batches", "episodes", "recent_return"]  # README, "Examples"
+LINE = re.compile(r"^\[\s*[\d.]+s\] env steps/s ", re.M)  # a progress line
 
 
 def run(program, tmp_path, name, *args):
+    """Run ``program`` to --max-batches (the target, 1e9, is never reached):
+    it must say it stopped before the target, by its exit code and its last
+    words, not crash; its CSV has one row per progress line it printed,
+    counts that never go down, and ends at the batches it reports."""
     marker = f"shmreplay.test{os.getpid()}{name}"
     cmd = [sys.executable, os.path.join(ROOT, "clients", program), "--max-batches", str(BATCHES),
            "--max-minutes", "8", "--target-return", "1e9", "--min-size", "200", "--out", str(tmp_path),
            "--instance", f"test{os.getpid()}{name}", *args]
     p = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=600)
-    assert p.returncode == 1, p.stdout[-3000:] + p.stderr[-3000:]   # 1: stopped before the target
+    assert p.returncode == NOT_REACHED, p.stdout[-3000:] + p.stderr[-3000:]
     stem = os.path.splitext(program)[0]
-    rows = list(csv.DictReader(open(tmp_path / f"{stem}.csv")))
-    assert (tmp_path / f"{stem}.png").stat().st_size > 0
-    done = re.search(r"([\d,]+) env steps, ([\d,]+) batches", p.stdout)
+    done = re.search(rf"^{stem}: stopped \(8 min or --max-batches\); recent return \S+ "
+                     r"after ([\d,]+) env steps, ([\d,]+) batches", p.stdout, re.M)
     assert done, p.stdout[-2000:]
     steps, batches = (int(g.replace(",", "")) for g in done.groups())
     # the training thread of seed_learner may finish a batch or two more
     assert steps > 0 and BATCHES <= batches <= BATCHES + 4, p.stdout[-2000:]
+    with open(tmp_path / f"{stem}.csv", newline="") as f:
+        reader = csv.DictReader(f)
+        assert reader.fieldnames == COLUMNS
+        rows = list(reader)
+    assert len(rows) == len(LINE.findall(p.stdout)) >= 1, (len(rows), p.stdout[-2000:])
+    for col in ("seconds", "env_steps", "inserts", "batches", "episodes"):
+        got = [float(r[col]) for r in rows]
+        assert got == sorted(got), (col, got)
+    assert int(rows[-1]["batches"]) == batches and int(rows[-1]["env_steps"]) <= steps, rows[-1]
+    assert (tmp_path / f"{stem}.png").stat().st_size > 0
     left = [n for n in os.listdir("/dev/shm") if marker[len("shmreplay."):] in n]
     assert not left, left
     return p.stdout, rows

@@ -7,6 +7,7 @@ waits on a daemon that sleeps on records nobody announced."""
 import numpy as np
 
 import shmreplay
+from shmreplay.wire import atomics
 from waiting import wait_for
 
 FIELDS = {"x": ("int64", ())}
@@ -28,6 +29,41 @@ def test_lazy_commits_arrive_whole_and_in_order_through_a_full_command_ring(star
     from readback import committed  # every item in commit order
     got, _ = committed(t)
     np.testing.assert_array_equal(got["x"], np.arange(2000))
+    c.close()
+
+
+def test_lazy_commits_leave_a_sleeping_daemon_asleep(start_daemon):
+    """The promise itself (docs/protocol.md, "Waking"): a client with
+    ``lazy_commits`` set does not write the daemon's doorbell for its
+    COMMITs; the daemon reads them at its next wake.  The daemon never
+    spins (``spin_us`` 0: it sleeps as soon as a pass finds nothing to do)
+    and its idle timeout is an hour, so between the two looks below only a
+    doorbell could wake it; the stats count the wakes a client's doorbell
+    ended apart from the control plane's bell (``client_wakeups``,
+    docs/operations.md), which the stats call itself and the monitor's
+    once-a-second look ring.  50 single-row commits into a lease reserved
+    before the first look add no client wake; the wake that answers the
+    second look applies them, all, in order, with no request of the writer."""
+    d = start_daemon(tables=[{"name": "t", "capacity": 256_000, "fields": FIELDS}],
+                     spin_us=0, idle_timeout_s=3600)
+    c = d.connect()
+    c.lazy_commits = True
+    t = c.table("t")
+    t.insert(x=np.int64(0))  # reserves a lease of 1,000 slots (capacity / 256)
+    c.flush(keep_leases=True)  # applied, and the lease kept: no RESERVE below
+    before = c.stats()["engine"]["client_wakeups"]
+    req = c._session.pipe.req  # the request ring's word the daemon sets when it sleeps
+    for i in range(1, 51):  # 51 of 1,000 used: the next reservation is asked ahead at half time only
+        # each commit is published to a daemon known asleep (one still awake
+        # from the look before would read it without any bell, and a bell
+        # rung for it would go unseen): a bell rung anyway is counted
+        wait_for(lambda: atomics.load(req.ctl, req.sleeping_w), "the daemon to sleep")
+        t.insert(x=np.int64(i))
+    assert c.stats()["engine"]["client_wakeups"] == before
+    wait_for(lambda: len(t) == 51, "the commits to be applied at the control plane's wake")
+    from readback import committed
+    got, _ = committed(t)
+    np.testing.assert_array_equal(got["x"], np.arange(51))
     c.close()
 
 

@@ -17,8 +17,6 @@ import shmreplay
 from hung import CTX, full_table, received, reporting, start_learner
 from idrows import FIELDS, rows, torn
 from items import F, ids, insert_ids
-from shmreplay.client.table import lease_size
-from shmreplay.schema import make_spec
 from shmreplay.wire.layout import TableMap
 from shmreplay.wire.records import key_slots
 from waiting import HANG_S, reap, wait_for, worker_context
@@ -124,6 +122,9 @@ PAYLOAD = 2048
 STRESS_FIELDS = {"actor": ("int32", ()), "seq": ("int64", ()), "payload": ("uint8", (PAYLOAD,)),
           "checksum": ("uint64", ())}
 CAPACITY = 2000
+# a writer's lease of it (client/table.py lease_size; docs/protocol.md): 2,000 // 256
+# is 7, at least 16 makes 16 (not rate-limited, under 4,096)
+LEASE = 16
 BATCHES, TURNOVER, REDRAWS = 600, 25, 50
 MAX_BATCHES = 10 * BATCHES  # on a loaded 2-core box: 1.5-2.5 redraws and ~190 inserts a batch
 _RAMP = np.arange(PAYLOAD, dtype=np.int64)
@@ -190,7 +191,7 @@ def learner_main(sock, stop, out):
 @pytest.mark.slow
 def test_four_actors_one_learner_under_constant_overwrite_no_torn_or_mismatched_rows(daemon):
     with daemon.connect() as c:
-        c.create_table("stress", capacity=CAPACITY, fields=STRESS_FIELDS, alpha=0.6)
+        assert c.create_table("stress", capacity=CAPACITY, fields=STRESS_FIELDS, alpha=0.6).lease_size == LEASE
         ctx = worker_context()
         stop, out = ctx.Event(), ctx.Queue()
         procs = [ctx.Process(target=actor_main, args=(daemon.socket, a, stop, out)) for a in range(4)]
@@ -227,6 +228,5 @@ def test_four_actors_one_learner_under_constant_overwrite_no_torn_or_mismatched_
     # leased, so the table may end short by at most two leases per writer,
     # and by the learner's last protected redraw: items evicted while pinned
     # left the table, their slots freed at its release
-    lease = lease_size(make_spec("stress", CAPACITY, STRESS_FIELDS), 1 << 20)
-    assert CAPACITY - 4 * 2 * lease - 64 <= stats["size"] <= CAPACITY and stats["reserved"] == 0
+    assert CAPACITY - 4 * 2 * LEASE - 64 <= stats["size"] <= CAPACITY and stats["reserved"] == 0
     assert stats["held"] == 0

@@ -19,8 +19,8 @@ path's guarantees: the row is copied, then its slot's generation stamp is
 checked, and a slot overwritten during the copy is read again (each
 publish overwrites the oldest of ``slots`` versions, so a reader is torn
 only if ``slots - 1`` publishes land during one copy, and then it reads
-again).  A reader with another model (other names, dtypes or shapes) is
-told so instead of reading garbage.
+again; the board's ``rereads`` counts those).  A reader with another
+model (other names, dtypes or shapes) is told so instead of reading garbage.
 
 Reads are cheap when nothing changed: ``latest(newer_than=v)`` looks at the
 table's insert counter in shared memory first (no round trip) and returns
@@ -87,6 +87,10 @@ class ParameterBoard:
         self._out = None
         self._seen_inserts = -1
         self.version = 0  # the newest version this object published or read
+        # reads this board's ``latest`` made again because a publish
+        # overwrote the slot during the copy (its stamp moved): each one a
+        # torn copy the stamp check caught and replaced
+        self.rereads = 0
 
     # ---- making ----
     @classmethod
@@ -155,6 +159,7 @@ class ParameterBoard:
             raise
         self._out = b
         self._seen_inserts = seen
+        self.rereads += b.redraws
         version, layout = int(b.data["version"][0]), int(b.data["layout"][0])
         if layout != self.layout:
             raise FieldError(f"board {t.name!r}: version {version} was published with another "

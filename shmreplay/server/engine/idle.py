@@ -47,6 +47,7 @@ class Idler:
     def __init__(self, bell: int, spin_us: float, idle_timeout: float, learner_spin_us: float = 0.0):
         self.epoll = select.epoll()
         self.epoll.register(bell, select.EPOLLIN)
+        self.bell = bell  # the control plane's; every other watched fd is a client's doorbell
         self.spin_max = spin_us * 1e-6
         self.spin_min = min(2e-6, self.spin_max)
         self.spin_s = self.spin_max
@@ -56,7 +57,11 @@ class Idler:
         self.sample_gap = float("inf")
         self.idle_since = 0.0  # when the last fruitless spin began
         self.idle_timeout = idle_timeout
-        self.stats = {"wakeups": 0, "sleeps": 0, "learner_spins": 0}
+        # wakeups: sleeps a doorbell ended (not the timeout); client_wakeups:
+        # those a client's doorbell was among (the control plane's bell rings
+        # for every stats/status call, the monitor's look once a second, a
+        # sync: those wake the engine too, and are not a client's)
+        self.stats = {"wakeups": 0, "client_wakeups": 0, "sleeps": 0, "learner_spins": 0}
 
     def sampled(self) -> None:
         """The engine answered a SAMPLE in this pass."""
@@ -122,6 +127,8 @@ class Idler:
                 drain(fd)
             if rang:
                 self.stats["wakeups"] += 1
+                if any(fd != self.bell for fd, _ in rang):
+                    self.stats["client_wakeups"] += 1
                 self._learn_gap(time.perf_counter() - self.idle_since)
         finally:
             for r in rings:

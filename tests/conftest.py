@@ -11,22 +11,21 @@ session fixture checks the same for the whole suite.
 from __future__ import annotations
 
 import compileall
-import itertools
-import json
 import multiprocessing
 import os
 import re
 import signal
-import subprocess
 import sys
 import time
 
 import pytest
 from hypothesis import settings as hypothesis_settings
 
-import shmreplay
-from shmreplay.wire.names import lock_path, runtime_dir
+from shmreplay.wire.names import runtime_dir
 from waiting import processes
+# the daemon helpers, here too for tests that import them from conftest
+from daemons import (DaemonProcess, nested_env, remove_entries, segment_of, shm_entries,  # noqa: F401
+                     table_objects, toml_value, write_config)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -44,49 +43,6 @@ hypothesis_settings.register_profile("derandomized", derandomize=True, database=
 hypothesis_settings.register_profile("random", derandomize=False, database=None,
                                      print_blob=True, deadline=None)
 hypothesis_settings.load_profile("derandomized")  # pytest --hypothesis-profile=random overrides
-_counter = itertools.count()
-
-
-def nested_env(**extra: str) -> dict[str, str]:
-    """The environment for a pytest run a test starts: this one's, less what
-    pytest and pytest-xdist set for their own processes (a nested run that
-    inherits ``PYTEST_XDIST_WORKER`` takes itself for a worker of this run
-    and locks files in the base folder every run on the box shares), plus
-    ``extra``."""
-    env = {k: v for k, v in os.environ.items()
-           if not (k.startswith("PYTEST_XDIST_") or k in ("PYTEST_CURRENT_TEST", "PYTEST_ADDOPTS"))}
-    env.update(extra)
-    return env
-
-
-def shm_entries(marker: str = "shmreplay.test") -> set[str]:
-    return {n for n in os.listdir("/dev/shm") if marker in n}
-
-
-def segment_of(instance: str, table: str, kind: str = "t") -> str:
-    """The /dev/shm name of a table's meta (``kind`` "t") or rows ("r")
-    segment: the daemon chose its token (wire/names.py); exactly one must exist."""
-    pre = f"shmreplay.{instance}.{kind}.{table}."
-    found = [n for n in os.listdir("/dev/shm")
-             if n.startswith(pre) and re.fullmatch(r"[0-9a-f]{16}", n[len(pre):])]
-    assert len(found) == 1, f"{len(found)} segments of table {table!r} ({kind}): {found}"
-    return "/" + found[0]
-
-
-def table_objects(instance: str) -> set[str]:
-    """An instance's objects in /dev/shm as "<kind>.<table>", tokens left out."""
-    pre = f"shmreplay.{instance}."
-    return {re.sub(r"\.[0-9a-f]{16}$", "", n[len(pre):]) for n in shm_entries(pre)}
-
-
-def remove_entries(instance: str) -> None:
-    """Clean up after a daemon the test SIGKILLed on purpose."""
-    for n in shm_entries(f"shmreplay.{instance}."):
-        os.unlink(os.path.join("/dev/shm", n))
-    try:
-        os.unlink(lock_path(instance))
-    except FileNotFoundError:
-        pass
 
 
 def own_entries() -> set[str]:
@@ -155,157 +111,6 @@ def no_leaked_shared_memory():
     yield
     leaked = own_entries()
     assert not leaked, f"the suite left shared memory behind: {sorted(leaked)}"
-
-
-def toml_value(v) -> str:
-    if isinstance(v, str):
-        return json.dumps(v)
-    if isinstance(v, bool):
-        return "true" if v else "false"
-    if isinstance(v, (list, tuple)):
-        return "[" + ", ".join(toml_value(x) for x in v) + "]"
-    return repr(v)
-
-
-def write_config(path, tables=(), **daemon) -> str:
-    lines = ["[daemon]"] + [f"{k} = {toml_value(v)}" for k, v in daemon.items()]
-    for t in tables:
-        lines.append("[[tables]]")
-        for k, v in t.items():
-            if k != "fields":
-                lines.append(f"{k} = {toml_value(v)}")
-        lines.append("[tables.fields]")
-        for fname, (dtype, shape) in t["fields"].items():
-            lines.append(f"{fname} = {{ dtype = {toml_value(dtype)}, shape = {toml_value(list(shape))} }}")
-    with open(path, "w") as f:
-        f.write("\n".join(lines) + "\n")
-    return str(path)
-
-
-class DaemonProcess:
-    def __init__(self, tmp_path, tables=(), args=(), socket_dir=None, command=None, env=None,
-                 **daemon_opts):
-        n = next(_counter)
-        # the program to run (a fault test may inject faults into a real daemon)
-        self.command = command or [sys.executable, "-m", "shmreplay.server.daemon"]
-        self.env = env
-        self.instance = f"test{os.getpid()}x{n}"
-        self.socket = str((socket_dir or tmp_path) / f"d{n}.sock")
-        self.config = write_config(tmp_path / f"d{n}.toml", tables, instance=self.instance,
-                                   socket=self.socket, **daemon_opts)
-        self.log_path = tmp_path / f"d{n}.log"
-        self._log = open(self.log_path, "wb")
-        self.start(args)
-
-    def start(self, args=()) -> None:
-        """(Re)start the daemon process with this config; wait until it serves."""
-        if self._log.closed:
-            self._log = open(self.log_path, "ab")
-        env = None if self.env is None else {**os.environ, **self.env}
-        self.proc = subprocess.Popen([*self.command, "--config", self.config, *args],
-                                     stdout=self._log, stderr=subprocess.STDOUT, env=env)
-        self.wait_ready()
-
-    def wait_ready(self, timeout: float = 120.0) -> None:
-        deadline = time.monotonic() + timeout
-        while True:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"daemon exited with {self.proc.returncode}:\n{self.log()}")
-            try:
-                shmreplay.connect(self.socket, timeout=30).close()  # a hang guard
-                return
-            except shmreplay.DaemonUnavailable:
-                if time.monotonic() > deadline:
-                    raise
-                # a failed connect costs microseconds: a short poll lets the
-                # test go on as soon as the daemon serves (every test waits here)
-                time.sleep(0.01)
-
-    def start_set_aside(self, table: str, args=()) -> dict:
-        """Start the daemon again: it serves, and sets ``table`` aside (its
-        data kept, nothing made over it: issue 21, item 1); stop it cleanly,
-        which leaves the table as it is.  Returns what status says of it."""
-        self.start(args)
-        with self.connect() as c:
-            aside = c.stats()["set_aside"]
-            assert list(aside) == [table] and table not in c.list_tables(), aside
-            with pytest.raises(shmreplay.TableExists, match=f"table {table!r} is set aside"):
-                c.create_table(table, capacity=8, fields={"x": ("float32", ())})
-        assert self.stop() == 0
-        return aside[table]
-
-    def segment(self, table: str, kind: str = "t") -> str:
-        """``segment_of`` this daemon's instance."""
-        return segment_of(self.instance, table, kind)
-
-    def connect(self, timeout: float = 20.0) -> shmreplay.Client:
-        return shmreplay.connect(self.socket, timeout=timeout)
-
-    def log(self) -> str:
-        if not self._log.closed:
-            self._log.flush()
-        return self.log_path.read_text(errors="replace")
-
-    @property
-    def pid(self) -> int:
-        return self.proc.pid
-
-    def stop(self, timeout: float = 30.0) -> int:
-        """SIGTERM and wait; a daemon that does not stop in ``timeout`` is
-        SIGKILLed (and its objects removed) so no test leaves one running,
-        and the hang is reported as the exit code -SIGKILL, with where each
-        of its threads waited in ``hang_dump`` (read before the kill)."""
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-        try:
-            code = self.proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            self.hang_dump = self.dump_threads()
-            self.kill()
-            code = -signal.SIGKILL
-        self._log.close()
-        return code
-
-    hang_dump = ""
-
-    def dump_threads(self) -> str:
-        """Where every thread of the running daemon is: its Python stacks
-        (SIGUSR1: the daemon's faulthandler writes them to its log) and each
-        thread's state, kernel wait channel and kernel stack from /proc (the
-        kernel stack needs root)."""
-        from waiting import thread_states
-        logged = self.log()
-        before = len(logged)
-        out = [f"daemon {self.pid} did not stop; the end of its log:\n{logged[-3000:]}\nits threads:"]
-        for tid, (state, wchan) in sorted(thread_states(self.pid).items()):
-            try:
-                with open(f"/proc/{self.pid}/task/{tid}/stack") as f:
-                    stack = f.read().strip()
-            except OSError as exc:
-                stack = f"(no kernel stack: {exc.strerror})"
-            out.append(f"thread {tid}: state {state}, waiting in {wchan or '-'}\n{stack}")
-        try:
-            os.kill(self.pid, signal.SIGUSR1)
-        except ProcessLookupError:
-            return "\n".join(out)
-        deadline = time.monotonic() + 10.0  # a hang guard: faulthandler writes at once
-        while "Thread 0x" not in self.log()[before:] and time.monotonic() < deadline:
-            time.sleep(0.05)
-        out.append("Python stacks (SIGUSR1):\n" + self.log()[before:])
-        return "\n".join(out)
-
-    def crash(self) -> None:
-        """SIGKILL: everything it made stays behind, as after a real crash."""
-        self.proc.kill()
-        self.proc.wait(10)
-
-    def kill(self) -> None:
-        self.crash()
-        remove_entries(self.instance)
-        try:
-            os.unlink(self.socket)
-        except FileNotFoundError:
-            pass
 
 
 @pytest.fixture

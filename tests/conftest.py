@@ -16,7 +16,6 @@ import os
 import re
 import signal
 import sys
-import time
 
 import pytest
 from hypothesis import settings as hypothesis_settings
@@ -59,39 +58,6 @@ def pytest_collection_modifyitems(items):
     """The suite runs on two pytest-xdist workers (pyproject's addopts:
     ``-n 2 --dist loadgroup``); tests that must not overlap share a group,
     which one worker runs in turn."""
-
-
-ALONE_WAIT_S = 1200.0  # a hang guard for the lock below: longer than any test
-
-
-@pytest.fixture(autouse=True)
-def alone_or_shared(request, tmp_path_factory):
-    """A test marked ``alone`` runs while no other worker runs a test (an
-    exclusive flock on a file the workers share; every other test holds it
-    shared): the 2 GiB cgroup test, whose daemon failed to stop in time
-    beside other workers' tests.  Waited for in polls, with a deadline.
-    Only under pytest-xdist: a serial run has nobody to wait for (and its
-    base folder's parent is shared with other runs on the box)."""
-    import fcntl
-    if "PYTEST_XDIST_WORKER" not in os.environ:
-        yield
-        return
-    path = tmp_path_factory.getbasetemp().parent / "alone.lock"  # this run's, which its workers share
-    mode = fcntl.LOCK_EX if request.node.get_closest_marker("alone") else fcntl.LOCK_SH
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
-    deadline = time.monotonic() + ALONE_WAIT_S
-    try:
-        while True:
-            try:
-                fcntl.flock(fd, mode | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                if time.monotonic() > deadline:
-                    raise AssertionError(f"waited {ALONE_WAIT_S:.0f} s for the other workers' tests")
-                time.sleep(0.05)
-        yield
-    finally:
-        os.close(fd)  # releases the lock
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -67,6 +67,8 @@ from .tables import members, sumtree
 
 log = logging.getLogger("shmreplayd")
 
+PERIODIC_STOP_S = 10.0  # how long a stop waits for the cancelled periodic tasks
+
 
 @without_blas_probe()  # ~0.2 s less per start: see numbaconf
 def compile_kernels() -> float:
@@ -186,7 +188,14 @@ class Daemon:
             self.metrics.close()
         for task in self.periodic:
             task.cancel()
-        await asyncio.gather(*self.periodic, return_exceptions=True)
+        if self.periodic:
+            # bounded: a task that survived its cancel (asyncio.wait_for before
+            # Python 3.12 could swallow one) must not keep the daemon from
+            # stopping; the tables are dropped and unlinked either way
+            _, stuck = await asyncio.wait(self.periodic, timeout=PERIODIC_STOP_S)
+            for task in stuck:
+                log.error("periodic task %s did not end within %g s of its cancel; stopping without it",
+                          task.get_coro(), PERIODIC_STOP_S)
         if self.control is not None:
             await self.control.close()                  # steps 1-2
             if self.failed:  # the tables stay exactly as they are, as after a SIGKILL
@@ -252,11 +261,21 @@ def main(argv=None) -> int:
     # every thread is blocked, the event loop's included.
     faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=True)
     daemon = Daemon(cfg, cfg.socket_path(args.socket), args.restore)
+    # not uvloop.run(): its runner waits, with no bound, for every task left
+    # when run() returns, so one that ignored its cancel (see shutdown) would
+    # keep a stopped daemon alive for ever; such a task was logged, and the
+    # tables are already dropped: close the loop without waiting for it
+    loop = uvloop.new_event_loop()
+    asyncio.set_event_loop(loop)
     try:
-        uvloop.run(daemon.run())
+        loop.run_until_complete(daemon.run())
     except ReplayError as exc:
         log.error("%s", exc)
         return 1
+    finally:
+        loop.run_until_complete(loop.shutdown_asyncgens())
+        loop.close()
+        asyncio.set_event_loop(None)
     return 1 if daemon.failed else 0
 
 

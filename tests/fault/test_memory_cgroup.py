@@ -193,7 +193,6 @@ def run_client(cg: MemoryCgroup, *args) -> dict:
 
 
 @pytest.mark.slow
-@pytest.mark.alone  # its daemon failed to stop in time beside other workers' tests (conftest.py)
 def test_a_2_gib_file_backed_table_is_filled_and_checked_row_by_row_in_512_mib(memcg, start_daemon,
                                                                               tmp_path):
     assert memcg.limit() == LIMIT

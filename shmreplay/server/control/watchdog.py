@@ -78,13 +78,23 @@ class Watchdog:
             log.info("systemd watchdog: a ping every %.1f s while the engine answers", every)
         while True:
             await asyncio.sleep(every)
+            # not asyncio.wait_for: on Python < 3.12 it swallows a cancel that
+            # comes in the loop pass the engine's answer does (it returns the
+            # answer instead), and this loop then ran on after the daemon's
+            # stop cancelled it, so the stop waited for it for ever (seen as
+            # a daemon that did not stop on SIGTERM under load)
+            answer = asyncio.ensure_future(self.control.call(summary, self.engine))
             try:
-                line = await asyncio.wait_for(self.control.call(summary, self.engine), timeout=every)
-            except asyncio.TimeoutError:
+                done, _ = await asyncio.wait({answer}, timeout=every)
+            finally:
+                if not answer.done():
+                    answer.cancel()
+            if not done:
                 self.missed += 1
                 log.error("the engine thread did not answer within %.1f s: no watchdog ping "
                           "(systemd restarts a daemon that stays so for WatchdogSec)", every)
                 continue
+            line = answer.result()
             if self.interval:
                 self.pings += notify(f"WATCHDOG=1\nSTATUS={line}")
             else:

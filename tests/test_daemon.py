@@ -168,6 +168,11 @@ def test_bad_config_exits_with_a_message(tmp_path):
         out = subprocess.run([sys.executable, "-m", "shmreplay.server.daemon", "--config", str(path)],
                              capture_output=True, text=True, timeout=60)
         assert out.returncode == 2 and "idle_timeout_s must be a number in 0.001..3600" in out.stderr, out.stderr
+    long = str(tmp_path / ("s" * 120) / "d.sock")  # past the 107 bytes of a Unix socket's path
+    out = subprocess.run([sys.executable, "-m", "shmreplay.server.daemon", "--socket", long],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "a Unix socket's path may have at most 107: choose a shorter" in out.stderr, \
+        out.stderr
 
 
 def test_second_daemon_on_the_same_socket_is_refused(start_daemon, tmp_path):

@@ -5,9 +5,11 @@ clients/learner.py) run, report throughput and leave nothing behind."""
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 
 from shmreplay.wire.names import runtime_dir
 
@@ -40,7 +42,7 @@ def _objects(instance: str) -> list[str]:
                   + [n for n in rundir if instance in n])
 
 
-def test_the_demo_runs_with_the_bundled_config_and_leaves_nothing(tmp_path):
+def test_the_demo_runs_with_the_bundled_config_and_leaves_nothing():
     """README's quick start (``python3 clients/demo.py``) runs, reports
     throughput, and leaves nothing behind, checked from outside rather than
     trusted to the demo's own "left behind: none" line: its instance
@@ -49,14 +51,14 @@ def test_the_demo_runs_with_the_bundled_config_and_leaves_nothing(tmp_path):
     daemon (``shmreplay.Server``; the demo runs with a TMPDIR of its own)
     is gone, and no process it started (all inherit that TMPDIR) is left."""
     instance = f"test{os.getpid()}xdemo"
-    tmp = tmp_path / "tmp"
-    tmp.mkdir()
+    # short: the private daemon's socket goes in it (a Unix socket's path has 108 bytes)
+    tmp = tempfile.mkdtemp(prefix=f"shmreplay-test{os.getpid()}demo", dir="/tmp")
     marker = f"TMPDIR={tmp}"
     assert _objects(instance) == [] and _marked(marker) == []
     try:
         run = subprocess.run([sys.executable, os.path.join(ROOT, "clients", "demo.py"), "--seconds", "2",
                               "--actors", "1", "--instance", instance], cwd=ROOT, capture_output=True,
-                             text=True, timeout=300, env={**os.environ, "TMPDIR": str(tmp)})
+                             text=True, timeout=300, env={**os.environ, "TMPDIR": tmp})
         assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
         m = re.search(r"result: (\d+) items inserted by 1 actor\(s\).*learner ([\d.]+) batches/s", run.stdout)
         assert m and int(m.group(1)) > 0 and float(m.group(2)) > 0, run.stdout[-2000:]
@@ -72,6 +74,7 @@ def test_the_demo_runs_with_the_bundled_config_and_leaves_nothing(tmp_path):
                 pass
         wait_for(lambda: not _marked(marker), "the demo's processes to end")
         remove_entries(instance)
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def test_the_bundled_config_loads_and_declares_the_demo_table():

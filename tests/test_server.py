@@ -60,3 +60,22 @@ def test_server_refuses_a_bad_table_and_stops_its_daemon():
         shmreplay.Server(tables=[dict(name="bad", capacity=10, fields={"x": ("float99", ())})],
                          instance=name)
     assert not shm_entries(f"shmreplay.{name}.")
+
+
+def test_a_server_under_a_tmpdir_too_long_for_a_socket_path_still_starts(tmp_path, monkeypatch):
+    """``Server`` keeps its socket in a private temporary directory; under a
+    $TMPDIR so long that no Unix socket path fits (108 bytes), it takes one
+    under /tmp instead of failing with the daemon's "AF_UNIX path too long"."""
+    import tempfile
+    deep = tmp_path / ("t" * 100)
+    deep.mkdir()
+    monkeypatch.setenv("TMPDIR", str(deep))
+    monkeypatch.setattr(tempfile, "tempdir", None)  # tempfile reads $TMPDIR again
+    with shmreplay.Server(instance=f"test{os.getpid()}longtmp") as srv:
+        assert srv.socket.startswith("/tmp/shmreplay-server-") and len(srv.socket) <= 107
+        with srv.connect() as c:
+            t = c.create_table("t", capacity=8, fields={"x": ("int64", ())})
+            t.insert(x=np.int64(1))
+            c.flush()
+            assert len(t) == 1
+    assert not os.path.exists(srv.dir)

@@ -90,6 +90,11 @@ class Server:
             raise ReplayError("give daemon options in the config file or as keywords, not both")
         self.instance = instance or f"local{os.getpid()}x{next(_counter)}"
         self.dir = tempfile.mkdtemp(prefix="shmreplay-server-")
+        if len(os.fsencode(os.path.join(self.dir, "shmreplay.sock"))) > 107:
+            # a long $TMPDIR leaves no room for a Unix socket's path (108 bytes
+            # with its NUL): a private 0700 directory under /tmp instead
+            os.rmdir(self.dir)
+            self.dir = tempfile.mkdtemp(prefix="shmreplay-server-", dir="/tmp")
         self.socket = os.path.join(self.dir, "shmreplay.sock")
         self.log_path = os.path.join(self.dir, "shmreplayd.log")
         self.proc: subprocess.Popen | None = None

@@ -248,6 +248,7 @@ def main(argv=None) -> int:
             if not 0 <= args.metrics_port <= 65535:
                 raise ReplayError(f"--metrics-port must be in 0..65535, got {args.metrics_port}")
             cfg.metrics_port = args.metrics_port
+        socket_path = cfg.socket_path(args.socket)
     except ReplayError as exc:
         print(f"shmreplayd: {exc}", file=sys.stderr)
         return 2
@@ -260,7 +261,7 @@ def main(argv=None) -> int:
     # faulthandler writes from the signal handler itself, so it works while
     # every thread is blocked, the event loop's included.
     faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=True)
-    daemon = Daemon(cfg, cfg.socket_path(args.socket), args.restore)
+    daemon = Daemon(cfg, socket_path, args.restore)
     # not uvloop.run(): its runner waits, with no bound, for every task left
     # when run() returns, so one that ignored its cancel (see shutdown) would
     # keep a stopped daemon alive for ever; such a task was logged, and the

@@ -270,3 +270,33 @@ def test_sigusr1_writes_every_threads_stack_to_the_log_and_the_daemon_serves_on(
         c.table("cfg").insert(**good_row(1))
         c.flush()
         assert len(c.table("cfg")) == 1
+
+
+HELLO_PROBE = """
+import sys
+import shmreplay
+from shmreplay.client import link
+from shmreplay.wire import atomics
+hello = link.ControlLink.hello
+def probe(self, *args):
+    # the spin calibration (a numba kernel loaded or compiled) is done before the handshake starts
+    print("calibrated before hello:", atomics._loads_per_s is not None, flush=True)
+    return hello(self, *args)
+link.ControlLink.hello = probe
+with shmreplay.connect(sys.argv[1]) as c:
+    print("tables:", c.list_tables())
+"""
+
+
+def test_a_new_process_loads_its_kernel_before_the_handshake_not_inside_it(start_daemon):
+    """The daemon closes a connection that has not said hello and ready
+    within handshake_timeout_s (10 s).  A new process's first connect
+    loads (or compiles) the numba kernel it spins with: up to seconds on a
+    loaded box, which once fell inside the handshake and got a Ray actor
+    refused ("no hello and ready within 10 s").  It is loaded before the
+    connect now."""
+    d = start_daemon(tables=[TABLE])
+    out = subprocess.run([sys.executable, "-c", HELLO_PROBE, d.socket], capture_output=True, text=True,
+                         timeout=HANG_S)
+    assert out.returncode == 0, out.stderr
+    assert "calibrated before hello: True" in out.stdout and "tables: ['cfg']" in out.stdout, out.stdout

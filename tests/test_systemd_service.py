@@ -178,8 +178,11 @@ def test_a_clean_exit_is_not_restarted_and_keeps_the_runtime_directory_and_retai
     pkg_parent = os.path.dirname(os.path.dirname(os.path.abspath(__import__("shmreplay").__file__)))
     box.run(sys.executable, "-m", "shmreplay.cli", "--socket", f"/run/shmreplay/{INSTANCE}.sock", "shutdown",
             env={"SHMREPLAY_DAEMON_USER": "shmreplay", "PYTHONPATH": pkg_parent})  # returns once it exited
-    # Restart=on-failure: systemd decides at the exit; a restart would show as activating/auto-restart
-    show = box.show(UNIT, "ActiveState", "SubState", "Result", "ExecMainStatus")
+    # the command returns once the socket is gone; systemd sees the process exit a moment later
+    # (it is "deactivating" since the daemon's STOPPING=1). Restart=on-failure decides at that
+    # exit: a restart would show as activating/auto-restart, a stop as inactive/dead
+    show = wait_for(lambda: (s := box.show(UNIT, "ActiveState", "SubState", "Result", "ExecMainStatus"))[
+        "ActiveState"] not in ("active", "deactivating") and s, "systemd to see the daemon exit")
     assert show == {"ActiveState": "inactive", "SubState": "dead", "Result": "success", "ExecMainStatus": "0"}, show
     assert os.path.isdir(f"{box.root}/run/shmreplay")  # RuntimeDirectoryPreserve=yes
     assert shm_entries(f"shmreplay.{INSTANCE}.") == kept  # retain_tables, and RemoveIPC=no left them

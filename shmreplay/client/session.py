@@ -33,6 +33,7 @@ import os
 import time
 
 from ..errors import DaemonUnavailable, ReplayError, ReplayTimeout, ReservationExpired, UnknownTable
+from ..wire import atomics
 from ..wire import records as R
 from .link import ControlLink
 from .pipe import CommandPipe
@@ -72,6 +73,12 @@ class Session:
         self.dirty = False
         for t in self._handles.values():  # leases belonged to the old connection
             t.forget_connection()
+        # before connecting: the first call in a process loads (or compiles)
+        # its numba kernel and calibrates the spin budget, up to seconds on a
+        # loaded box, which inside the handshake counted against the daemon's
+        # handshake_timeout_s (a Ray actor starting under load was refused
+        # with "no hello and ready within 10 s")
+        atomics.loads_per_second()
         link = ControlLink(self.path, self.timeout)
         try:
             hello, fds = link.hello(os.getpid(), resume)

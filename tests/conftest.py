@@ -23,8 +23,8 @@ from hypothesis import settings as hypothesis_settings
 from shmreplay.wire.names import runtime_dir
 from waiting import processes
 # the daemon helpers, here too for tests that import them from conftest
-from daemons import (DaemonProcess, nested_env, remove_entries, segment_of, shm_entries,  # noqa: F401
-                     table_objects, toml_value, write_config)
+from daemons import (DaemonProcess, close_zygote, nested_env, remove_entries, segment_of,  # noqa: F401
+                     shm_entries, table_objects, toml_value, write_config)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -75,6 +75,7 @@ def package_bytecode():
 @pytest.fixture(scope="session", autouse=True)
 def no_leaked_shared_memory():
     yield
+    close_zygote()  # its daemons are all stopped by now (a leftover one is killed with it)
     leaked = own_entries()
     assert not leaked, f"the suite left shared memory behind: {sorted(leaked)}"
 
@@ -120,14 +121,16 @@ def _children() -> set[int]:
 
 
 def _helper(pid: int) -> bool:
-    """multiprocessing's own long-lived helpers (resource tracker,
-    forkserver), started by the first test that needs them: not leftovers."""
+    """Long-lived helpers started by the first test that needs them, not
+    leftovers: multiprocessing's (resource tracker, forkserver) and the
+    test daemons' zygote (zygote.py), whose children are the tests'."""
     try:
         with open(f"/proc/{pid}/cmdline", "rb") as f:
             cmd = f.read()
     except OSError:
         return False
-    return b"multiprocessing.resource_tracker" in cmd or b"multiprocessing.forkserver" in cmd
+    return (b"multiprocessing.resource_tracker" in cmd or b"multiprocessing.forkserver" in cmd
+            or b"zygote.py" in cmd)  # the test daemons' parent (zygote.py)
 
 
 @pytest.fixture(autouse=True)

@@ -19,9 +19,27 @@ import time
 import pytest
 
 import shmreplay
+import zygote
 from shmreplay.wire.names import lock_path
 
 _counter = itertools.count()
+DAEMON_COMMAND = [sys.executable, "-m", "shmreplay.server.daemon"]
+_zygote: zygote.Zygote | None = None
+
+
+def the_zygote() -> zygote.Zygote:
+    """This process's zygote, started at its first daemon."""
+    global _zygote
+    if _zygote is None:
+        _zygote = zygote.Zygote()
+    return _zygote
+
+
+def close_zygote() -> None:
+    global _zygote
+    if _zygote is not None:
+        _zygote.close()
+        _zygote = None
 
 def nested_env(**extra: str) -> dict[str, str]:
     """The environment for a pytest run a test starts: this one's, less what
@@ -95,7 +113,7 @@ class DaemonProcess:
                  **daemon_opts):
         n = next(_counter)
         # the program to run (a fault test may inject faults into a real daemon)
-        self.command = command or [sys.executable, "-m", "shmreplay.server.daemon"]
+        self.command = command or DAEMON_COMMAND
         self.env = env
         self.instance = f"test{os.getpid()}x{n}"
         self.socket = str((socket_dir or tmp_path) / f"d{n}.sock")
@@ -106,12 +124,21 @@ class DaemonProcess:
         self.start(args)
 
     def start(self, args=()) -> None:
-        """(Re)start the daemon process with this config; wait until it serves."""
+        """(Re)start the daemon process with this config; wait until it serves.
+        The default command's daemon, with the test's environment, is forked
+        from this worker's zygote (zygote.py: the same daemon, without the
+        interpreter's start)."""
         if self._log.closed:
             self._log = open(self.log_path, "ab")
         env = None if self.env is None else {**os.environ, **self.env}
-        self.proc = subprocess.Popen([*self.command, "--config", self.config, *args],
-                                     stdout=self._log, stderr=subprocess.STDOUT, env=env)
+        # environment the interpreter reads at its start (numba's cache) is a
+        # fresh start's to honour: a daemon given its own environment starts afresh
+        if self.command == DAEMON_COMMAND and self.env is None and zygote.enabled():
+            self._log.flush()
+            self.proc = the_zygote().spawn(["--config", self.config, *args], str(self.log_path), env)
+        else:
+            self.proc = subprocess.Popen([*self.command, "--config", self.config, *args],
+                                         stdout=self._log, stderr=subprocess.STDOUT, env=env)
         self.wait_ready()
 
     def wait_ready(self, timeout: float = 120.0) -> None:

@@ -224,8 +224,13 @@ class DaemonProcess:
         except ProcessLookupError:
             return "\n".join(out)
         deadline = time.monotonic() + 10.0  # a hang guard: faulthandler writes at once
-        while "Thread 0x" not in self.log()[before:] and time.monotonic() < deadline:
+        size = -1
+        while time.monotonic() < deadline:  # until the dump has begun and stopped growing
             time.sleep(0.05)
+            now = len(self.log())
+            if now == size and "Thread 0x" in self.log()[before:]:
+                break
+            size = now
         out.append("Python stacks (SIGUSR1):\n" + self.log()[before:])
         return "\n".join(out)
 

@@ -46,6 +46,10 @@ def cachestat(path: str) -> dict[str, int]:
         raise PageCacheUnavailable(f"no cachestat syscall number known for {platform.machine()}")
     fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     try:
+        if _memory_backed(fd):
+            raise PageCacheUnavailable(f"{path} is on a memory filesystem (tmpfs): there is no disk to "
+                                       "sync to, and its pages never turn clean; run the suite with "
+                                       "TMPDIR on a disk filesystem")
         rng, st = _Range(0, 0), _Stat()  # len 0: to the end of the file
         rc = _libc.syscall(ctypes.c_long(nr), ctypes.c_int(fd), ctypes.byref(rng), ctypes.byref(st),
                            ctypes.c_uint(0))
@@ -72,3 +76,17 @@ def unsynced(directory: str) -> dict[str, dict[str, int]]:
         if st["nr_dirty"] or st["nr_writeback"]:
             out[name] = st
     return out
+
+
+TMPFS_MAGIC, RAMFS_MAGIC = 0x01021994, 0x858458F6  # include/uapi/linux/magic.h
+
+
+class _Statfs(ctypes.Structure):  # struct statfs (x86-64 and aarch64: f_type first, a long)
+    _fields_ = [("f_type", ctypes.c_long), ("rest", ctypes.c_byte * 112)]
+
+
+def _memory_backed(fd: int) -> bool:
+    st = _Statfs()
+    if _libc.fstatfs(ctypes.c_int(fd), ctypes.byref(st)) != 0:
+        return False  # cannot tell: cachestat then says what it sees
+    return (st.f_type & 0xFFFFFFFF) in (TMPFS_MAGIC, RAMFS_MAGIC)

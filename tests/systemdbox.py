@@ -100,7 +100,11 @@ class SystemdBox:
         self.cgroup = f"shmreplay-test{os.getpid()}box{id(self) & 0xffff:x}"
         self.pid1: int | None = None
         self.proc: subprocess.Popen | None = None
-        self.boot()
+        try:
+            self.boot()
+        except BaseException:  # a box that did not come up is ended all the same
+            self.close()
+            raise
 
     # ---- boot and close ----
     def boot(self) -> None:
@@ -215,6 +219,8 @@ class SystemdBox:
                 os.kill(self.pid1, signal.SIGKILL)
             except ProcessLookupError:
                 pass
+        if self.pid1 is None and self.proc is not None and self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)  # no systemd yet: end the boot script and unshare
         if self.proc is not None:
             try:
                 self.proc.wait(CALL_S)
@@ -224,6 +230,8 @@ class SystemdBox:
             self.log.close()
         for h in HIERARCHIES:
             top = f"/sys/fs/cgroup/{h}/{self.cgroup}"
+            if not os.path.isdir(top):
+                continue
             deadline = time.monotonic() + CALL_S  # a cgroup is busy until its last process is reaped
             for d in sorted((p for p, _, _ in os.walk(top)), key=len, reverse=True):
                 while os.path.isdir(d):

@@ -32,6 +32,7 @@ import select
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -52,18 +53,28 @@ class Zygote:
                                      stdout=subprocess.PIPE, text=True, bufsize=1, cwd=HERE)
         self.exits: dict[int, int] = {}
         self._pending = ""
-        msg = self._read(ZYGOTE_START_S)
-        assert msg == {"ready": True}, f"the zygote did not start: {msg}"
+        self.lock = threading.Lock()  # a test's threads may poll while another starts a daemon
+        try:
+            msg = self._read(ZYGOTE_START_S)
+            assert msg == {"ready": True}, f"the zygote did not start: {msg}"
+        except BaseException:
+            self.proc.kill()
+            self.proc.wait()
+            raise
 
     def spawn(self, argv: list[str], log: str, env: dict | None = None) -> "Forked":
         req = {"argv": argv, "log": log, "env": dict(os.environ) if env is None else env,
                "cwd": os.getcwd(), "umask": _umask()}
-        self.proc.stdin.write(json.dumps(req) + "\n")
-        self.proc.stdin.flush()
-        while True:
-            msg = self._read(60.0)
-            if "started" in msg:
-                return Forked(self, msg["started"])
+        with self.lock:
+            self.proc.stdin.write(json.dumps(req) + "\n")
+            self.proc.stdin.flush()
+            while True:
+                msg = self._read(60.0)
+                if "started" in msg:
+                    # a notice of an earlier child with this pid came before (the zygote
+                    # reaps and reports a child before the kernel can give its pid again)
+                    self.exits.pop(msg["started"], None)
+                    return Forked(self, msg["started"])
 
     def _read(self, timeout: float) -> dict:
         """The next message (exit notices are recorded on the way)."""
@@ -87,12 +98,13 @@ class Zygote:
     def exit_code(self, pid: int, timeout: float) -> int | None:
         """``pid``'s exit code, waiting up to ``timeout`` (None: still running)."""
         deadline = time.monotonic() + timeout
-        while pid not in self.exits:
-            try:  # a timeout of 0 still reads what has come
-                self._read(max(0.0, deadline - time.monotonic()))
-            except TimeoutError:
-                return None
-        return self.exits[pid]
+        with self.lock:
+            while pid not in self.exits:
+                try:  # a timeout of 0 still reads what has come
+                    self._read(max(0.0, deadline - time.monotonic()))
+                except TimeoutError:
+                    return None
+            return self.exits[pid]
 
     def close(self) -> None:
         self.proc.stdin.close()
@@ -137,7 +149,26 @@ def _exit_code(status: int) -> int:
 
 
 def _child(req: dict, parent_fds: tuple[int, ...]) -> None:
-    """In the forked child: become the daemon the request asks for."""
+    """In the forked child: become the daemon the request asks for, and
+    never return into the zygote's loop, whatever fails."""
+    code = 1
+    try:
+        code = _become_daemon(req, parent_fds)
+    except BaseException:
+        import traceback
+        traceback.print_exc()  # onto the test's log once it is open, else the zygote's stderr
+    finally:
+        import logging
+        logging.shutdown()  # flush the log, as the interpreter's exit would
+        for f in (sys.stdout, sys.stderr):
+            try:
+                f.flush()
+            except (OSError, ValueError):
+                pass
+        os._exit(code)  # never back into the zygote's loop, whatever is left running
+
+
+def _become_daemon(req: dict, parent_fds: tuple[int, ...]) -> int:
     signal.set_wakeup_fd(-1)
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)
     for fd in parent_fds:  # the protocol's pipes and the wake-up pipe: the zygote's, not the daemon's
@@ -152,17 +183,11 @@ def _child(req: dict, parent_fds: tuple[int, ...]) -> None:
     os.umask(req["umask"])
     os.environ.clear()
     os.environ.update(req["env"])
-    from shmreplay.numbaconf import exit_without_teardown
     from shmreplay.server import daemon
     try:
-        code = daemon.main(req["argv"])
+        return daemon.main(req["argv"])
     except SystemExit as exc:  # argparse's exits
-        code = exc.code if isinstance(exc.code, int) else 2
-    except BaseException:
-        import traceback
-        traceback.print_exc()
-        code = 1
-    exit_without_teardown(code)
+        return exc.code if isinstance(exc.code, int) else 2
 
 
 def _serve() -> None:
@@ -176,6 +201,40 @@ def _serve() -> None:
     signal.set_wakeup_fd(wake_w)
     signal.signal(signal.SIGCHLD, lambda *_: None)
     children: set[int] = set()
+    try:
+        _loop(out, wake_r, wake_w, children)
+    except BrokenPipeError:  # the test worker is gone
+        pass
+    finally:
+        _end_children(children)
+
+
+def _end_children(children: set[int]) -> None:
+    """The worker is done (or gone): a daemon still running is a test's
+    leftover; SIGTERM lets it remove its names, SIGKILL after a grace."""
+    for pid in children:
+        try:
+            os.kill(pid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+    deadline = time.monotonic() + 30.0
+    while children and time.monotonic() < deadline:
+        try:
+            pid, _ = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid:
+            children.discard(pid)
+        else:
+            time.sleep(0.05)
+    for pid in children:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def _loop(out, wake_r: int, wake_w: int, children: set[int]) -> None:
     out.write(json.dumps({"ready": True}) + "\n")
     inbox = ""
     while True:
@@ -194,8 +253,6 @@ def _serve() -> None:
         if 0 in ready:
             chunk = os.read(0, 65536).decode()
             if not chunk:  # the test worker is done
-                for pid in children:
-                    os.kill(pid, signal.SIGKILL)
                 return
             inbox += chunk
             while "\n" in inbox:

@@ -23,9 +23,10 @@ class ParameterRelay:
         # One board reads for every caller, and its ``newer_than`` shortcut
         # (None when nothing was published since *its* last read) would
         # answer None to an actor behind the one that read last: the board
-        # is asked what is newer than the newest read here, and each caller
-        # is answered from that.
-        got = self.board.latest(newer_than=None if self.newest is None else self.newest[0])
+        # reads whatever was published since its last read (newer_than=-1:
+        # a learner that restarts from version 1 is relayed too), and each
+        # caller is answered from the newest read here.
+        got = self.board.latest(newer_than=-1)
         if got is not None:
             version, arrays = got
             self.newest = version, {k: np.array(v) for k, v in arrays.items()}  # the board reuses its buffer

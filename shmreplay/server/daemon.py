@@ -151,17 +151,19 @@ class Daemon:
             self.periodic.append(loop.create_task(self._checkpoint_periodically()))
         if cfg.sync_interval_s > 0 and cfg.durable_file_tables:
             self.periodic.append(loop.create_task(self._sync_periodically()))
+        if cfg.metrics_port is not None:
+            # before ``started``: a start refused here (an address not of this
+            # host, a port in use) keeps the tables it adopted, as any failed start
+            from .control.metrics import MetricsServer  # prometheus_client only when asked for
+            self.metrics = MetricsServer(cfg.metrics_address, cfg.metrics_port, self.control.monitor,
+                                         self.control.checkpoints, cfg.instance)
+            self.control.metrics_url = f"http://{self.metrics.address}:{self.metrics.port}/metrics"
         n = len(await self.control.call(self.engine.table_names))
         log.info("serving %s with %d table(s)", self.socket_path, n)
         self.started = True
         self.watchdog = Watchdog(self.control, self.engine)
         self.periodic.append(loop.create_task(self.watchdog.run()))
         self.periodic.append(loop.create_task(self.control.monitor.run()))
-        if cfg.metrics_port is not None:
-            from .control.metrics import MetricsServer  # prometheus_client only when asked for
-            self.metrics = MetricsServer(cfg.metrics_address, cfg.metrics_port, self.control.monitor,
-                                         self.control.checkpoints, cfg.instance)
-            self.control.metrics_url = f"http://{self.metrics.address}:{self.metrics.port}/metrics"
         notify("READY=1")
 
     async def _checkpoint_periodically(self) -> None:
@@ -192,7 +194,10 @@ class Daemon:
             # bounded: a task that survived its cancel (asyncio.wait_for before
             # Python 3.12 could swallow one) must not keep the daemon from
             # stopping; the tables are dropped and unlinked either way
-            _, stuck = await asyncio.wait(self.periodic, timeout=PERIODIC_STOP_S)
+            ended, stuck = await asyncio.wait(self.periodic, timeout=PERIODIC_STOP_S)
+            for task in ended:
+                if not task.cancelled() and task.exception() is not None:  # logged where it rose
+                    log.debug("periodic task %s ended with %r", task.get_coro(), task.exception())
             for task in stuck:
                 log.error("periodic task %s did not end within %g s of its cancel; stopping without it",
                           task.get_coro(), PERIODIC_STOP_S)
@@ -218,14 +223,33 @@ class Daemon:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self._stop, "signal received")
+        # the handlers stay through the stop (and main() ignores both signals
+        # after it): a second SIGTERM during a stop, an impatient operator's,
+        # changes nothing, where the default action would end it half-way
         try:
             await self.startup()
             await stop.wait()
             log.info("%s; shutting down", "engine failed" if self.failed else self.stop_reason)
         finally:
-            for sig in (signal.SIGTERM, signal.SIGINT):
-                loop.remove_signal_handler(sig)
             await self.shutdown()
+
+
+def _ignore_stop_signals() -> None:
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, signal.SIG_IGN)
+
+
+def _end_leftover_tasks(loop) -> None:
+    """Cancel what is left on the loop and give it PERIODIC_STOP_S to end
+    (its ``finally`` blocks run); a task that ignores its cancel is left."""
+    tasks = [t for t in asyncio.all_tasks(loop) if not t.done()]
+    for t in tasks:
+        t.cancel()
+    if tasks:
+        loop.run_until_complete(asyncio.wait(tasks, timeout=PERIODIC_STOP_S))
+    for t in tasks:
+        if t.done() and not t.cancelled():
+            t.exception()  # retrieved: it was logged where it rose
 
 
 def main(argv=None) -> int:
@@ -274,8 +298,11 @@ def main(argv=None) -> int:
         log.error("%s", exc)
         return 1
     finally:
+        _ignore_stop_signals()  # stopped already: what is left is to exit
+        _end_leftover_tasks(loop)
         loop.run_until_complete(loop.shutdown_asyncgens())
-        loop.close()
+        loop.close()  # restores the default actions of the loop's signals
+        _ignore_stop_signals()
         asyncio.set_event_loop(None)
     return 1 if daemon.failed else 0
 

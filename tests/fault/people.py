@@ -4,7 +4,7 @@ and running a function as one of them in a forked child.
 The names carry this process's pid, so two runs of the suite on one box
 (or two pytest-xdist workers) never make, use or delete each other's
 users; each module that needs them makes them and deletes them again, and
-the session checks that none is left (``leftover_people``).
+checks at its end that none is left (``leftover_people``).
 """
 
 import os
@@ -51,11 +51,15 @@ def users():
     # a name of ours left by a killed run of an earlier process with this
     # pid would carry other groups: remove it, then make every one afresh
     remove_people()
-    for g in (GROUP, ADMINS):
-        run("groupadd", g)
-    for u, groups in ((MEMBER, [GROUP]), (ADMIN, [GROUP, ADMINS]), (STRANGER, [])):
-        run("useradd", "--no-create-home", "--shell", "/usr/sbin/nologin",
-            *(["--groups", ",".join(groups)] if groups else []), u)
+    try:
+        for g in (GROUP, ADMINS):
+            run("groupadd", g)
+        for u, groups in ((MEMBER, [GROUP]), (ADMIN, [GROUP, ADMINS]), (STRANGER, [])):
+            run("useradd", "--no-create-home", "--shell", "/usr/sbin/nologin",
+                *(["--groups", ",".join(groups)] if groups else []), u)
+    except BaseException:  # a setup error runs no teardown: remove what was made
+        remove_people()
+        raise
     yield {u: (pwd.getpwnam(u).pw_uid, pwd.getpwnam(u).pw_gid,
                [grp.getgrnam(g).gr_gid for g in groups])
            for u, groups in ((MEMBER, [GROUP]), (ADMIN, [GROUP, ADMINS]), (STRANGER, []))}

@@ -59,7 +59,8 @@ DefaultIPAccounting=no
 # the journal, so a unit's output can be read (journalctl) when a test fails
 JOURNALD = ("systemd-journald.service", "systemd-journald.socket", "systemd-journald-dev-log.socket",
             "systemd-journald-audit.socket")
-HIERARCHIES = ("systemd", "unified")  # name=systemd (v1) and the v2 tree beside it: hybrid, as here
+HIERARCHIES = ("systemd", "unified")
+PACKAGE_PARENT = os.path.dirname(os.path.dirname(os.path.abspath(shmreplay.__file__)))  # the tests' shmreplay  # name=systemd (v1) and the v2 tree beside it: hybrid, as here
 BOOT_S = 60.0  # hang guards
 CALL_S = 120.0
 
@@ -175,10 +176,9 @@ class SystemdBox:
     def _interpreter_mounts(self) -> list[str]:
         """Where the unit's /opt/shmreplay/venv/bin/shmreplayd finds this
         interpreter and this shmreplay package (see the module's docstring)."""
-        pkg_parent = os.path.dirname(os.path.dirname(os.path.abspath(shmreplay.__file__)))
         lines = ["mkdir -p /opt/shmreplay/python /opt/shmreplay/src /opt/shmreplay/venv/bin",
                  f"mount --bind {sys.base_prefix} /opt/shmreplay/python",
-                 f"mount --bind {pkg_parent} /opt/shmreplay/src"]
+                 f"mount --bind {PACKAGE_PARENT} /opt/shmreplay/src"]
         lib = shared_libpython()
         if lib is not None:
             lines.append(f"mount --bind {lib[0]} {lib[1]}")

@@ -34,7 +34,7 @@ import textwrap
 import pytest
 
 from conftest import shm_entries
-from systemdbox import SystemdBox, usable
+from systemdbox import PACKAGE_PARENT, SystemdBox, usable
 from waiting import HANG_S, wait_for
 
 pytestmark = [pytest.mark.skipif(usable() is not None, reason=f"a systemd box {usable()}"),
@@ -42,7 +42,7 @@ pytestmark = [pytest.mark.skipif(usable() is not None, reason=f"a systemd box {u
 
 INSTANCE = f"test{os.getpid()}sd"
 UNIT = f"shmreplay@{INSTANCE}.service"
-CONFIG = f"""
+CONFIG = """
 [daemon]
 retain_tables = true
 storage_dirs = ["/var/lib/shmreplay/tables"]
@@ -51,14 +51,14 @@ storage_dirs = ["/var/lib/shmreplay/tables"]
 name = "ram"
 capacity = 100
 [tables.fields]
-x = {{ dtype = "int64", shape = [] }}
+x = { dtype = "int64", shape = [] }
 
 [[tables]]
 name = "disk"
 capacity = 100
 storage_dir = "/var/lib/shmreplay/tables"
 [tables.fields]
-x = {{ dtype = "int64", shape = [] }}
+x = { dtype = "int64", shape = [] }
 """
 
 
@@ -83,13 +83,13 @@ def box(tmp_path_factory):
 def client(box: SystemdBox, code: str) -> dict:
     """Run ``code`` (with ``c``, a client of the service) in the box as root
     and return the dict it leaves in ``out``."""
-    pkg_parent = os.path.dirname(os.path.dirname(os.path.abspath(__import__("shmreplay").__file__)))
     prog = textwrap.dedent(f"""
         import json, numpy as np, shmreplay
         c = shmreplay.connect("/run/shmreplay/{INSTANCE}.sock", timeout=30)
         out = {{}}
     """) + textwrap.dedent(code) + "\nc.close()\nprint(json.dumps(out))\n"
-    p = box.run(sys.executable, "-c", prog, env={"SHMREPLAY_DAEMON_USER": "shmreplay", "PYTHONPATH": pkg_parent})
+    p = box.run(sys.executable, "-c", prog,
+                env={"SHMREPLAY_DAEMON_USER": "shmreplay", "PYTHONPATH": PACKAGE_PARENT})
     return json.loads(p.stdout.strip().splitlines()[-1])
 
 
@@ -175,9 +175,8 @@ def test_a_crashed_daemon_is_restarted_and_adopts_its_tables_and_the_watchdog_is
 def test_a_clean_exit_is_not_restarted_and_keeps_the_runtime_directory_and_retained_tables(box):
     kept = shm_entries(f"shmreplay.{INSTANCE}.")
     assert kept, "the tables are in /dev/shm"
-    pkg_parent = os.path.dirname(os.path.dirname(os.path.abspath(__import__("shmreplay").__file__)))
     box.run(sys.executable, "-m", "shmreplay.cli", "--socket", f"/run/shmreplay/{INSTANCE}.sock", "shutdown",
-            env={"SHMREPLAY_DAEMON_USER": "shmreplay", "PYTHONPATH": pkg_parent})  # returns once it exited
+            env={"SHMREPLAY_DAEMON_USER": "shmreplay", "PYTHONPATH": PACKAGE_PARENT})  # returns once it exited
     # the command returns once the socket is gone; systemd sees the process exit a moment later
     # (it is "deactivating" since the daemon's STOPPING=1). Restart=on-failure decides at that
     # exit: a restart would show as activating/auto-restart, a stop as inactive/dead

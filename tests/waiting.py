@@ -125,11 +125,5 @@ def thread_states(pid: int) -> dict[str, tuple[str, str]]:
 def all_threads_stopped(pid: int) -> bool:
     """Whether every thread of process ``pid`` is stopped: ``kill(SIGSTOP)``
     returns before the stop takes hold."""
-    states = []
-    for tid in os.listdir(f"/proc/{pid}/task"):
-        try:
-            with open(f"/proc/{pid}/task/{tid}/stat") as f:
-                states.append(f.read().rsplit(")", 1)[1].split()[0])
-        except OSError:
-            pass
+    states = [st for st, _ in thread_states(pid).values()]
     return bool(states) and all(st in ("T", "t") for st in states)

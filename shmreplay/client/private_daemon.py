@@ -41,7 +41,7 @@ import tempfile
 import time
 
 from ..errors import DaemonUnavailable, ReplayError
-from ..wire.names import SHM_DIR
+from ..wire.names import SHM_DIR, SOCKET_PATH_MAX
 from .client import Client, connect
 
 START_TIMEOUT_S = 120.0   # the first start on a machine compiles the kernels (seconds)
@@ -90,9 +90,9 @@ class Server:
             raise ReplayError("give daemon options in the config file or as keywords, not both")
         self.instance = instance or f"local{os.getpid()}x{next(_counter)}"
         self.dir = tempfile.mkdtemp(prefix="shmreplay-server-")
-        if len(os.fsencode(os.path.join(self.dir, "shmreplay.sock"))) > 107:
-            # a long $TMPDIR leaves no room for a Unix socket's path (108 bytes
-            # with its NUL): a private 0700 directory under /tmp instead
+        if len(os.fsencode(os.path.join(self.dir, "shmreplay.sock"))) > SOCKET_PATH_MAX:
+            # a long $TMPDIR leaves no room for a Unix socket's path: a
+            # private 0700 directory under /tmp instead
             os.rmdir(self.dir)
             self.dir = tempfile.mkdtemp(prefix="shmreplay-server-", dir="/tmp")
         self.socket = os.path.join(self.dir, "shmreplay.sock")

@@ -67,7 +67,7 @@ from .tables import members, sumtree
 
 log = logging.getLogger("shmreplayd")
 
-PERIODIC_STOP_S = 10.0  # how long a stop waits for the cancelled periodic tasks
+PERIODIC_STOP_S = 10.0  # how long a stop waits for the tasks it cancelled
 
 
 @without_blas_probe()  # ~0.2 s less per start: see numbaconf
@@ -188,19 +188,7 @@ class Daemon:
         notify("STOPPING=1")
         if self.metrics is not None:
             self.metrics.close()
-        for task in self.periodic:
-            task.cancel()
-        if self.periodic:
-            # bounded: a task that survived its cancel (asyncio.wait_for before
-            # Python 3.12 could swallow one) must not keep the daemon from
-            # stopping; the tables are dropped and unlinked either way
-            ended, stuck = await asyncio.wait(self.periodic, timeout=PERIODIC_STOP_S)
-            for task in ended:
-                if not task.cancelled() and task.exception() is not None:  # logged where it rose
-                    log.debug("periodic task %s ended with %r", task.get_coro(), task.exception())
-            for task in stuck:
-                log.error("periodic task %s did not end within %g s of its cancel; stopping without it",
-                          task.get_coro(), PERIODIC_STOP_S)
+        await cancel_within(self.periodic, PERIODIC_STOP_S)
         if self.control is not None:
             await self.control.close()                  # steps 1-2
             if self.failed:  # the tables stay exactly as they are, as after a SIGKILL
@@ -239,17 +227,22 @@ def _ignore_stop_signals() -> None:
         signal.signal(sig, signal.SIG_IGN)
 
 
-def _end_leftover_tasks(loop) -> None:
-    """Cancel what is left on the loop and give it PERIODIC_STOP_S to end
-    (its ``finally`` blocks run); a task that ignores its cancel is left."""
-    tasks = [t for t in asyncio.all_tasks(loop) if not t.done()]
+async def cancel_within(tasks, timeout: float) -> None:
+    """Cancel ``tasks`` and wait for them, at most ``timeout``: a task that
+    survived its cancel (asyncio.wait_for before Python 3.12 could swallow
+    one) is logged and left, never waited for without a bound; the tables
+    are dropped and unlinked either way."""
+    tasks = [t for t in tasks if not t.done()]
     for t in tasks:
         t.cancel()
-    if tasks:
-        loop.run_until_complete(asyncio.wait(tasks, timeout=PERIODIC_STOP_S))
-    for t in tasks:
-        if t.done() and not t.cancelled():
+    if not tasks:
+        return
+    ended, stuck = await asyncio.wait(tasks, timeout=timeout)
+    for t in ended:
+        if not t.cancelled():
             t.exception()  # retrieved: it was logged where it rose
+    for t in stuck:
+        log.error("task %s did not end within %g s of its cancel; stopping without it", t.get_coro(), timeout)
 
 
 def main(argv=None) -> int:
@@ -299,7 +292,7 @@ def main(argv=None) -> int:
         return 1
     finally:
         _ignore_stop_signals()  # stopped already: what is left is to exit
-        _end_leftover_tasks(loop)
+        loop.run_until_complete(cancel_within(asyncio.all_tasks(loop), PERIODIC_STOP_S))
         loop.run_until_complete(loop.shutdown_asyncgens())
         loop.close()  # restores the default actions of the loop's signals
         _ignore_stop_signals()

@@ -47,6 +47,7 @@ import re
 import secrets
 
 ENV_SOCKET = "SHMREPLAY_SOCKET"
+SOCKET_PATH_MAX = 107  # bytes of a Unix socket's path: sun_path is 108, with its NUL
 SHM_DIR = "/dev/shm"
 PREFIX = "shmreplay."
 

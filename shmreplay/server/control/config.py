@@ -117,15 +117,13 @@ class DaemonConfig:
 
     def socket_path(self, override: str | None = None) -> str:
         path = override or self.socket or os.environ.get(names.ENV_SOCKET) or names.default_socket_path()
-        if len(os.fsencode(path)) > SOCKET_PATH_MAX:
+        if len(os.fsencode(path)) > names.SOCKET_PATH_MAX:
             # bind() would fail with a bare "AF_UNIX path too long"
             raise SchemaError(f"socket {path!r} is {len(os.fsencode(path))} bytes long; a Unix socket's "
-                              f"path may have at most {SOCKET_PATH_MAX}: choose a shorter socket path "
+                              f"path may have at most {names.SOCKET_PATH_MAX}: choose a shorter socket path "
                               "(--socket, socket in [daemon], or $SHMREPLAY_SOCKET)")
         return path
 
-
-SOCKET_PATH_MAX = 107  # sun_path is 108 bytes, with its terminating NUL
 
 
 def check_instance(name: str) -> str:

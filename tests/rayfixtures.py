@@ -9,10 +9,21 @@ Every such module carries ``pytestmark = pytest.mark.xdist_group("ray")``:
 one Ray at a time on the box."""
 
 import os
+import secrets
+import shlex
+import shutil
+import signal
+import socket
+import stat
+import subprocess
+import sys
+import tempfile
+import time
 
 import pytest
 
-from shmreplay.bench.raycluster import LocalCluster
+from shmreplay.bench.raycluster import START_S, LocalCluster, listening
+from waiting import processes, wait_for
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 # where Ray keeps state when not told otherwise: a run of the suite makes
@@ -59,3 +70,137 @@ def before_the_ingest_thread(attempt, tries: int = 3):
         if seconds < HOLD_MAX:
             return got
     pytest.fail(f"{tries} runs each took {HOLD_MAX} s or more: the machine stalled throughout")
+
+
+class MemberCluster:
+    """A one-node Ray cluster whose every process runs as a real user
+    (``ident``: people.py's (uid, gid, groups)), the way docs/reliability.md
+    section 13 recommends running one next to a daemon: as a user that is
+    only a member of the daemon's group.  Root is always the daemon's
+    admin, so a cluster the tests start as root could show nothing.
+
+    Ray's token authentication is on (``RAY_AUTH_MODE=token``, a token
+    drawn here and given in the environment, so no token file is made):
+    Ray's GCS listens on every interface whatever ``--node-ip-address``
+    says.  The interpreter may live under a directory other users cannot
+    enter (/root, 0700, here): the head then starts in a mount namespace
+    of its own where that directory is a tmpfs holding only the way to the
+    interpreter (``_mounts``), as the systemd box does (systemdbox.py);
+    the jobs' drivers join that namespace (``nsenter``).
+
+    The cluster's folder (``temp``, the user's) sits in one of root's
+    (``base``, 0711) that holds what root writes (logs, a mount point):
+    root opens nothing in a folder the cluster's code can write.
+
+    Who calls it: one test, one thread, root only.  ``stop`` ends every
+    process of the cluster and removes both folders."""
+
+    def __init__(self, ident, pythonpath: list[str]):
+        self.uid, self.gid, self.groups = ident
+        self.pythonpath = pythonpath
+        self.head = self.base = self.temp = self.address = None
+        self.env = {}
+
+    def start(self) -> str:
+        self.base = tempfile.mkdtemp(prefix="ray", dir="/tmp")  # short: Ray's socket paths live under it
+        os.chmod(self.base, 0o711)
+        self.temp = os.path.join(self.base, "r")
+        os.mkdir(self.temp, 0o700)
+        os.chown(self.temp, self.uid, self.gid)
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        self.address = f"127.0.0.1:{port}"
+        self.env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": self.temp,
+                    "PYTHONPATH": os.pathsep.join(self.pythonpath), "NUMBA_CACHE_DIR": f"{self.temp}/numba",
+                    "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(32),
+                    "RAY_USAGE_STATS_ENABLED": "0", "RAY_ADDRESS": self.address}
+        cmd = [*self._as_member(), sys.executable, "-m", "ray.scripts.scripts", "start", "--head", "--block",
+               "--node-ip-address=127.0.0.1", f"--port={port}", "--num-cpus=1", "--include-dashboard=false",
+               "--object-store-memory=80000000", "--disable-usage-stats", f"--temp-dir={self.temp}"]
+        script = "set -e\n" + self._mounts() + "exec " + " ".join(shlex.quote(a) for a in cmd)
+        with open(f"{self.base}/head.log", "wb") as log:
+            self.head = subprocess.Popen(["unshare", "--mount", "--propagation", "private", "--", "sh", "-c",
+                                          script], env=self.env, stdout=log, stderr=log, start_new_session=True)
+        deadline = time.monotonic() + START_S
+        while not listening(port):
+            if self.head.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"the Ray head did not come up (exit code {self.head.poll()}): "
+                                   f"{self.log('head')[-2000:]}")
+            time.sleep(0.1)
+        return self.address
+
+    def log(self, name: str) -> str:
+        """What the head (``head``) or a job (its ``name``) wrote to stderr."""
+        try:
+            with open(f"{self.base}/{name}.log", errors="replace") as f:
+                return f.read()
+        except OSError:
+            return ""
+
+    def job(self, name: str, *argv):
+        """A driver process of a new job, as the cluster's user, in the
+        head's mount namespace: ``python argv...``, stdin and stdout piped
+        (text), stderr to ``log(name)``."""
+        with open(f"{self.base}/{name}.log", "wb") as log:
+            return subprocess.Popen(["nsenter", f"--target={self.head.pid}", "--mount", "--", *self._as_member(),
+                                     sys.executable, *argv], env=self.env, stdin=subprocess.PIPE,
+                                    stdout=subprocess.PIPE, stderr=log, text=True, start_new_session=True)
+
+    def stop(self) -> None:
+        """End every process of the head's session (its workers too) and
+        of the user, then remove the folders."""
+        if self.head is not None:
+            sid = self.head.pid
+            for sig in (signal.SIGTERM, signal.SIGKILL):
+                for pid in self.leftovers():
+                    try:
+                        os.kill(pid, sig)
+                    except ProcessLookupError:
+                        pass
+                if sig == signal.SIGTERM:
+                    try:
+                        self.head.wait(2)
+                    except subprocess.TimeoutExpired:
+                        pass
+            self.head.wait()
+            wait_for(lambda: not self.leftovers(), f"the Ray head's processes (session {sid}) to go")
+        if self.base:
+            shutil.rmtree(self.base, ignore_errors=True)  # never follows a link the cluster made
+
+    def leftovers(self) -> list[int]:
+        """Live processes of the head's session, and any other of the user's."""
+        mine = set(_session_members(self.head.pid)) if self.head else set()
+        for pid, _ in processes():
+            try:
+                with open(f"/proc/{pid}/status") as f:
+                    uid = next(int(line.split()[1]) for line in f if line.startswith("Uid:"))
+            except (OSError, StopIteration):
+                continue
+            if uid == self.uid:
+                mine.add(pid)
+        return sorted(mine)
+
+    def _as_member(self) -> list[str]:
+        return ["setpriv", f"--reuid={self.uid}", f"--regid={self.gid}",
+                f"--groups={','.join(map(str, self.groups))}" if self.groups else "--clear-groups",
+                "--inh-caps=-all", "--"]
+
+    def _mounts(self) -> str:
+        """Shell lines that, in the head's mount namespace, let the user
+        reach the interpreter: the outermost directory above it that others
+        cannot enter becomes a 0711 tmpfs holding only the way down."""
+        prefix = os.path.realpath(sys.base_prefix)
+        parts = prefix.strip("/").split("/")
+        for i in range(1, len(parts)):
+            closed = "/" + "/".join(parts[:i])
+            if not os.stat(closed).st_mode & stat.S_IXOTH:
+                closed, child = shlex.quote(closed), shlex.quote(f"{closed}/{parts[i]}")
+                hold = shlex.quote(f"{self.base}/interpreter")
+                return (f"mkdir {hold}\nmount --bind {child} {hold}\n"
+                        f"mount -t tmpfs -o mode=0711 tmpfs {closed}\nmkdir {child}\nmount --move {hold} {child}\n")
+        return ""
+
+
+def _session_members(sid: int) -> list[int]:
+    return [pid for pid, f in processes() if int(f[3]) == sid and f[0] != "Z"]

@@ -8,8 +8,12 @@ import numpy as np
 import ray
 
 import shmreplay.ray as sray
+from shmreplay.ray.dues import new_key
 
 FIELDS = {"id": ("int64", ()), "obs": ("float32", (8,))}
+# producers' keys for tests that call the ingest directly (put, sync): a
+# producer is known by a secret key of 128 random bits (dues.py), never a name
+P, GONE, LIVE, BACK, QUIET = (new_key() for _ in range(5))
 
 
 def rows(ids) -> dict:
@@ -93,3 +97,32 @@ def read_parameters(relay, newer_than):
     """What an actor on the other node (as on another machine: it cannot
     map the board) gets from a parameter relay, and that node's id."""
     return ray.get(relay.latest.remote(newer_than)), ray.get_runtime_context().get_node_id()
+
+
+@ray.remote(resources={"remote_node": 1}, num_cpus=0)
+def claim(ingest, key, seqs, kill: bool) -> dict:
+    """Another party on the cluster that holds a producer's ``key`` (or
+    what it takes for it): with ``kill``, it kills the ingest (Ray
+    restarts it) and waits until the new incarnation serves; then it
+    sends an empty chunk under each of ``seqs`` and has them flushed by a
+    call of its own (its own key), so that the ingest owes ``key`` those
+    sequence numbers as vouched for at its next answer.  Returns the
+    ingest's stats after."""
+    from waiting import wait_for
+    if kill:
+        ray.kill(ingest, no_restart=False)
+        wait_for(lambda: serving(ingest), "the ingest to restart")
+    empty = rows(np.arange(0))
+    for s in seqs:
+        ray.get(ingest.put.remote(empty, [None, key, s, False, None]))
+    ray.get(ingest.sync.remote(new_key()))
+    return ray.get(ingest.stats.remote())
+
+
+def serving(ingest) -> bool:
+    """Whether the ingest answers a call (not while Ray restarts it)."""
+    try:
+        ray.get(ingest.stats.remote(), timeout=10)
+        return True
+    except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+        return False

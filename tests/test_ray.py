@@ -15,7 +15,7 @@ ray = pytest.importorskip("ray")
 import shmreplay  # noqa: E402
 import shmreplay.ray as sray  # noqa: E402
 from rayfixtures import HOLD_MAX, before_the_ingest_thread, cluster  # noqa: E402,F401 (a fixture)
-from rayproducer import FIELDS, Producer, rows  # noqa: E402
+from rayproducer import BACK, FIELDS, GONE, LIVE, P, QUIET, Producer, rows  # noqa: E402
 from shmreplay.bench.raycluster import ENV  # noqa: E402
 from shmreplay.ray.packing import layout_id, row_dtype  # noqa: E402
 from waiting import HANG_S, wait_for  # noqa: E402
@@ -77,18 +77,18 @@ def test_the_ingest_forgets_what_it_owes_a_producer_that_stopped_calling(cluster
     after its last answer: past ``forget_s`` the ingest drops them."""
     d = start_daemon(tables=[{"name": "t", "capacity": 4096, "fields": FIELDS}])
     ingest = sray.start_ingest(d.socket, "t", node_id=cluster, flush_every=1000, forget_s=0)
-    assert ray.get(ingest.put.remote(rows(np.arange(8)), [None, "gone", 1, False, None]), timeout=HANG_S)[1] == []
+    assert ray.get(ingest.put.remote(rows(np.arange(8)), [None, GONE, 1, False, None]), timeout=HANG_S)[1] == []
     # another producer's flush vouches for "gone"'s chunk, which "gone" will never hear of
-    assert ray.get(ingest.sync.remote("live"), timeout=HANG_S)[0] == 0
+    assert ray.get(ingest.sync.remote(LIVE), timeout=HANG_S)[0] == 0
     stats = ray.get(ingest.stats.remote())
     assert stats["forgotten"] == 0 and stats["producers"] == 2  # "gone" was calling until now
-    assert ray.get(ingest.sync.remote("live"), timeout=HANG_S)[1] == []
+    assert ray.get(ingest.sync.remote(LIVE), timeout=HANG_S)[1] == []
     stats = ray.get(ingest.stats.remote())
     assert stats["forgotten"] == 1 and stats["producers"] == 1  # what "gone" was owed is dropped
     # a producer silent past forget_s that calls again is told what it is owed, not forgotten
-    ray.get(ingest.put.remote(rows(np.arange(8, 16)), [None, "back", 7, False, None]), timeout=HANG_S)
-    ray.get(ingest.sync.remote("live"), timeout=HANG_S)  # vouches for "back"'s chunk
-    assert ray.get(ingest.sync.remote("back"), timeout=HANG_S)[1] == [7]
+    ray.get(ingest.put.remote(rows(np.arange(8, 16)), [None, BACK, 7, False, None]), timeout=HANG_S)
+    ray.get(ingest.sync.remote(LIVE), timeout=HANG_S)  # vouches for "back"'s chunk
+    assert ray.get(ingest.sync.remote(BACK), timeout=HANG_S)[1] == [7]
     with d.connect() as c:
         assert len(c.table("t")) == 16  # forgetting drops bookkeeping, never rows
     with pytest.raises(shmreplay.ReplayError, match="forget_s must be"):
@@ -114,10 +114,10 @@ def test_small_chunks_are_inserted_together_and_none_waits_for_a_call(cluster, s
             ingest = sray.start_ingest(d.socket, name, node_id=cluster, flush_every=1000, hold_s=HOLD_MAX)
             ray.get(ingest.stats.remote(), timeout=HANG_S)  # serving: its start is no part of the window
             t0 = time.monotonic()
-            ray.get(ingest.put.remote(rows(np.arange(8)), [prios, "p", 1, False, None]), timeout=HANG_S)
-            ray.get(ingest.put.remote(rows(np.arange(8, 16)), [None, "p", 2, False, None]), timeout=HANG_S)
+            ray.get(ingest.put.remote(rows(np.arange(8)), [prios, P, 1, False, None]), timeout=HANG_S)
+            ray.get(ingest.put.remote(rows(np.arange(8, 16)), [None, P, 2, False, None]), timeout=HANG_S)
             before = ray.get(ingest.stats.remote())
-            acked = ray.get(ingest.put.remote(unsigned, [None, "p", 3, True, None]), timeout=HANG_S)[1]
+            acked = ray.get(ingest.put.remote(unsigned, [None, P, 3, True, None]), timeout=HANG_S)[1]
             after = ray.get(ingest.stats.remote())
             seconds = time.monotonic() - t0
             ray.kill(ingest)
@@ -136,7 +136,7 @@ def test_small_chunks_are_inserted_together_and_none_waits_for_a_call(cluster, s
         np.testing.assert_array_equal(b.data["obs"], rows(b.data["id"])["obs"])
 
     ingest = sray.start_ingest(d.socket, "t", node_id=cluster, flush_every=1000)  # hold_s: 0.05 s
-    ray.get(ingest.put.remote(rows(np.arange(24, 32)), [None, "quiet", 1, False, None]), timeout=HANG_S)
+    ray.get(ingest.put.remote(rows(np.arange(24, 32)), [None, QUIET, 1, False, None]), timeout=HANG_S)
     with d.connect() as c:  # no call inserts it: the thread does, unconfirmed (nothing flushed)
         wait_for(lambda: len(c.table("t")) == 8, "a held chunk to be inserted with no call after it")
     stats = ray.get(ingest.stats.remote())
@@ -145,7 +145,7 @@ def test_small_chunks_are_inserted_together_and_none_waits_for_a_call(cluster, s
 
     ingest = sray.start_ingest(d.socket, "t", node_id=cluster, flush_every=1000, hold_s=0)
     for k in range(2):
-        ray.get(ingest.put.remote(rows(np.arange(32 + 8 * k, 40 + 8 * k)), [None, "p", k, False, None]), timeout=HANG_S)
+        ray.get(ingest.put.remote(rows(np.arange(32 + 8 * k, 40 + 8 * k)), [None, P, k, False, None]), timeout=HANG_S)
     stats = ray.get(ingest.stats.remote())
     assert (stats["held"], stats["inserts"]) == (0, 2)
     # a writer packs rows the table's check would pass (float64 obs: cast), sends the rest as they are
@@ -163,11 +163,11 @@ def test_small_chunks_are_inserted_together_and_none_waits_for_a_call(cluster, s
     with pytest.raises(sray.ChunkRefused, match="missing field"):
         w.flush()
     with pytest.raises(ray.exceptions.RayTaskError, match="packed chunk has rows of 40 bytes"):
-        ray.get(ingest.put.remote(np.zeros((4, 39), np.uint8), [None, "p", 9, False, None]), timeout=HANG_S)
+        ray.get(ingest.put.remote(np.zeros((4, 39), np.uint8), [None, P, 9, False, None]), timeout=HANG_S)
     # packed for another layout of the same width (a table made anew with other fields)
     other = row_dtype({"obs": ("float32", (8,)), "id": ("int64", ())})
     with pytest.raises(ray.exceptions.RayTaskError, match="packed for other fields"):
-        ray.get(ingest.put.remote(np.zeros((4, 40), np.uint8), [None, "p", 9, False, layout_id(other)]),
+        ray.get(ingest.put.remote(np.zeros((4, 40), np.uint8), [None, P, 9, False, layout_id(other)]),
                 timeout=HANG_S)
     for bad in (-1, 11, "1", True):
         with pytest.raises(shmreplay.ReplayError, match="hold_s must be"):

@@ -1,7 +1,9 @@
 """Issue 33: three promises of the Ray integration, on a real two-node Ray
 cluster (rayfixtures.cluster: both nodes on 127.0.0.1) and a real daemon:
 the parameter relay, a chunk sent again after the daemon voided the
-ingest's lease, and held chunks inserted once they reach 1 MiB."""
+ingest's lease, and held chunks inserted once they reach 1 MiB.  Issue 34,
+item 5: no acknowledgement from an earlier ingest incarnation or from
+another party confirms a producer's chunk (docs/reliability.md, section 13)."""
 
 import time
 
@@ -12,9 +14,10 @@ ray = pytest.importorskip("ray")
 import shmreplay  # noqa: E402
 import shmreplay.ray as sray  # noqa: E402
 from rayfixtures import HOLD_MAX, before_the_ingest_thread, cluster  # noqa: E402,F401 (a fixture)
-from rayproducer import FIELDS, Producer, read_parameters, rows  # noqa: E402
+from rayproducer import FIELDS, P, Producer, claim, read_parameters, rows  # noqa: E402
 from readback import committed  # noqa: E402
 from shmreplay.ray.coalesce import HOLD_S  # noqa: E402
+from shmreplay.ray.dues import new_key  # noqa: E402
 from waiting import HANG_S, wait_for  # noqa: E402
 
 # one pytest-xdist worker runs every test that starts Ray: one Ray at a time on the box
@@ -130,6 +133,16 @@ def blob_rows(lo: int, n: int) -> dict:
     return {"id": ids, "blob": (ids[:, None] + np.arange(120)).astype(np.uint8)}
 
 
+def holding_ingest(c, d, cluster, name: str, capacity: int, fields: dict):
+    """A new table ``name`` and an ingest for it that flushes only when
+    asked and holds small chunks for ``HOLD_MAX``, once it serves (its
+    start is no part of a before_the_ingest_thread window)."""
+    c.create_table(name, capacity, fields)
+    ingest = sray.start_ingest(d.socket, name, node_id=cluster, flush_every=1000, hold_s=HOLD_MAX)
+    ray.get(ingest.stats.remote(), timeout=HANG_S)
+    return ingest
+
+
 def test_held_chunks_are_inserted_once_they_reach_1_MiB(cluster, start_daemon):
     """shmreplay/ray/__init__.py ("Small chunks, inserted together") and
     docs/scaling.md: chunks of up to 64 KiB are held and inserted as one
@@ -144,12 +157,10 @@ def test_held_chunks_are_inserted_once_they_reach_1_MiB(cluster, start_daemon):
     with d.connect() as c:
         def fill(k):
             name = f"t{k}"
-            c.create_table(name, 16384, BLOB)
-            ingest = sray.start_ingest(d.socket, name, node_id=cluster, flush_every=1000, hold_s=HOLD_MAX)
-            ray.get(ingest.stats.remote(), timeout=HANG_S)  # serving: its start is no part of the window
+            ingest = holding_ingest(c, d, cluster, name, 16384, BLOB)
 
             def put(lo, n, seq):
-                ray.get(ingest.put.remote(blob_rows(lo, n), [None, "p", seq, False, None]), timeout=HANG_S)
+                ray.get(ingest.put.remote(blob_rows(lo, n), [None, P, seq, False, None]), timeout=HANG_S)
                 return ray.get(ingest.stats.remote(), timeout=HANG_S)
 
             t0 = time.monotonic()
@@ -160,7 +171,7 @@ def test_held_chunks_are_inserted_once_they_reach_1_MiB(cluster, start_daemon):
             seconds = time.monotonic() - t0
             # 513 x 128 B = 65,664 B, over 64 KiB: inserted as it comes, never held
             big = put(8192, 513, 18)
-            ray.get(ingest.sync.remote("p"), timeout=HANG_S)  # the flush: every insert applied
+            ray.get(ingest.sync.remote(P), timeout=HANG_S)  # the flush: every insert applied
             ray.kill(ingest)
             return seconds, (name, before, after, big)
 
@@ -171,3 +182,75 @@ def test_held_chunks_are_inserted_once_they_reach_1_MiB(cluster, start_daemon):
         got, _ = committed(c.table(name))  # in commit order: the batch, then the large chunk
         np.testing.assert_array_equal(got["id"], np.arange(8192 + 513))
         np.testing.assert_array_equal(got["blob"], blob_rows(0, 8192 + 513)["blob"])
+
+
+def test_a_restarted_ingest_never_confirms_chunks_an_earlier_incarnation_answered(cluster, start_daemon):
+    """Issue 34, item 5, the reported sequence: a producer's 10 chunks (80
+    rows) are answered and held by the ingest (coalesce.py), none flushed;
+    another party that holds the producer's key kills the ingest, and once
+    Ray has restarted it, sends empty chunks under sequence numbers 1-10
+    and has them flushed.  The producer's next answer, from the new
+    incarnation, acknowledges 1-10: those acknowledge the other party's
+    chunks, not the ones the dead ingest held, so ``flush()`` sends all 10
+    again and returns only once the table holds every one of its 80 rows,
+    each once.  (On the old order, acks read before the incarnation:
+    ``flush()`` returned with 10 chunks confirmed and 0 of the 80 rows
+    stored.)  The ingest holds with ``hold_s`` at its most, read within
+    it (rayfixtures.before_the_ingest_thread): the dead ingest stored
+    nothing."""
+    d = start_daemon()
+    with d.connect() as c:
+        def held_then_claimed(k):
+            name = f"claimed{k}"
+            ingest = holding_ingest(c, d, cluster, name, 1024, FIELDS)
+            key = new_key()
+            w = sray.RemoteWriter(ingest, chunk=8, in_flight=2, hold=1000, key=key)
+            t0 = time.monotonic()
+            w.insert_batch(rows(np.arange(80)))  # 10 chunks, the last two still unanswered
+            before = ray.get(ingest.stats.remote(), timeout=HANG_S)  # after the 10 puts: one caller's calls run in order
+            after = ray.get(claim.remote(ingest, key, list(range(1, 11)), True), timeout=HANG_S)
+            stored = len(c.table(name))
+            return time.monotonic() - t0, (name, ingest, w, before, after, stored)
+
+        name, ingest, w, before, after, stored = before_the_ingest_thread(held_then_claimed)
+        assert (before["chunks"], before["held"], before["inserts"], before["flushes"]) == (10, 10, 0, 0)
+        assert (after["chunks"], after["rows"], after["flushes"]) == (10, 0, 1)  # the other party's 10, flushed
+        assert stored == 0 and w.confirmed == 0
+        w.flush()
+        got, _ = committed(c.table(name))
+        assert sorted(got["id"].tolist()) == list(range(80))  # every row the producer was told of, once
+        np.testing.assert_array_equal(got["obs"], rows(got["id"])["obs"])
+        assert (w.sent, w.confirmed, w.resent) == (10, 10, 10)
+    ray.kill(ingest)
+
+
+def test_the_id_a_producer_shows_lets_nobody_claim_its_chunks(cluster, start_daemon):
+    """Issue 34, item 5: a producer is known to the ingest by a secret key
+    of 128 random bits (shmreplay/ray/dues.py); its stats show only a
+    digest of it, the writer's ``id``.  Another party that read that id
+    cannot use it as a key, and a key made of it is another producer's:
+    sequence numbers 2-11 it sends and has flushed under that key are owed
+    to it, never to the producer, whose chunks 2-11, answered and held by
+    the ingest but not yet flushed, stay unconfirmed until its own flush
+    stores them.  (With the id shown being the key, chunk 2's answer
+    confirmed it while it was only held.)"""
+    d = start_daemon(tables=[{"name": "t", "capacity": 1024, "fields": FIELDS}])
+    ingest = sray.start_ingest(d.socket, "t", node_id=cluster, flush_every=1000, hold_s=HOLD_MAX)
+    w = sray.RemoteWriter(ingest, chunk=8, in_flight=2, hold=1000)
+    w.insert_batch(rows(np.arange(8)))
+    w.flush()
+    assert w.confirmed == 1
+    shown = ray.get(ingest.stats.remote(), timeout=HANG_S)["producer_ids"]
+    assert shown == [w.id]
+    with pytest.raises(ray.exceptions.RayTaskError, match="producer's key must be 32 lowercase hex digits"):
+        ray.get(claim.remote(ingest, shown[0], [2], False), timeout=HANG_S)
+    ray.get(claim.remote(ingest, shown[0] * 2, list(range(2, 12)), False), timeout=HANG_S)
+    w.insert_batch(rows(np.arange(8, 88)))  # chunks 2-11; 2-9 answered, none flushed
+    assert w.confirmed == 1
+    w.flush()
+    assert (w.sent, w.confirmed, w.resent) == (11, 11, 0)
+    with d.connect() as c:
+        got, _ = committed(c.table("t"))
+        assert sorted(got["id"].tolist()) == list(range(88))
+        np.testing.assert_array_equal(got["obs"], rows(got["id"])["obs"])
+    ray.kill(ingest)

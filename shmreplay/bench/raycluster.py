@@ -47,7 +47,7 @@ class LocalCluster:
         self.nodes.append(self._node("--head", f"--port={port}", "--num-cpus=1", "--include-dashboard=false",
                                      "--resources=" + json.dumps({"replay_node": 1})))
         deadline = time.monotonic() + START_S
-        while not _listening(port):
+        while not listening(port):
             if self.nodes[0].poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError(f"the Ray head node did not come up (exit code {self.nodes[0].poll()})")
             time.sleep(0.1)
@@ -105,7 +105,8 @@ class LocalCluster:
         return p
 
 
-def _listening(port: int) -> bool:
+def listening(port: int) -> bool:
+    """Whether something accepts connections on 127.0.0.1:``port``."""
     try:
         with socket.create_connection(("127.0.0.1", port), timeout=1):
             return True

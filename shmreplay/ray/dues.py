@@ -6,16 +6,53 @@ accepted is *unflushed* until the next flush, then *acked* (vouched for)
 or, if the flush could not vouch for it, *lost* (the producer sends it
 again); acked and lost numbers wait until the producer's next answer.
 
-Who calls it: the ingest (ingest.py), under its lock, one call at a time.
+Producers are known by a secret *key* each draws (``new_key``: 128 bits
+from ``secrets``), sent with each of its calls; dues are kept by key, so
+only a process that holds the key can claim a producer's sequence
+numbers or collect what it is owed.  Stats and messages show only
+``shown_id(key)``, a digest that does not give the key back.
+
+Who calls it: the ingest (ingest.py), under its lock, one call at a time;
+``new_key``, ``check_key`` and ``shown_id`` anyone.
 """
 
 from __future__ import annotations
 
+import hashlib
+import re
+import secrets
 import time
+
+from ..errors import ReplayError
+
+KEY_BYTES = 16  # a producer's key: 128 random bits, as 32 hex digits
+_KEY = re.compile(r"[0-9a-f]{%d}" % (2 * KEY_BYTES))
+
+
+def new_key() -> str:
+    """A producer's secret key."""
+    return secrets.token_hex(KEY_BYTES)
+
+
+def check_key(key) -> str:
+    """``key`` if it is a well-formed producer key, else a ReplayError: a
+    guessable name (``"p"``, a pid) would let others claim its chunks."""
+    if not isinstance(key, str) or not _KEY.fullmatch(key):
+        raise ReplayError(f"a producer's key must be {2 * KEY_BYTES} lowercase hex digits "
+                          "(shmreplay.ray.dues.new_key(): 128 random bits), got another value: "
+                          "send chunks through RemoteWriter, which draws one")
+    return key
+
+
+def shown_id(key: str) -> str:
+    """What stats and logs show of a producer: 16 hex digits of the key's
+    SHA-256.  Knowing it does not let anyone claim the producer's chunks."""
+    return hashlib.sha256(key.encode()).hexdigest()[:16]
 
 
 class Dues:
     def __init__(self, forget_s: float):
+        # producers by their secret key (check_key): never shown, see shown_id
         self.unflushed: dict[str, list[int]] = {}  # producer -> seqs accepted since the last flush
         self.acked: dict[str, list[int]] = {}      # producer -> seqs flushed, not yet told
         self.lost: dict[str, list[int]] = {}       # producer -> seqs to send again, not yet told

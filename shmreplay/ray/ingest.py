@@ -19,7 +19,7 @@ from ..client.rows import check_rows
 from ..errors import DaemonUnavailable, ReplayError, ReservationExpired
 from ..priorities import as_priorities
 from .coalesce import CHUNK_BYTES, HOLD_S, Coalescer
-from .dues import Dues
+from .dues import Dues, check_key, shown_id
 from .packing import layout_id, row_dtype, unpack
 
 # A slot lease the ingest has held this long is handed back (a flush that
@@ -100,11 +100,16 @@ class Ingest:
         way).  Checks the chunk, holds it (coalesce.py) or inserts it
         (waiting for the table's limits), flushes if ``sync`` or
         ``flush_every`` chunks wait, and returns ``[rows, acked, lost,
-        incarnation]`` for that producer.  Raises the table's or the
+        incarnation]`` for that producer.  ``producer`` is the writer's
+        secret key (dues.py): whoever holds it may claim its sequence
+        numbers, so it is never shown (stats show ``shown_id``).  Raises the table's or the
         daemon's error, about this chunk or about held chunks whose insert
         this call ran (this chunk is then not accepted: its producer sends
         it again or gives up; the others are reported lost)."""
         priorities, producer, seq, sync, layout = meta
+        check_key(producer)
+        if isinstance(seq, bool) or not isinstance(seq, int):
+            raise ReplayError(f"a chunk's sequence number must be an int, got {type(seq).__name__}")
         packed = isinstance(chunk, np.ndarray)  # by the writer
         with self.lock:
             if packed:
@@ -195,7 +200,9 @@ class Ingest:
 
     def sync(self, producer: str):
         """Flush now, handing the slot lease back (a producer asks when it
-        is done or about to idle); ``[0, acked, lost, incarnation]``."""
+        is done or about to idle); ``[0, acked, lost, incarnation]``
+        (``producer``: its secret key, as for ``put``)."""
+        check_key(producer)
         with self.lock:
             self.dues.calling = producer
             self._flush(None, None, keep_leases=False)
@@ -278,6 +285,8 @@ class Ingest:
                     "packed": self.packed,
                     "insert_s": self.insert_s, "flush_s": self.flush_s,
                     "producers": len(self.dues.seen), "forgotten": self.dues.forgotten,
+                    # digests only: a key shown here would let anyone claim its chunks
+                    "producer_ids": sorted(shown_id(k) for k in self.dues.seen),
                     "held": self.held.chunks, "release_errors": self.release_errors,
                     "node": ray.get_runtime_context().get_node_id()}
 

@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import collections
 import time
-import uuid
 
 import numpy as np
 import ray
 
 from ..errors import DaemonUnavailable, ReplayError, ReservationExpired
+from .dues import check_key, new_key, shown_id
 from .packing import layout_id, pack, row_dtype
 
 # an ingest call failed for one of these may succeed if sent again
@@ -32,12 +32,20 @@ class RemoteWriter:
     docstring): at most ``in_flight + hold`` chunks of it are outside the
     table's vouched-for rows at any time."""
 
-    def __init__(self, ingest, chunk: int = 64, in_flight: int = 2, retries: int = 10, hold: int = 16):
+    def __init__(self, ingest, chunk: int = 64, in_flight: int = 2, retries: int = 10, hold: int = 16, *,
+                 key: str | None = None):
+        """``key``: this producer's secret (``dues.new_key()``), drawn here
+        when None; whoever holds it may claim the producer's sequence
+        numbers, so give one only where it stays as secret (the tests give
+        one to play a party that stole it)."""
         for name, v in (("chunk", chunk), ("in_flight", in_flight), ("hold", hold)):
             if not isinstance(v, int) or v < 1:
                 raise ReplayError(f"{name} must be an int >= 1, got {v!r}")
         self.ingest, self.chunk, self.in_flight, self.retries, self.hold = ingest, chunk, in_flight, retries, hold
-        self.id = uuid.uuid4().hex  # the ingest's key for this writer's sequence numbers
+        # the ingest keeps this writer's sequence numbers by a secret key
+        # (dues.py); ``id``, a digest of it, is all that is ever shown
+        self._key = new_key() if key is None else check_key(key)
+        self.id = shown_id(self._key)
         self._rows: dict[str, list] = {}
         self._prios: list = []
         self._seq = 0
@@ -145,7 +153,7 @@ class RemoteWriter:
         # the rest as one list: Ray packs plain values in a list with msgpack
         # and pickles a tuple (Ingest.put)
         layout = self._layout if isinstance(part, np.ndarray) else None
-        self._calls.append([self.ingest.put.remote(part, [prios, self.id, seq, sync, layout]), seq, part, prios,
+        self._calls.append([self.ingest.put.remote(part, [prios, self._key, seq, sync, layout]), seq, part, prios,
                             attempts])
 
     def _send_again(self) -> None:
@@ -182,7 +190,7 @@ class RemoteWriter:
         why = None
         for attempt in range(1, self.retries + 2):
             try:
-                _, acked, lost, incarnation = ray.get(self.ingest.sync.remote(self.id))
+                _, acked, lost, incarnation = ray.get(self.ingest.sync.remote(self._key))
                 break
             except ray.exceptions.RayActorError as exc:
                 why = exc
@@ -199,13 +207,18 @@ class RemoteWriter:
         self._settle([], list(self._held), incarnation)
 
     def _settle(self, acked, lost, incarnation) -> None:
-        for s in acked:
-            if self._held.pop(s, None) is not None:
-                self.confirmed += 1
         if incarnation != self._incarnation:
-            # a restarted ingest: what the old one had not flushed may be gone with it
+            # a restarted ingest: what the old one had not flushed may be gone
+            # with it.  Decided before any ack is read: a new incarnation's
+            # ack of a sequence number vouches for what *it* accepted under
+            # that number, never for a chunk an earlier one answered
             lost = list(lost) + [s for s, h in self._held.items() if h[3] != incarnation]
             self._incarnation = incarnation
+        for s in acked:
+            h = self._held.get(s)
+            if h is not None and h[3] == incarnation:  # answered by the incarnation that vouches for it
+                del self._held[s]
+                self.confirmed += 1
         for s in lost:
             h = self._held.pop(s, None)
             if h is not None:

@@ -100,18 +100,12 @@ def read_parameters(relay, newer_than):
 
 
 @ray.remote(resources={"remote_node": 1}, num_cpus=0)
-def claim(ingest, key, seqs, kill: bool) -> dict:
+def claim(ingest, key, seqs) -> dict:
     """Another party on the cluster that holds a producer's ``key`` (or
-    what it takes for it): with ``kill``, it kills the ingest (Ray
-    restarts it) and waits until the new incarnation serves; then it
-    sends an empty chunk under each of ``seqs`` and has them flushed by a
-    call of its own (its own key), so that the ingest owes ``key`` those
-    sequence numbers as vouched for at its next answer.  Returns the
-    ingest's stats after."""
-    from waiting import wait_for
-    if kill:
-        ray.kill(ingest, no_restart=False)
-        wait_for(lambda: serving(ingest), "the ingest to restart")
+    what it takes for it) sends an empty chunk under each of ``seqs`` and
+    has them flushed by a call of its own (its own key), so that the
+    ingest owes ``key`` those sequence numbers as vouched for, at its next
+    answer.  Returns the ingest's stats after."""
     empty = rows(np.arange(0))
     for s in seqs:
         ray.get(ingest.put.remote(empty, [None, key, s, False, None]))
@@ -119,10 +113,9 @@ def claim(ingest, key, seqs, kill: bool) -> dict:
     return ray.get(ingest.stats.remote())
 
 
-def serving(ingest) -> bool:
-    """Whether the ingest answers a call (not while Ray restarts it)."""
+def restarted(ingest, pid: int) -> bool:
+    """Whether a new incarnation of the ingest (not process ``pid``) answers."""
     try:
-        ray.get(ingest.stats.remote(), timeout=10)
-        return True
+        return ray.get(ingest.pid.remote(), timeout=10) != pid
     except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
         return False

@@ -14,7 +14,7 @@ ray = pytest.importorskip("ray")
 import shmreplay  # noqa: E402
 import shmreplay.ray as sray  # noqa: E402
 from rayfixtures import HOLD_MAX, before_the_ingest_thread, cluster  # noqa: E402,F401 (a fixture)
-from rayproducer import FIELDS, P, Producer, claim, read_parameters, rows  # noqa: E402
+from rayproducer import FIELDS, P, Producer, claim, read_parameters, restarted, rows  # noqa: E402
 from readback import committed  # noqa: E402
 from shmreplay.ray.coalesce import HOLD_S  # noqa: E402
 from shmreplay.ray.dues import new_key  # noqa: E402
@@ -187,35 +187,39 @@ def test_held_chunks_are_inserted_once_they_reach_1_MiB(cluster, start_daemon):
 def test_a_restarted_ingest_never_confirms_chunks_an_earlier_incarnation_answered(cluster, start_daemon):
     """Issue 34, item 5, the reported sequence: a producer's 10 chunks (80
     rows) are answered and held by the ingest (coalesce.py), none flushed;
-    another party that holds the producer's key kills the ingest, and once
-    Ray has restarted it, sends empty chunks under sequence numbers 1-10
-    and has them flushed.  The producer's next answer, from the new
-    incarnation, acknowledges 1-10: those acknowledge the other party's
-    chunks, not the ones the dead ingest held, so ``flush()`` sends all 10
-    again and returns only once the table holds every one of its 80 rows,
-    each once.  (On the old order, acks read before the incarnation:
-    ``flush()`` returned with 10 chunks confirmed and 0 of the 80 rows
-    stored.)  The ingest holds with ``hold_s`` at its most, read within
-    it (rayfixtures.before_the_ingest_thread): the dead ingest stored
+    the ingest is killed (any job holding its handle may), and once Ray
+    has restarted it, another party that holds the producer's key sends
+    empty chunks under sequence numbers 1-10 and has them flushed.  The
+    producer's next answer, from the new incarnation, acknowledges 1-10:
+    those acknowledge the other party's chunks, not the ones the dead
+    ingest held, so ``flush()`` sends all 10 again and returns only once
+    the table holds every one of its 80 rows, each once.  (On the old
+    order, acks read before the incarnation: ``flush()`` returned with 10
+    chunks confirmed and 0 of the 80 rows stored.)  The ingest holds with
+    ``hold_s`` at its most, killed within it
+    (rayfixtures.before_the_ingest_thread): the dead ingest stored
     nothing."""
     d = start_daemon()
     with d.connect() as c:
-        def held_then_claimed(k):
+        def held_then_killed(k):
             name = f"claimed{k}"
             ingest = holding_ingest(c, d, cluster, name, 1024, FIELDS)
+            pid = ray.get(ingest.pid.remote(), timeout=HANG_S)
             key = new_key()
             w = sray.RemoteWriter(ingest, chunk=8, in_flight=2, hold=1000, key=key)
             t0 = time.monotonic()
             w.insert_batch(rows(np.arange(80)))  # 10 chunks, the last two still unanswered
-            before = ray.get(ingest.stats.remote(), timeout=HANG_S)  # after the 10 puts: one caller's calls run in order
-            after = ray.get(claim.remote(ingest, key, list(range(1, 11)), True), timeout=HANG_S)
-            stored = len(c.table(name))
-            return time.monotonic() - t0, (name, ingest, w, before, after, stored)
+            # read after the 10 puts: one caller's calls run in order
+            before = ray.get(ingest.stats.remote(), timeout=HANG_S)
+            ray.kill(ingest, no_restart=False)
+            return time.monotonic() - t0, (name, ingest, pid, key, w, before)
 
-        name, ingest, w, before, after, stored = before_the_ingest_thread(held_then_claimed)
+        name, ingest, pid, key, w, before = before_the_ingest_thread(held_then_killed)
         assert (before["chunks"], before["held"], before["inserts"], before["flushes"]) == (10, 10, 0, 0)
+        wait_for(lambda: restarted(ingest, pid), "Ray to restart the ingest")
+        after = ray.get(claim.remote(ingest, key, list(range(1, 11))), timeout=HANG_S)
         assert (after["chunks"], after["rows"], after["flushes"]) == (10, 0, 1)  # the other party's 10, flushed
-        assert stored == 0 and w.confirmed == 0
+        assert len(c.table(name)) == 0 and w.confirmed == 0
         w.flush()
         got, _ = committed(c.table(name))
         assert sorted(got["id"].tolist()) == list(range(80))  # every row the producer was told of, once
@@ -243,8 +247,8 @@ def test_the_id_a_producer_shows_lets_nobody_claim_its_chunks(cluster, start_dae
     shown = ray.get(ingest.stats.remote(), timeout=HANG_S)["producer_ids"]
     assert shown == [w.id]
     with pytest.raises(ray.exceptions.RayTaskError, match="producer's key must be 32 lowercase hex digits"):
-        ray.get(claim.remote(ingest, shown[0], [2], False), timeout=HANG_S)
-    ray.get(claim.remote(ingest, shown[0] * 2, list(range(2, 12)), False), timeout=HANG_S)
+        ray.get(claim.remote(ingest, shown[0], [2]), timeout=HANG_S)
+    ray.get(claim.remote(ingest, shown[0] * 2, list(range(2, 12))), timeout=HANG_S)
     w.insert_batch(rows(np.arange(8, 88)))  # chunks 2-11; 2-9 answered, none flushed
     assert w.confirmed == 1
     w.flush()

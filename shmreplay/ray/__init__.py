@@ -86,6 +86,15 @@ Failures (at-least-once: nothing confirmed is lost, nothing is torn):
 * **Anything else the table refuses** (a wrong field, a bad priority)
   raises ``ChunkRefused`` in the producer at once, naming why.
 
+Trust (docs/reliability.md, section 13): an acknowledgement confirms a
+chunk only when it comes from the ingest incarnation that answered it; a
+producer's sequence numbers are kept by a secret key of 128 random bits
+that only it holds (stats and ``RemoteWriter.id`` show a digest).  Ray
+does not isolate the jobs of a cluster: every task runs as the cluster's
+user and may call, kill or run code in the ingest, so run the cluster as a
+member of the daemon's group (never root or the daemon's user: they may
+drop tables), and leave the ingest unnamed, in the job's own namespace.
+
 Who calls it: ``start_ingest`` a driver or actor on the replay node;
 ``RemoteWriter`` one thread of a producer (it is not thread-safe).
 """

@@ -44,6 +44,13 @@ def check_key(key) -> str:
     return key
 
 
+def check_call(key, seq) -> None:
+    """A producer's call: a well-formed key, an int sequence number."""
+    check_key(key)
+    if isinstance(seq, bool) or not isinstance(seq, int):
+        raise ReplayError(f"a chunk's sequence number must be an int, got {type(seq).__name__}")
+
+
 def shown_id(key: str) -> str:
     """What stats and logs show of a producer: 16 hex digits of the key's
     SHA-256.  Knowing it does not let anyone claim the producer's chunks."""
@@ -60,6 +67,10 @@ class Dues:
         self.forget_s = forget_s
         self.forgotten = 0                         # producers whose dues were dropped
         self.calling = None                        # the producer whose call runs now: never forgotten
+
+    def shown(self) -> list[str]:
+        """The producers known, as ``shown_id``: a key shown would let anyone claim its chunks."""
+        return sorted(shown_id(k) for k in self.seen)
 
     def accept(self, producer: str, seq: int) -> None:
         self.unflushed.setdefault(producer, []).append(seq)

@@ -19,7 +19,7 @@ from ..client.rows import check_rows
 from ..errors import DaemonUnavailable, ReplayError, ReservationExpired
 from ..priorities import as_priorities
 from .coalesce import CHUNK_BYTES, HOLD_S, Coalescer
-from .dues import Dues, check_key, shown_id
+from .dues import Dues, check_call
 from .packing import layout_id, row_dtype, unpack
 
 # A slot lease the ingest has held this long is handed back (a flush that
@@ -100,16 +100,13 @@ class Ingest:
         way).  Checks the chunk, holds it (coalesce.py) or inserts it
         (waiting for the table's limits), flushes if ``sync`` or
         ``flush_every`` chunks wait, and returns ``[rows, acked, lost,
-        incarnation]`` for that producer.  ``producer`` is the writer's
-        secret key (dues.py): whoever holds it may claim its sequence
-        numbers, so it is never shown (stats show ``shown_id``).  Raises the table's or the
-        daemon's error, about this chunk or about held chunks whose insert
-        this call ran (this chunk is then not accepted: its producer sends
-        it again or gives up; the others are reported lost)."""
+        incarnation]`` for that producer (its secret key: dues.py).  Raises
+        the table's or the daemon's error, about this chunk or about held
+        chunks whose insert this call ran (this chunk is then not accepted:
+        its producer sends it again or gives up; the others are reported
+        lost)."""
         priorities, producer, seq, sync, layout = meta
-        check_key(producer)
-        if isinstance(seq, bool) or not isinstance(seq, int):
-            raise ReplayError(f"a chunk's sequence number must be an int, got {type(seq).__name__}")
+        check_call(producer, seq)
         packed = isinstance(chunk, np.ndarray)  # by the writer
         with self.lock:
             if packed:
@@ -200,9 +197,8 @@ class Ingest:
 
     def sync(self, producer: str):
         """Flush now, handing the slot lease back (a producer asks when it
-        is done or about to idle); ``[0, acked, lost, incarnation]``
-        (``producer``: its secret key, as for ``put``)."""
-        check_key(producer)
+        is done or about to idle); ``[0, acked, lost, incarnation]``."""
+        check_call(producer, 0)
         with self.lock:
             self.dues.calling = producer
             self._flush(None, None, keep_leases=False)
@@ -282,12 +278,9 @@ class Ingest:
     def stats(self) -> dict:
         with self.lock:
             return {"chunks": self.chunks, "rows": self.rows, "flushes": self.flushes, "inserts": self.inserts,
-                    "packed": self.packed,
-                    "insert_s": self.insert_s, "flush_s": self.flush_s,
-                    "producers": len(self.dues.seen), "forgotten": self.dues.forgotten,
-                    # digests only: a key shown here would let anyone claim its chunks
-                    "producer_ids": sorted(shown_id(k) for k in self.dues.seen),
-                    "held": self.held.chunks, "release_errors": self.release_errors,
+                    "packed": self.packed, "insert_s": self.insert_s, "flush_s": self.flush_s,
+                    "producers": len(self.dues.seen), "forgotten": self.dues.forgotten, "held": self.held.chunks,
+                    "release_errors": self.release_errors, "producer_ids": self.dues.shown(),  # digests only
                     "node": ray.get_runtime_context().get_node_id()}
 
     def fields(self) -> dict:
@@ -309,9 +302,13 @@ def start_ingest(socket_path: str, table: str, node_id: str | None = None, name:
     """An ingest actor for ``table`` of the daemon at ``socket_path``,
     pinned (``soft=False``) to ``node_id`` (default: the caller's node,
     which must be the daemon's).  ``name``: a Ray actor name, so producers
-    may find it with ``ray.get_actor``.  ``timeout``: the longest a chunk
-    may wait for the table's limits (None: as long as it takes; the
-    producers wait with it).  ``flush_every``: chunks inserted per flush
+    may find it with ``ray.get_actor``; None (the default) leaves it
+    unnamed, in the caller's namespace, and not detached (it goes with its
+    job).  A name is listed to every job of the cluster (Ray's
+    ``list_named_actors(all_namespaces=True)``): no secret, and no
+    defence (docs/reliability.md, section 13).  ``timeout``: the longest
+    a chunk may wait for the table's limits (None: as long as it takes;
+    the producers wait with it).  ``flush_every``: chunks inserted per flush
     (a producer may ask for one sooner).  ``forget_s``: how long what is
     owed to a producer that stopped calling is kept (FORGET_S).
     ``hold_s``: the longest a small chunk waits to be inserted with others

@@ -202,5 +202,25 @@ class MemberCluster:
         return ""
 
 
+def member_cluster_unusable(*folders: str) -> str | None:
+    """Why a MemberCluster cannot run here, or None: it needs root, the
+    tools, and ``folders`` (the code its processes import) open to others
+    all the way down (the interpreter may be closed: ``_mounts``)."""
+    if os.geteuid() != 0:
+        return "needs root (users, a mount namespace)"
+    missing = [t for t in ("unshare", "nsenter", "setpriv") if not shutil.which(t)]
+    if missing:
+        return f"needs {', '.join(missing)}"
+    for folder in folders:
+        path = os.path.realpath(folder)
+        while True:
+            if not os.stat(path).st_mode & stat.S_IXOTH:
+                return f"{path} is closed to other users: the cluster's user could not import {folder}"
+            if path == "/":
+                break
+            path = os.path.dirname(path)
+    return None
+
+
 def _session_members(sid: int) -> list[int]:
     return [pid for pid, f in processes() if int(f[3]) == sid and f[0] != "Z"]

@@ -21,14 +21,16 @@ import pytest
 
 ray = pytest.importorskip("ray")
 from people import ADMINS, GROUP, MEMBER, needs_root, shared_start, users  # noqa: E402,F401 (fixtures)
-from rayfixtures import RAY_DEFAULTS, MemberCluster  # noqa: E402
+from rayfixtures import RAY_DEFAULTS, MemberCluster, member_cluster_unusable  # noqa: E402
 from readback import committed  # noqa: E402
 from waiting import HANG_S  # noqa: E402
 
 TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ROOT = os.path.dirname(TESTS)
 # one pytest-xdist worker runs every test that starts Ray: one Ray at a time on the box
-pytestmark = [needs_root, pytest.mark.xdist_group("ray")]
+pytestmark = [needs_root, pytest.mark.xdist_group("ray"),
+              pytest.mark.skipif(member_cluster_unusable(ROOT, TESTS) is not None,
+                                 reason=str(member_cluster_unusable(ROOT, TESTS)))]
 FIELDS = {"id": ("int64", ()), "obs": ("float32", (8,))}  # rayjobs.FIELDS
 
 

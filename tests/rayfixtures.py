@@ -106,13 +106,17 @@ class MemberCluster:
         os.chmod(self.base, 0o711)
         self.temp = os.path.join(self.base, "r")
         os.mkdir(self.temp, 0o700)
+        os.mkdir(f"{self.base}/code", 0o755)
+        for i in range(len(self.pythonpath)):
+            os.mkdir(f"{self.base}/code/{i}", 0o755)
         os.chown(self.temp, self.uid, self.gid)
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
         self.address = f"127.0.0.1:{port}"
         self.env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": self.temp,
-                    "PYTHONPATH": os.pathsep.join(self.pythonpath), "NUMBA_CACHE_DIR": f"{self.temp}/numba",
+                    "PYTHONPATH": os.pathsep.join(map(self.inside, self.pythonpath)),
+                    "NUMBA_CACHE_DIR": f"{self.temp}/numba",
                     "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(32),
                     "RAY_USAGE_STATS_ENABLED": "0", "RAY_ADDRESS": self.address}
         cmd = [*self._as_member(), sys.executable, "-m", "ray.scripts.scripts", "start", "--head", "--block",
@@ -144,7 +148,7 @@ class MemberCluster:
         (text), stderr to ``log(name)``."""
         with open(f"{self.base}/{name}.log", "wb") as log:
             return subprocess.Popen(["nsenter", f"--target={self.head.pid}", "--mount", "--", *self._as_member(),
-                                     sys.executable, *argv], env=self.env, stdin=subprocess.PIPE,
+                                     sys.executable, *map(self.inside, argv)], env=self.env, stdin=subprocess.PIPE,
                                     stdout=subprocess.PIPE, stderr=log, text=True, start_new_session=True)
 
     def stop(self) -> None:
@@ -186,10 +190,30 @@ class MemberCluster:
                 f"--groups={','.join(map(str, self.groups))}" if self.groups else "--clear-groups",
                 "--inh-caps=-all", "--"]
 
+    def inside(self, path: str) -> str:
+        """Where ``path`` (a ``pythonpath`` folder or a file under one) is
+        seen in the head's mount namespace: each folder is bound under
+        ``base/code/<i>``, so a checkout inside a folder others cannot
+        enter (``mktemp -d`` makes 0700 ones) is still the cluster's to
+        import; anything else (a relative argument too) is left as it is."""
+        if not os.path.isabs(path):  # an argument, not a path
+            return path
+        for i, folder in enumerate(self.pythonpath):
+            rel = os.path.relpath(os.path.realpath(path), os.path.realpath(folder))
+            if rel == "." or not rel.startswith(".."):
+                return os.path.normpath(f"{self.base}/code/{i}/{rel}")
+        return path
+
     def _mounts(self) -> str:
-        """Shell lines that, in the head's mount namespace, let the user
-        reach the interpreter: the outermost directory above it that others
-        cannot enter becomes a 0711 tmpfs holding only the way down."""
+        """Shell lines that, in the head's mount namespace, bind each
+        ``pythonpath`` folder under ``base/code`` (``inside``) and let the
+        user reach the interpreter: the outermost directory above it that
+        others cannot enter becomes a 0711 tmpfs holding only the way down."""
+        binds = "".join(f"mount --bind {shlex.quote(os.path.realpath(folder))} "
+                        f"{shlex.quote(f'{self.base}/code/{i}')}\n" for i, folder in enumerate(self.pythonpath))
+        return binds + self._interpreter_mounts()
+
+    def _interpreter_mounts(self) -> str:
         prefix = os.path.realpath(sys.base_prefix)
         parts = prefix.strip("/").split("/")
         for i in range(1, len(parts)):
@@ -204,21 +228,17 @@ class MemberCluster:
 
 def member_cluster_unusable(*folders: str) -> str | None:
     """Why a MemberCluster cannot run here, or None: it needs root, the
-    tools, and ``folders`` (the code its processes import) open to others
-    all the way down (the interpreter may be closed: ``_mounts``)."""
+    tools, and ``folders`` (the code its processes import) readable by
+    others (the folders above them may be closed, as may the interpreter's:
+    ``_mounts`` binds them where the cluster's user can reach them)."""
     if os.geteuid() != 0:
         return "needs root (users, a mount namespace)"
     missing = [t for t in ("unshare", "nsenter", "setpriv") if not shutil.which(t)]
     if missing:
         return f"needs {', '.join(missing)}"
     for folder in folders:
-        path = os.path.realpath(folder)
-        while True:
-            if not os.stat(path).st_mode & stat.S_IXOTH:
-                return f"{path} is closed to other users: the cluster's user could not import {folder}"
-            if path == "/":
-                break
-            path = os.path.dirname(path)
+        if os.stat(folder).st_mode & (stat.S_IROTH | stat.S_IXOTH) != stat.S_IROTH | stat.S_IXOTH:
+            return f"{folder} is closed to other users: the cluster's user could not import it"
     return None
 
 

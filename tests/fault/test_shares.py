@@ -1,0 +1,107 @@
+"""Issue 34, items 4 and 6: what a user shares with others by default.
+
+A ``shmreplay.Server`` is its user's alone; a member's file-backed tables
+take at most their share of the storage filesystem; a durable table's sync
+needs no new disk blocks; a stranger cannot take a user's runtime directory
+first; ``status`` shows a member other users' clients only as counts.
+Real users (``people.py``), real daemons, real files.
+"""
+
+import json
+import mmap
+import os
+import shutil
+
+import numpy as np
+import pytest
+
+import shmreplay
+from daemons import segment_of
+from people import GROUP, MEMBER, ADMIN, STRANGER, as_user, needs_root, users  # noqa: F401
+from userprocs import compile_kernels, finish, make_home, read, remove_home, spawn
+
+pytestmark = needs_root
+
+_n = iter(range(10**6))
+
+
+@pytest.fixture(scope="module")
+def warm():
+    compile_kernels()
+
+
+@pytest.fixture
+def home_of(users, warm):
+    """home_of(ident): a fresh home for that user (``userprocs.make_home``),
+    removed at teardown."""
+    made = []
+
+    def make(ident):
+        made.append(make_home(ident))
+        return made[-1]
+    yield make
+    for h in made:
+        remove_home(h)
+    for uid in {users[u][0] for u in users}:  # where a runtime directory went before issue 34
+        old = f"/tmp/shmreplay-{uid}"
+        if os.path.isdir(old) and os.lstat(old).st_uid == uid:
+            shutil.rmtree(old)
+
+
+SERVE = """
+import json, sys
+import numpy as np
+import shmreplay
+instance, group = sys.argv[1], json.loads(sys.argv[2])
+with shmreplay.Server(tables=[dict(name="t", capacity=64, fields={"x": ("float32", (100,))})],
+                      instance=instance, group=group) as s, s.connect() as c:
+    c.table("t").insert_batch({"x": np.ones((64, 100), np.float32)})
+    c.flush()
+    print(json.dumps({"socket": s.socket}), flush=True)
+    sys.stdin.read()
+"""
+
+
+def probe(socket_path: str, rows: str, owner: int) -> dict:
+    """What this user can do to a Server's tables: open its rows segment,
+    write a float into it, connect (trusting a daemon of ``owner``, as the
+    README tells a group's members to)."""
+    os.environ["SHMREPLAY_DAEMON_USER"] = str(owner)  # a forked child's own environment
+    out = {}
+    try:
+        fd = os.open(rows, os.O_RDWR)
+        with mmap.mmap(fd, 4096) as m:
+            m[4096 - 4:] = np.float32(-1).tobytes()
+        os.close(fd)
+        out["rows"] = "written"
+    except OSError as exc:
+        out["rows"] = type(exc).__name__
+    try:
+        with shmreplay.connect(socket_path, timeout=10) as c:
+            out["connect"] = c.list_tables()
+    except shmreplay.ReplayError as exc:
+        out["connect"] = type(exc).__name__
+    return out
+
+
+def test_a_servers_tables_are_its_users_alone_unless_it_names_a_group(users, home_of):
+    """Item 4: the program's user runs a Server under a primary group it
+    shares with another user; that user can neither write the rows nor
+    connect.  With ``group=`` it can do both."""
+    import grp
+    gid = grp.getgrnam(GROUP).gr_gid
+    owner = (users[MEMBER][0], gid, [gid])        # the member's uid, GROUP as its primary group
+    home = home_of(owner)
+    for group, expect in ((None, {"rows": "PermissionError", "connect": "PermissionDenied"}),
+                          (GROUP, {"rows": "written", "connect": ["t"]})):
+        instance = f"test{os.getpid()}srv{next(_n)}"
+        proc = spawn(owner, home, SERVE, instance, json.dumps(group))
+        try:
+            sock = read(proc)["socket"]
+            rows = "/dev/shm" + segment_of(instance, "t", "r")
+            got = as_user(users[ADMIN], probe, sock, rows, owner[0])  # ADMIN is in GROUP too
+            modes = oct(os.stat(rows).st_mode & 0o777), oct(os.stat(sock).st_mode & 0o777)
+        finally:
+            err = finish(proc)
+        assert got == expect, (group, got, modes, err)
+        assert modes == (("0o600", "0o600") if group is None else ("0o660", "0o660")), modes

@@ -14,7 +14,9 @@ shares this process's primary group, can connect, map or write them.
 ``group=`` opens them to one group on purpose: mode 0660 in that group, the
 group allowed to connect, and the socket's directory made reachable by it.
 A config file (``config=``) is honoured for the keys it sets; those it
-leaves out get the same private defaults.  It
+leaves out get the same private defaults.  The instance lock goes in this
+user's runtime directory (``wire/names.py`` ``runtime_dir``), or, for a user
+who has none, in the Server's own directory (``runtime_dir`` says which).  It
 returns once the daemon serves and every table in ``tables`` exists (made
 with ``Client.create_table``, so they take its forms and raise its
 errors).  ``stop()`` (and leaving the ``with`` block) shuts it down with
@@ -54,7 +56,7 @@ except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib
 
 from ..errors import DaemonUnavailable, ReplayError
-from ..wire.names import SHM_DIR, SOCKET_PATH_MAX
+from ..wire.names import SHM_DIR, SOCKET_PATH_MAX, runtime_dir
 from .client import Client, connect
 
 START_TIMEOUT_S = 120.0   # the first start on a machine compiles the kernels (seconds)
@@ -158,6 +160,11 @@ class Server:
             os.chown(self.dir, -1, gid)
             os.chmod(self.dir, 0o710)
         self.socket = os.path.join(self.dir, "shmreplay.sock")
+        env = {**os.environ, "SHMREPLAY_SOCKET": self.socket}
+        try:  # the instance lock's directory: this user's runtime directory
+            self.runtime_dir = runtime_dir()
+        except ReplayError:  # none this user has (no XDG_RUNTIME_DIR, no home): the private one
+            self.runtime_dir = env["RUNTIME_DIRECTORY"] = self.dir
         self.log_path = os.path.join(self.dir, "shmreplayd.log")
         self.proc: subprocess.Popen | None = None
         self._clients: list[Client] = []
@@ -178,7 +185,7 @@ class Server:
                     [python or sys.executable, "-m", "shmreplay.server.daemon", "--config", self.config,
                      "--socket", self.socket, "--instance", self.instance],
                     stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                    env={**os.environ, "SHMREPLAY_SOCKET": self.socket}, preexec_fn=_die_with_parent)
+                    env=env, preexec_fn=_die_with_parent)
             admin = self._wait_ready(timeout)
             try:
                 for t in tables:

@@ -105,3 +105,65 @@ def test_a_servers_tables_are_its_users_alone_unless_it_names_a_group(users, hom
             err = finish(proc)
         assert got == expect, (group, got, modes, err)
         assert modes == (("0o600", "0o600") if group is None else ("0o660", "0o660")), modes
+
+
+DEFAULTS = """
+import json, subprocess, sys, time
+import shmreplay
+from shmreplay.wire.names import default_socket_path
+instance = sys.argv[1]
+daemon = subprocess.Popen([sys.executable, "-m", "shmreplay.server.daemon", "--instance", instance],
+                          stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+try:
+    deadline = time.monotonic() + 120  # a hang guard
+    while True:
+        try:
+            c = shmreplay.connect(timeout=10)  # no path, no $SHMREPLAY_SOCKET: the default
+            break
+        except shmreplay.DaemonUnavailable:
+            if daemon.poll() is not None or time.monotonic() > deadline:
+                raise SystemExit("the daemon did not serve: " + daemon.stderr.read()[-2000:])
+            time.sleep(0.05)
+    with c:
+        c.create_table("t", capacity=8, fields={"x": ("float32", ())})
+        out = {"socket": default_socket_path(), "tables": c.list_tables()}
+    with shmreplay.Server(instance=instance + "s") as s, s.connect() as c:
+        out["server"] = [s.runtime_dir, c.list_tables()]
+    print(json.dumps(out), flush=True)
+finally:
+    daemon.terminate()
+    daemon.wait(60)
+"""
+
+
+def plant(uid: int) -> list[str]:
+    """A stranger takes every /tmp name a user's runtime directory had."""
+    made = []
+    for name in (f"/tmp/shmreplay-{uid}", f"/tmp/shmreplay-{uid}.d"):
+        os.mkdir(name)
+        os.chmod(name, 0o777)
+        os.symlink("/etc/passwd", os.path.join(name, "shmreplay.sock"))
+        made.append(name)
+    return made
+
+
+def test_a_stranger_cannot_take_a_users_default_runtime_directory_first(users, home_of):
+    """Item 6: with no XDG_RUNTIME_DIR and no configuration, a user's daemon
+    and Server start although a stranger made /tmp/shmreplay-<uid> first,
+    and a client with no socket configured finds the daemon."""
+    owner = users[MEMBER]
+    home = home_of(owner)
+    planted = as_user(users[STRANGER], plant, owner[0])
+    instance = f"test{os.getpid()}d{next(_n)}"
+    try:
+        proc = spawn(owner, home, DEFAULTS, instance)
+        try:
+            got = read(proc)
+        finally:
+            err = finish(proc)
+    finally:
+        for p in planted:
+            shutil.rmtree(p)
+    run = f"{home}/.cache/shmreplay/run"
+    assert got == {"socket": f"{run}/shmreplay.sock", "tables": ["t"], "server": [run, []]}, (got, err)
+    assert sorted(os.listdir(run)) == [], os.listdir(run)  # socket and locks gone with their daemons

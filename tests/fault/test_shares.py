@@ -18,6 +18,8 @@ import pytest
 import shmreplay
 from daemons import segment_of
 from people import GROUP, MEMBER, ADMIN, STRANGER, as_user, needs_root, users  # noqa: F401
+from test_durable import HEADROOM, assert_same, prio, reboot, rows, state, table_def
+from test_sync_backoff import small_disk  # noqa: F401 (a fixture)
 from userprocs import compile_kernels, finish, make_home, read, remove_home, spawn
 
 pytestmark = needs_root
@@ -167,3 +169,53 @@ def test_a_stranger_cannot_take_a_users_default_runtime_directory_first(users, h
     run = f"{home}/.cache/shmreplay/run"
     assert got == {"socket": f"{run}/shmreplay.sock", "tables": ["t"], "server": [run, []]}, (got, err)
     assert sorted(os.listdir(run)) == [], os.listdir(run)  # socket and locks gone with their daemons
+
+
+def fill_fd(fd: int) -> None:
+    """Take every free block of the filesystem through ``fd``."""
+    block = b"\xff" * 65536
+    try:
+        while True:
+            os.write(fd, block)
+    except OSError:
+        pass
+
+
+def test_a_member_who_fills_the_storage_filesystem_stops_no_durable_sync(start_daemon, small_disk, users):
+    """Item 6: right after the owner's durable table is made (synced once),
+    a member takes every free block of the filesystem (a real 4 MiB tmpfs);
+    the table fills and goes on taking inserts (four more wraps, each
+    needing syncs) and syncing, and a reboot adopts exactly what the last
+    sync held."""
+    store = str(small_disk / "tables")
+    theirs = small_disk / "theirs"
+    theirs.mkdir()
+    os.chown(theirs, users[MEMBER][0], users[MEMBER][1])
+    d = start_daemon(tables=[table_def(store)], storage_dirs=[store], sync_interval_s=3600)
+    with d.connect() as c:
+        t = c.table("f")
+        # the member's file, written by the member (pytest's directories are 0700: the
+        # descriptor travels into its forked child)
+        fd = os.open(theirs / "filler", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        os.fchown(fd, users[MEMBER][0], users[MEMBER][1])
+        try:
+            as_user(users[MEMBER], fill_fd, fd)
+        finally:
+            os.close(fd)
+        assert os.statvfs(store).f_bavail == 0
+        for lo in range(0, 64 + 4 * 64, 16):
+            ids = np.arange(lo, lo + 16)
+            t.insert_batch(rows(ids), priorities=prio(ids), timeout=10)
+        c.flush()
+        synced = c.sync("f")[0]["items"]
+        st = c.stats()["tables"]["f"]
+        assert (st["sync_failures"], st["sync_error"]) == (0, None), st
+        want = state(t)
+    # fifo: the newest items, all but at most the sync headroom evicted ahead
+    assert sorted(want["id"]) == list(range(5 * 64 - synced, 5 * 64)) and synced >= 64 - HEADROOM, synced
+    reboot(d, store)
+    d.start()
+    with d.connect() as c:
+        assert_same(state(c.table("f")), want)
+        c.drop_table("f")
+    os.unlink(theirs / "filler")

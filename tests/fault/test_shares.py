@@ -17,9 +17,10 @@ import pytest
 
 import shmreplay
 from daemons import segment_of
-from people import GROUP, MEMBER, ADMIN, STRANGER, as_user, needs_root, users  # noqa: F401
+from people import ADMIN, ADMINS, GROUP, MEMBER, STRANGER, as_user, needs_root, shared_start, users  # noqa: F401
 from test_durable import HEADROOM, assert_same, prio, reboot, rows, state, table_def
-from test_sync_backoff import small_disk  # noqa: F401 (a fixture)
+from test_sync_backoff import small_disk, tmpfs  # noqa: F401 (a fixture)
+from test_user_limits import create
 from userprocs import compile_kernels, finish, make_home, read, remove_home, spawn
 
 pytestmark = needs_root
@@ -219,3 +220,49 @@ def test_a_member_who_fills_the_storage_filesystem_stops_no_durable_sync(start_d
         assert_same(state(c.table("f")), want)
         c.drop_table("f")
     os.unlink(theirs / "filler")
+
+
+@pytest.fixture
+def shared_disk(shared_start):
+    """A 4 MiB tmpfs in ``shared_start``'s directory, which other users
+    reach; unmounted at teardown (stop its daemon first)."""
+    with tmpfs(shared_start.dir / "disk") as mnt:
+        yield mnt
+
+
+KIB512 = {"obs": ("uint8", (4096,))}  # 128 items: 512 KiB of rows and a page of header
+
+
+def test_a_members_file_tables_stop_at_the_default_share(shared_start, shared_disk, users):
+    """Item 6, with no file_quota_bytes_per_user in the config: on a 4 MiB
+    filesystem each other user's rows files take at most 1 MiB (the second
+    516 KiB table of the member is refused, naming the share), all of them
+    together at most 2 MiB (a fourth user's first is refused); the admin
+    group has no share; the owner's durable table, made first, takes
+    inserts and syncs throughout."""
+    import grp
+    store = str(shared_disk / "tables")
+    d = shared_start(admin_group=ADMINS, allowed_groups=[GROUP], storage_dirs=[store], sync_interval_s=3600)
+    gid = grp.getgrnam(GROUP).gr_gid
+    with d.connect() as c:
+        c.create_table("own", capacity=64, fields=KIB512, storage_dir=store)
+        own = c.table("own")
+        made, why = as_user(users[MEMBER], create, d.socket, ["m1", "m2"], store, 128, KIB512)
+        assert made == ["m1"], why
+        assert (f"user {users[MEMBER][0]}'s file-backed tables there take 0.5 MiB" in why
+                and "share of 1.0 MiB" in why and "a quarter of it per user" in why
+                and "file_quota_bytes_per_user is unset" in why), why
+        for uid in (4_000_001, 4_000_002):  # users the passwd file does not list: the kernel's word is the uid
+            made, why = as_user((uid, gid, [gid]), create, d.socket, [f"u{uid}"], store, 128, KIB512)
+            assert made == [f"u{uid}"], why
+        made, why = as_user((4_000_003, gid, [gid]), create, d.socket, ["late"], store, 128, KIB512)
+        assert made == [] and "together, 1.5 MiB of their share of 2.0 MiB" in why, why
+        assert "half of it for them all" in why
+        made, why = as_user(users[ADMIN], create, d.socket, ["a1", "a2", "a3"], store, 128, KIB512)
+        assert made == ["a1", "a2", "a3"], why  # the admin group: no share
+        own.insert_batch({"obs": np.ones((256, 4096), np.uint8)}, timeout=30)  # four wraps
+        c.flush()
+        assert c.sync("own")[0]["items"] > 0 and c.stats()["tables"]["own"]["sync_failures"] == 0
+        for name in c.list_tables():
+            c.drop_table(name)
+    assert d.stop() == 0

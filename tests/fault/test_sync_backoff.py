@@ -8,6 +8,7 @@ space is reserved when the table is made (issue 34, item 6;
 ``test_shares.py`` fills a real tmpfs, with ``small_disk`` and ``fill_up``
 from here)."""
 
+import contextlib
 import math
 import os
 import re
@@ -21,19 +22,27 @@ import shmreplay
 
 from faults import FIELDS, rows, wait_for
 
-@pytest.fixture
-def small_disk(tmp_path):
-    """A 4 MiB tmpfs only root can write (mode 0755: a safe storage_dir's parent)."""
+@contextlib.contextmanager
+def tmpfs(mnt):
+    """A 4 MiB tmpfs at ``mnt`` (made here) only root can write (mode 0755: a
+    safe storage_dir's parent), unmounted after."""
     if os.geteuid() != 0:
         pytest.skip("needs root to mount a small filesystem")
-    mnt = tmp_path / "disk"
     mnt.mkdir()
     run = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m,mode=0755", "tmpfs", str(mnt)],
                          capture_output=True, text=True)
     if run.returncode != 0:
         pytest.skip(f"cannot mount a tmpfs here: {run.stderr.strip()}")
-    yield mnt
-    subprocess.run(["umount", "-l", str(mnt)], check=True)
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=True)
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    with tmpfs(tmp_path / "disk") as mnt:
+        yield mnt
 
 
 def fill_up(path) -> None:

@@ -174,7 +174,8 @@ class ControlServer:
             why = self.gate.fds.refusal(PER_TABLE, busy, f"table {spec.name!r}")
             if why is not None:
                 raise why
-        self.book.claim(spec, os.geteuid() if peer is None else peer.uid)
+        self.book.claim(spec, os.geteuid() if peer is None else peer.uid,
+                        admin=peer is not None and may_administer(self.cfg, peer))
 
     async def add_table(self, spec, tmap: TableMap | None = None, recover: bool = False) -> dict:
         """Serve a table: a new segment, or ``tmap`` (adopted or restored,

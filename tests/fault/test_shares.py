@@ -266,3 +266,47 @@ def test_a_members_file_tables_stop_at_the_default_share(shared_start, shared_di
         for name in c.list_tables():
             c.drop_table(name)
     assert d.stop() == 0
+
+
+def status_as(sock: str, owner: int) -> dict:
+    """This user's view of ``status``: the daemon's reply, as ``shmreplay
+    status --json`` prints it, and the status screen's lines."""
+    from shmreplay.statusview import render
+    os.environ["SHMREPLAY_DAEMON_USER"] = str(owner)
+    with shmreplay.connect(sock, timeout=30) as c:
+        st = c.stats()
+    return {"st": st, "lines": render(st)}
+
+
+def pids_in(x) -> list:
+    """Every value of a "pid" key anywhere in ``x``."""
+    if isinstance(x, dict):
+        return [v for k, v in x.items() if k == "pid"] + [p for v in x.values() for p in pids_in(v)]
+    if isinstance(x, list):
+        return [p for v in x for p in pids_in(v)]
+    return []
+
+
+def test_status_shows_a_member_other_users_clients_only_as_counts(shared_start, users):
+    """Item 6: the owner's client holds slots of its table; a member's
+    status (the daemon's reply itself, not only the screen) lists the
+    member's own client in full and the owner's only as counts: no pid, no
+    uid, no creator of the owner's; an admin sees all of it."""
+    d = shared_start(admin_group=ADMINS, allowed_groups=[GROUP])
+    with d.connect() as c:
+        t = c.create_table("t", capacity=64, fields={"x": ("float32", ())}, max_times_sampled=1)
+        t.insert_batch({"x": np.arange(64, dtype=np.float32)})
+        c.flush()
+        t.sample_indices(8)  # drawn for the last time: held for the owner's client (test_holds.py)
+        member = as_user(users[MEMBER], status_as, d.socket, 0)
+        admin = as_user(users[ADMIN], status_as, d.socket, 0)
+    st = member["st"]
+    assert [c["uid"] for c in st["client_list"]] == [users[MEMBER][0]], st["client_list"]
+    assert st["other_clients"] == 1 and os.getpid() not in pids_in(st), st
+    assert st["tables"]["t"]["holders"] == [] and st["tables"]["t"]["other_holders"] == 1, st["tables"]["t"]
+    assert st["tables"]["t"]["held"] == 8 and len(st["tables"]["t"]) > 10  # the table's numbers are everyone's
+    assert st["creators"] == {"others": {"users": 1, "tables": 1, "file_bytes": 0}}, st["creators"]
+    assert "1 clients of other users (an admin sees who)" in member["lines"]
+    full = admin["st"]
+    assert {c["uid"] for c in full["client_list"]} == {0, users[ADMIN][0]}, full["client_list"]
+    assert os.getpid() in pids_in(full) and "0" in full["creators"] and "other_clients" not in full

@@ -110,6 +110,23 @@ def test_a_servers_tables_are_its_users_alone_unless_it_names_a_group(users, hom
         assert modes == (("0o600", "0o600") if group is None else ("0o660", "0o660")), modes
 
 
+def server_in(group) -> str:
+    try:
+        shmreplay.Server(instance=f"test{os.getpid()}never", group=group)
+    except shmreplay.ReplayError as exc:
+        return str(exc)
+    return "started"
+
+
+def test_a_server_refuses_a_group_its_user_is_not_in(users):
+    """``group=`` of a group the program is not in: a clear error before
+    anything starts (the daemon could not give its objects to it)."""
+    assert shmreplay.Server  # imported here: a child of another user cannot read this interpreter's files
+    why = as_user(users[STRANGER], server_in, GROUP)
+    assert f"Server(group={GROUP!r}): this process is not in that group" in why, why
+    assert "no such group" in as_user(users[STRANGER], server_in, "shmr-no-such-group")
+
+
 DEFAULTS = """
 import json, subprocess, sys, time
 import shmreplay

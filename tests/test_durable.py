@@ -362,3 +362,18 @@ def test_a_torn_newest_copy_falls_back_to_the_sync_before(start_daemon, tmp_path
     with d.connect() as c:
         assert_same(state(c.table("f")), want)
         c.drop_table("f")
+
+
+def test_a_foreign_metadata_file_does_not_stop_a_live_table_from_being_adopted(start_daemon, tmp_path):
+    """A SIGKILLed daemon's table is adopted from its live meta segment even
+    when its metadata file is not one the daemon made (here: mode 0644): the
+    file is logged, never read, and a new one replaces it, as the first
+    sync of earlier builds replaced it."""
+    d, store, want, meta, _ = synced(start_daemon, tmp_path)
+    os.chmod(meta, 0o644)
+    d.start()
+    assert "is not a mode-0600 file of the daemon's user" in d.log() and "renamed over that name" in d.log()
+    with d.connect() as c:
+        assert_same(state(c.table("f")), want)
+        assert stat.S_IMODE(os.stat(meta).st_mode) == 0o600 and c.stats()["tables"]["f"]["sync_failures"] == 0
+        c.drop_table("f")

@@ -178,9 +178,10 @@ class Server:
                 except (OSError, tomllib.TOMLDecodeError) as exc:
                     raise ReplayError(f"cannot read config {config}: {exc}") from None
             self.config = os.path.join(self.dir, "shmreplayd.toml")
-            with open(self.config, "w") as f:
+            # both 0600: with group= the directory lets the group pass through
+            with open(os.open(self.config, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as f:
                 f.write(_toml_doc(_private_config(doc, None if gid is None else gid)))
-            with open(self.log_path, "wb") as log:
+            with open(os.open(self.log_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "wb") as log:
                 self.proc = subprocess.Popen(
                     [python or sys.executable, "-m", "shmreplay.server.daemon", "--config", self.config,
                      "--socket", self.socket, "--instance", self.instance],

@@ -152,18 +152,22 @@ def reserve(dfd: int, base: str, path: str, meta_size: int, tmp: str, fresh: boo
     """Make sure ``base`` is a format-2 file for ``meta_size`` bytes with all
     its space reserved; returns the newest whole copy's sequence number (0:
     none).  ``fresh`` (a table just made, not adopted): any file there is
-    an older table's and is replaced by an empty one.  Else a file of that
-    form is kept as it is; a missing one is made; a
+    an older table's and is replaced by an empty one, unread.  Else a file
+    of that form is kept as it is; a missing one, or one that is not the
+    daemon's (logged), is replaced by an empty one; a
     format-1 file, or one for another size, is replaced by one that holds
     its newest bytes (if they are ``meta_size`` long) as copy 1.  The new
     file is written as ``tmp`` (``O_EXCL``), fsynced and renamed, so a
     crash leaves the old.  DiskFull if the filesystem has no room."""
-    keep = None
+    keep, data = None, None
     try:
-        data = None if fresh and safedir.entry(dfd, base) is None else read(dfd, base, path)
+        data = None if fresh else read(dfd, base, path)
     except FileNotFoundError:
-        data = None
-    if data is not None and not fresh:
+        pass
+    except ForeignObject as exc:  # as a sync of earlier builds did: the live table is in /dev/shm
+        log.error("%s; the table is served from its live meta segment, and a new metadata file "
+                  "is renamed over that name", exc)
+    if data is not None:
         if not is_format_1(data) and len(data) == file_size(meta_size):
             got = newest(data)
             return 0 if got is None else got[0]

@@ -327,3 +327,32 @@ def test_status_shows_a_member_other_users_clients_only_as_counts(shared_start, 
     full = admin["st"]
     assert {c["uid"] for c in full["client_list"]} == {0, users[ADMIN][0]}, full["client_list"]
     assert os.getpid() in pids_in(full) and "0" in full["creators"] and "other_clients" not in full
+
+
+NO_RUNTIME = """
+import json, sys
+import shmreplay
+from shmreplay.wire.names import runtime_dir
+try:
+    runtime_dir()
+    why = None
+except shmreplay.ReplayError as exc:
+    why = str(exc)
+with shmreplay.Server(instance=sys.argv[1]) as s, s.connect() as c:
+    print(json.dumps({"why": why, "server": [s.runtime_dir == s.dir, c.list_tables()]}), flush=True)
+"""
+
+
+def test_a_user_without_a_runtime_directory_is_told_what_to_set_and_a_server_still_starts(users, home_of):
+    """No XDG_RUNTIME_DIR, no /run/user/<uid>, a $HOME that is not the
+    user's: no default is guessed (an error names what to set), and a
+    Server keeps its instance lock in its own private directory."""
+    owner = users[MEMBER]
+    home = home_of(owner)
+    proc = spawn(owner, home, NO_RUNTIME, f"test{os.getpid()}nr{next(_n)}", env={"HOME": "/"})
+    try:
+        got = read(proc)
+    finally:
+        err = finish(proc)
+    assert got["server"] == [True, []], (got, err)
+    assert got["why"].startswith(f"no runtime directory for uid {owner[0]}") and "set XDG_RUNTIME_DIR" in got["why"]

@@ -66,6 +66,8 @@ def details(t: dict) -> list[str]:
                    f"{t['writeback_calls']} writebacks started")
     for h in t.get("holders", []):  # a learner that hangs keeps these until the daemon's hold_timeout_s
         out.append(f"client {h['client']}, pid {h['pid']}: {h['held']} slots held, oldest {h['oldest_s']:.1f} s")
+    if t.get("other_holders"):  # a user who may not administer sees others' only as a count
+        out.append(f"{t['other_holders']} clients of other users hold slots")
     for why in (t["limiter"].get("inserts_blocked"), t["limiter"].get("samples_blocked")):
         if why:
             out.append(f"limiter: {why}")
@@ -98,6 +100,8 @@ def render(st: dict) -> list[str]:
     for name, a in st.get("set_aside", {}).items():
         lines.append(f"  {name}: SET ASIDE, data kept in {', '.join(a['objects']) or 'no objects'}: {a['reason']}")
     clients = st.get("client_list", [])
+    if st.get("other_clients"):
+        lines += ["", f"{st['other_clients']} clients of other users (an admin sees who)"]
     if clients:
         rows = [["CLIENT", "PID", "UID", "TABLES"]]
         for c in clients:

@@ -296,3 +296,84 @@ def test_a_durable_queue_never_evicts_an_item_nobody_sampled(start_daemon, tmp_p
         while len(q):
             got.append(q.sample(8).data["id"])
     assert np.array_equal(np.concatenate(got), np.arange(72))
+
+
+def synced(start_daemon, tmp_path, more: int = 0):
+    """A durable table of 40 busy items, synced; then ``more`` items and a
+    second sync.  Returns the daemon, its storage directory, the table's
+    state at the first sync, its metadata file, and the meta segment's bytes
+    at the last sync; the daemon is SIGKILLed."""
+    store = str(tmp_path / "tables")
+    d = start_daemon(tables=[table_def(store, max_times_sampled=100)], sync_interval_s=0, seed=3)
+    with d.connect() as c:
+        t = busy_table(c, 0, 40)
+        c.sync("f")
+        want = state(t)
+        if more:
+            busy_table(c, 40, more)
+            c.sync("f")
+            assert len(t) == 40 + more
+        with open("/dev/shm" + d.segment("f"), "rb") as f:
+            image = f.read()
+    d.crash()
+    return d, store, want, os.path.join(store, f"shmreplay.{d.instance}.t.f"), image
+
+
+def test_a_format_1_metadata_file_is_adopted_and_converted(start_daemon, tmp_path):
+    """Issue 34, item 6: builds before it wrote the file as the meta
+    segment's bytes alone (format 1).  A start adopts such a file with every
+    item it lists, and replaces it with a format-2 file: two copies, each a
+    page of header and the bytes page-rounded, space reserved, the newest
+    copy the old bytes."""
+    d, store, want, meta, old = synced(start_daemon, tmp_path)  # old: what a format-1 sync wrote
+    os.unlink(meta)
+    fd = os.open(meta, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "wb") as f:
+        f.write(old)
+    reboot(d, store)
+    d.start()
+    assert "converting to format 2" in d.log()
+    with d.connect() as c:
+        assert_same(state(c.table("f")), want)
+        with open(meta, "rb") as f:
+            assert f.read(8) == b"SHMRMETA"
+        st = os.stat(meta)
+        assert st.st_size == 2 * (4096 + -(-len(old) // 4096) * 4096), (st.st_size, len(old))
+        assert st.st_blocks * 512 >= st.st_size and stat.S_IMODE(st.st_mode) == 0o600  # reserved, not sparse
+        c.drop_table("f")
+
+
+def test_a_torn_newest_copy_falls_back_to_the_sync_before(start_daemon, tmp_path):
+    """A crash in the middle of a sync leaves the copy it wrote torn; the
+    file's other copy, the sync before, is whole and is what a reboot finds.
+    The format (docs/layout.md): two halves, each a 4096-byte header page
+    (magic, version, crc32, sequence number, size) and the bytes."""
+    import struct
+    d, store, want, meta, _ = synced(start_daemon, tmp_path, more=8)
+    with open(meta, "r+b") as f:
+        data = f.read()
+        half = len(data) // 2
+        seqs = [struct.unpack_from("<8sIIQQ", data, off)[3] for off in (0, half)]
+        newer = (0, half)[seqs.index(max(seqs))]
+        f.seek(newer + 4096 + 100)  # a sync cut off after its first bytes
+        f.write(b"\0" * 4096)
+    reboot(d, store)
+    d.start()
+    with d.connect() as c:
+        assert_same(state(c.table("f")), want)
+        c.drop_table("f")
+
+
+def test_a_foreign_metadata_file_does_not_stop_a_live_table_from_being_adopted(start_daemon, tmp_path):
+    """A SIGKILLed daemon's table is adopted from its live meta segment even
+    when its metadata file is not one the daemon made (here: mode 0644): the
+    file is logged, never read, and a new one replaces it, as the first
+    sync of earlier builds replaced it."""
+    d, store, want, meta, _ = synced(start_daemon, tmp_path)
+    os.chmod(meta, 0o644)
+    d.start()
+    assert "is not a mode-0600 file of the daemon's user" in d.log() and "renamed over that name" in d.log()
+    with d.connect() as c:
+        assert_same(state(c.table("f")), want)
+        assert stat.S_IMODE(os.stat(meta).st_mode) == 0o600 and c.stats()["tables"]["f"]["sync_failures"] == 0
+        c.drop_table("f")

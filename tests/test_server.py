@@ -79,3 +79,22 @@ def test_a_server_under_a_tmpdir_too_long_for_a_socket_path_still_starts(tmp_pat
             c.flush()
             assert len(t) == 1
     assert not os.path.exists(srv.dir)
+
+
+def test_a_config_file_keeps_the_keys_it_sets_and_the_rest_are_private(tmp_path):
+    """``config=``: its [daemon] keys and [[tables]] (nested fields) are the
+    daemon's; what it leaves out of access (segment_mode, group) is the
+    Server's private default: mode 0600 socket and segments (issue 34,
+    item 4).  A segment_mode it sets is kept."""
+    import stat
+    from daemons import write_config
+    table = {"name": "cfg", "capacity": 8, "fields": {"x": ("int64", ()), "o": ("float32", (3,))}}
+    for extra, mode in (({}, 0o600), ({"segment_mode": "0640"}, 0o640)):
+        path = write_config(tmp_path / f"c{mode:o}.toml", [table], hold_timeout_s=7.0, **extra)
+        name = instance()
+        with shmreplay.Server(config=path, instance=name) as srv, srv.connect() as c:
+            assert c.list_tables() == ["cfg"]
+            rows = [n for n in shm_entries(f"shmreplay.{name}.r.cfg.")]
+            got = {stat.S_IMODE(os.stat(p).st_mode) for p in [srv.socket, *(f"/dev/shm/{n}" for n in rows)]}
+            assert len(rows) == 1 and got == {mode}, (rows, got)
+

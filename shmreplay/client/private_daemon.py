@@ -7,7 +7,16 @@
 
 A ``Server`` starts ``shmreplayd`` as a child process on a private socket
 in a fresh 0700 temporary directory, under an instance name of its own,
-so it shares nothing with a system daemon or another program's Server.  It
+so it shares nothing with a system daemon or another program's Server.
+Its tables are this user's alone: the socket, the segments and any rows
+files are mode 0600 (``PRIVATE_MODE``), so no other user, not even one who
+shares this process's primary group, can connect, map or write them.
+``group=`` opens them to one group on purpose: mode 0660 in that group, the
+group allowed to connect, and the socket's directory made reachable by it.
+A config file (``config=``) is honoured for the keys it sets; those it
+leaves out get the same private defaults.  The instance lock goes in this
+user's runtime directory (``wire/names.py`` ``runtime_dir``), or, for a user
+who has none, in the Server's own directory (``runtime_dir`` says which).  It
 returns once the daemon serves and every table in ``tables`` exists (made
 with ``Client.create_table``, so they take its forms and raise its
 errors).  ``stop()`` (and leaving the ``with`` block) shuts it down with
@@ -30,6 +39,7 @@ is picklable into child processes, which connect by the same socket).
 from __future__ import annotations
 
 import ctypes
+import grp
 import itertools
 import json
 import os
@@ -40,14 +50,21 @@ import sys
 import tempfile
 import time
 
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10
+    import tomli as tomllib
+
 from ..errors import DaemonUnavailable, ReplayError
-from ..wire.names import SHM_DIR, SOCKET_PATH_MAX
+from ..wire.names import SHM_DIR, SOCKET_PATH_MAX, runtime_dir
 from .client import Client, connect
 
 START_TIMEOUT_S = 120.0   # the first start on a machine compiles the kernels (seconds)
 STOP_TIMEOUT_S = 60.0
 _counter = itertools.count()
 _PR_SET_PDEATHSIG = 1
+PRIVATE_MODE = "0600"   # the socket, segments and rows files of a Server without group=
+GROUP_MODE = "0660"     # with group=: that group reads and writes rows, as a shared daemon's members
 
 
 class ServerFailed(ReplayError):
@@ -61,6 +78,44 @@ def _die_with_parent() -> None:  # runs in the child between fork and exec
         pass  # not Linux: the daemon outlives a killed parent, as a Popen would
 
 
+def _group_id(group) -> int:
+    """``group=``'s gid; this process must be in it (the daemon, its child,
+    gives its objects to that group, which only a member or root may)."""
+    try:
+        gid = grp.getgrgid(group).gr_gid if isinstance(group, int) else grp.getgrnam(str(group)).gr_gid
+    except KeyError:
+        raise ReplayError(f"Server(group={group!r}): no such group on this machine") from None
+    if os.geteuid() != 0 and gid != os.getegid() and gid not in os.getgroups():
+        raise ReplayError(f"Server(group={group!r}): this process is not in that group, so its "
+                          "daemon cannot give the tables to it; run as a member, or leave group out")
+    return gid
+
+
+def _private_config(doc: dict, group) -> dict:
+    """``doc`` (a parsed config) with the access keys it leaves out set:
+    this user only, or ``group`` (its members connect and map)."""
+    d = dict(doc.get("daemon", {}))
+    if group is None:
+        d.setdefault("segment_mode", PRIVATE_MODE)
+    else:
+        d.setdefault("segment_mode", GROUP_MODE)
+        d.setdefault("group", group)
+        d.setdefault("allowed_groups", [group])
+    return {**doc, "daemon": d}
+
+
+def _toml_doc(doc: dict) -> str:
+    """A config as TOML again (``[daemon]`` and ``[[tables]]``, the only
+    sections a config has; nested values inline)."""
+    unknown = sorted(set(doc) - {"daemon", "tables"})
+    if unknown:
+        raise ReplayError(f"config: unknown sections {unknown}; a config has [daemon] and [[tables]]")
+    out = ["[daemon]"] + [f"{k} = {_toml_value(v)}" for k, v in doc.get("daemon", {}).items()]
+    for t in doc.get("tables", []):
+        out += ["[[tables]]"] + [f"{json.dumps(str(k))} = {_toml_value(v)}" for k, v in t.items()]
+    return "\n".join(out) + "\n"
+
+
 def _toml_value(v) -> str:
     if isinstance(v, bool):
         return "true" if v else "false"
@@ -70,6 +125,8 @@ def _toml_value(v) -> str:
         return repr(v)
     if isinstance(v, (list, tuple)):
         return "[" + ", ".join(_toml_value(x) for x in v) + "]"
+    if isinstance(v, dict):  # an inline table; quoted keys take any name
+        return "{" + ", ".join(f"{json.dumps(str(k))} = {_toml_value(x)}" for k, x in v.items()) + "}"
     raise ReplayError(f"daemon option value {v!r}: give a bool, number, string or list of them")
 
 
@@ -77,7 +134,8 @@ class Server:
     """A private ``shmreplayd`` (see the module docstring)."""
 
     def __init__(self, tables=(), config: str | None = None, instance: str | None = None,
-                 timeout: float = START_TIMEOUT_S, python: str | None = None, **daemon_options):
+                 timeout: float = START_TIMEOUT_S, python: str | None = None, group=None,
+                 **daemon_options):
         """``tables``: dicts of ``Client.create_table``'s arguments (name,
         capacity, fields, sampler, ...), or ``("queue", dict)`` pairs for
         ``create_queue``.  ``config``: a shmreplayd TOML file (its socket
@@ -85,9 +143,12 @@ class Server:
         ``[daemon]`` section (``learner_spin_us=0``, ``log_level="info"``),
         not both.  ``instance``: the shared-memory name prefix (default
         ``local<pid>x<n>``).  ``python``: the interpreter to run the daemon
-        with (default this one)."""
+        with (default this one).  ``group``: a group name or gid whose
+        members may connect and map the tables (default: none, this user
+        only; see the module docstring)."""
         if config is not None and daemon_options:
             raise ReplayError("give daemon options in the config file or as keywords, not both")
+        gid = None if group is None else _group_id(group)
         self.instance = instance or f"local{os.getpid()}x{next(_counter)}"
         self.dir = tempfile.mkdtemp(prefix="shmreplay-server-")
         if len(os.fsencode(os.path.join(self.dir, "shmreplay.sock"))) > SOCKET_PATH_MAX:
@@ -95,23 +156,37 @@ class Server:
             # private 0700 directory under /tmp instead
             os.rmdir(self.dir)
             self.dir = tempfile.mkdtemp(prefix="shmreplay-server-", dir="/tmp")
+        if gid is not None:  # its members reach the socket: pass through, never list or write
+            os.chown(self.dir, -1, gid)
+            os.chmod(self.dir, 0o710)
         self.socket = os.path.join(self.dir, "shmreplay.sock")
+        env = {**os.environ, "SHMREPLAY_SOCKET": self.socket}
+        try:  # the instance lock's directory: this user's runtime directory
+            self.runtime_dir = runtime_dir()
+        except ReplayError:  # none this user has (no XDG_RUNTIME_DIR, no home): the private one
+            self.runtime_dir = env["RUNTIME_DIRECTORY"] = self.dir
         self.log_path = os.path.join(self.dir, "shmreplayd.log")
         self.proc: subprocess.Popen | None = None
         self._clients: list[Client] = []
         try:
             if config is None:
-                config = os.path.join(self.dir, "shmreplayd.toml")
-                with open(config, "w") as f:
-                    f.write("[daemon]\n" + "".join(f"{k} = {_toml_value(v)}\n"
-                                                   for k, v in daemon_options.items()))
-            self.config = str(config)
-            with open(self.log_path, "wb") as log:
+                doc = {"daemon": daemon_options}
+            else:
+                try:
+                    with open(config, "rb") as f:
+                        doc = tomllib.load(f)
+                except (OSError, tomllib.TOMLDecodeError) as exc:
+                    raise ReplayError(f"cannot read config {config}: {exc}") from None
+            self.config = os.path.join(self.dir, "shmreplayd.toml")
+            # both 0600: with group= the directory lets the group pass through
+            with open(os.open(self.config, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as f:
+                f.write(_toml_doc(_private_config(doc, None if gid is None else gid)))
+            with open(os.open(self.log_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "wb") as log:
                 self.proc = subprocess.Popen(
                     [python or sys.executable, "-m", "shmreplay.server.daemon", "--config", self.config,
                      "--socket", self.socket, "--instance", self.instance],
                     stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                    env={**os.environ, "SHMREPLAY_SOCKET": self.socket}, preexec_fn=_die_with_parent)
+                    env=env, preexec_fn=_die_with_parent)
             admin = self._wait_ready(timeout)
             try:
                 for t in tables:

@@ -27,7 +27,8 @@ The instance lock and the default socket live in the user's runtime
 directory (``runtime_dir()``), which only that user (or root) can write
 (the daemon checks every component of its path, ``server/disk/safedir.py``):
 anyone may create a name in /dev/shm or /tmp first, so nothing the daemon
-must trust lives there under a guessable name.
+must trust lives there under a guessable name, and no default is a /tmp
+name another user could take first.
 
     <runtime dir>/shmreplay.<instance>.lock  the instance lock (server/disk/ownership.py)
     <runtime dir>/shmreplay.sock             the default control socket
@@ -45,6 +46,9 @@ from __future__ import annotations
 import os
 import re
 import secrets
+import stat
+
+from ..errors import ReplayError
 
 ENV_SOCKET = "SHMREPLAY_SOCKET"
 SOCKET_PATH_MAX = 107  # bytes of a Unix socket's path: sun_path is 108, with its NUL
@@ -52,10 +56,28 @@ SHM_DIR = "/dev/shm"
 PREFIX = "shmreplay."
 
 
+RUNTIME_HOME = (".cache", "shmreplay", "run")  # under the user's home, the last default
+SOCKET_NAME = "shmreplay.sock"
+
+
 def runtime_dir() -> str:
-    """systemd's ``$RUNTIME_DIRECTORY`` (the unit's RuntimeDirectory=), else
-    ``$XDG_RUNTIME_DIR/shmreplay``, else /run/shmreplay for root, else
-    /tmp/shmreplay-<uid>.  The daemon checks it before it puts anything there
+    """Where the instance lock and the default socket live, the same for
+    every process of one user (so a daemon and its clients meet without
+    configuration) and out of every other user's reach (anyone may create
+    a name in /tmp first, so nothing here is a guessable /tmp name):
+
+    1. systemd's ``$RUNTIME_DIRECTORY`` (the unit's RuntimeDirectory=);
+    2. ``$XDG_RUNTIME_DIR/shmreplay``;
+    3. /run/shmreplay for root;
+    4. ``/run/user/<uid>/shmreplay`` when /run/user/<uid> is this user's
+       own directory (a login session's, left when XDG_RUNTIME_DIR is not
+       passed on);
+    5. ``<home>/.cache/shmreplay/run`` (``$HOME``, else the password
+       database's) when the home is this user's own directory.
+
+    A candidate whose socket path would pass ``SOCKET_PATH_MAX`` is
+    skipped.  With none left, ``ReplayError`` names what to set.  The
+    daemon checks the directory before it puts anything there
     (``server/disk/safedir.py`` ``secure_dir``: every component a real
     directory of this user or root that no one else can write)."""
     d = os.environ.get("RUNTIME_DIRECTORY")
@@ -64,11 +86,49 @@ def runtime_dir() -> str:
     x = os.environ.get("XDG_RUNTIME_DIR")
     if x:
         return os.path.join(x, "shmreplay")
-    return "/run/shmreplay" if os.geteuid() == 0 else f"/tmp/shmreplay-{os.getuid()}"
+    uid = os.geteuid()
+    if uid == 0:
+        return "/run/shmreplay"
+    tried = []
+    for base, parts in ((f"/run/user/{uid}", ("shmreplay",)), (_home(), RUNTIME_HOME)):
+        if not base:
+            continue
+        path = os.path.join(base, *parts)
+        if not _own_dir(base, uid):
+            tried.append(f"{base} (not a directory of uid {uid})")
+        elif len(os.fsencode(os.path.join(path, SOCKET_NAME))) > SOCKET_PATH_MAX:
+            tried.append(f"{path} (its socket path would pass {SOCKET_PATH_MAX} bytes)")
+        else:
+            return path
+    raise ReplayError(f"no runtime directory for uid {uid}: tried {'; '.join(tried) or 'nothing'}; set "
+                      "XDG_RUNTIME_DIR (or RUNTIME_DIRECTORY) to a directory only this user can write, "
+                      f"or give the daemon and its clients a socket path (${ENV_SOCKET}) and the "
+                      "daemon RUNTIME_DIRECTORY for its lock")
+
+
+def _home() -> str:
+    h = os.environ.get("HOME", "")
+    if os.path.isabs(h):
+        return h
+    try:
+        import pwd
+        return pwd.getpwuid(os.geteuid()).pw_dir
+    except (KeyError, ImportError):
+        return ""
+
+
+def _own_dir(path: str, uid: int) -> bool:
+    """Is ``path`` a directory of ``uid`` (followed: a home may be a link;
+    the daemon's ``secure_dir`` then decides whether it will use it)?"""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return False
+    return stat.S_ISDIR(st.st_mode) and st.st_uid == uid
 
 
 def default_socket_path() -> str:
-    return os.path.join(runtime_dir(), "shmreplay.sock")
+    return os.path.join(runtime_dir(), SOCKET_NAME)
 
 
 def client_socket_path(path: str | None = None) -> str:

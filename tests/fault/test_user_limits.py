@@ -28,7 +28,7 @@ SMALL = {"x": ("int64", ())}
 def test_the_limits_config_is_checked():
     """No daemon: every new key is checked, with an error that says what is wrong."""
     cfg = parse_config({"daemon": {"max_tables": 32}})
-    assert (cfg.reserved_tables, cfg.max_tables_per_user, cfg.file_quota_bytes_per_user) == (2, 16, 0)
+    assert (cfg.reserved_tables, cfg.max_tables_per_user, cfg.file_quota_bytes_per_user) == (2, 16, None)
     for bad, says in (({"max_tables": 4, "reserved_tables": 5}, "reserved_tables (5) may not exceed"),
                       ({"reserved_tables": 0}, "reserved_tables must be a number >= 1"),
                       ({"max_tables_per_user": 0}, "max_tables_per_user must be a number >= 1"),

@@ -92,7 +92,7 @@ class DaemonConfig:
     # group (descriptors.py).  daemon/shmreplayd.toml says why each default.
     max_tables_per_user: int = 16
     reserved_tables: int = 4          # other users together: at most max_tables - this (max_tables // 16)
-    file_quota_bytes_per_user: int = 0  # rows-file bytes of one user's file-backed tables; 0: none
+    file_quota_bytes_per_user: int | None = None  # one user's rows files; None: a share of each filesystem (quotas.py); 0: none
     max_lingering_refusals: int = 16
     max_lingering_refusals_per_user: int = 4
     refusal_linger_s: float = 10.0
@@ -239,7 +239,8 @@ def _user_limits(cfg: DaemonConfig, d: dict, where: str) -> None:
     if cfg.reserved_tables > cfg.max_tables:  # 1 or more: the daemon's user can always create one
         raise SchemaError(f"{where}: reserved_tables ({cfg.reserved_tables}) may not exceed max_tables "
                           f"({cfg.max_tables}); it is the part of max_tables kept for the daemon's user")
-    cfg.file_quota_bytes_per_user = int(_number(d, "file_quota_bytes_per_user", 0, where))
+    if "file_quota_bytes_per_user" in d:  # unset: the default share (quotas.py)
+        cfg.file_quota_bytes_per_user = int(_number(d, "file_quota_bytes_per_user", 0, where))
     cfg.max_lingering_refusals = int(_number(d, "max_lingering_refusals", 16, where))
     cfg.max_lingering_refusals_per_user = int(_number(d, "max_lingering_refusals_per_user", 4, where))
     cfg.refusal_linger_s = _number(d, "refusal_linger_s", 10.0, where)

@@ -178,7 +178,7 @@ class ControlConnection(asyncio.Protocol):
         return {"tables": await self.srv.call(self.srv.engine.describe)}
 
     async def _on_status(self, msg: dict) -> dict:
-        return await self.srv.status()
+        return await self.srv.status(self.peer)  # another user's clients: counts only (seen.py)
 
     async def _on_checkpoint(self, msg: dict) -> dict:
         return {"checkpoints": await self.srv.checkpoint(_names(msg, "checkpoint"), msg["to"])}

@@ -34,7 +34,7 @@ from ..disk import durable, safedir, storage
 from ..engine.engine import Engine
 from ..tables import tablestats
 from ..tables.table import Table
-from . import recovery
+from . import recovery, seen
 from .aside import SetAside
 from .checkpoints import Checkpoints
 from .access import may_administer
@@ -174,7 +174,8 @@ class ControlServer:
             why = self.gate.fds.refusal(PER_TABLE, busy, f"table {spec.name!r}")
             if why is not None:
                 raise why
-        self.book.claim(spec, os.geteuid() if peer is None else peer.uid)
+        self.book.claim(spec, os.geteuid() if peer is None else peer.uid,
+                        admin=peer is not None and may_administer(self.cfg, peer))
 
     async def add_table(self, spec, tmap: TableMap | None = None, recover: bool = False) -> dict:
         """Serve a table: a new segment, or ``tmap`` (adopted or restored,
@@ -273,7 +274,9 @@ class ControlServer:
         (``checkpoints.py``)."""
         return await self.checkpoints.write(names, directory, keep)
 
-    async def status(self) -> dict:
+    async def status(self, peer=None) -> dict:
+        """The daemon's state; as ``peer`` may see it (``seen.py``: other
+        users' clients as counts unless it may administer)."""
         snap = await self.call(self.engine.snapshot)
         for name, st in snap.get("tables", {}).items():
             if st.get("file_backed"):  # how much of it the page cache holds (mincore: off the engine)
@@ -290,11 +293,12 @@ class ControlServer:
         for c in snap.get("client_list", []):  # the kernel's word on who they are
             conn = self.connections.get(c["client"])
             c["uid"] = conn.peer.uid if conn is not None else None
-        return {"daemon_pid": self.pid, "protocol": PROTOCOL_VERSION, "instance": self.cfg.instance,
-                "version": __version__, "memory": daemon_memory(), "metrics": self.metrics_url,
-                "socket": self.path, "uptime_s": now - self.started,
-                "connections": len(self.connections), **snap, "set_aside": self.aside.report(),
-                "descriptors": self.gate.status(), "creators": self.book.status()}
+        st = {"daemon_pid": self.pid, "protocol": PROTOCOL_VERSION, "instance": self.cfg.instance,
+              "version": __version__, "memory": daemon_memory(), "metrics": self.metrics_url,
+              "socket": self.path, "uptime_s": now - self.started,
+              "connections": len(self.connections), **snap, "set_aside": self.aside.report(),
+              "descriptors": self.gate.status(), "creators": self.book.status()}
+        return st if peer is None or may_administer(self.cfg, peer) else seen.for_user(st, peer.uid)
 
 
 def _claim_socket_path(path: str) -> None:

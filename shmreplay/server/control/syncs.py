@@ -32,15 +32,18 @@ class Syncer:
         self.tasks: set[asyncio.Task] = set()
 
     def make_durable(self, table, recover: bool) -> None:
-        """Executor, before the table is served: its reuse barrier and sync
-        state; an adopted table protects what its file on disk lists (until
-        its first sync, which follows at once)."""
+        """Executor, before the table is served: its metadata file with its
+        space reserved (a full disk: DiskFull, the table is not served), its
+        reuse barrier and sync state; an adopted table protects what its
+        file on disk lists (until its first sync, which follows at once)."""
         led, name = table.ledger, table.spec.name
         path = durable.meta_file(table.map)
+        seq = durable.reserve(path, table.map.layout.size, fresh=not recover)
         led.barrier = ReuseBarrier(table.spec.capacity)
         loop = self.srv.loop
         table.durable = durable.Durability(path, lambda: loop.call_soon_threadsafe(self.soon, name))
         self.states[name] = table.durable
+        table.durable.seq = seq
         listed = durable.listed_on_disk(table.map, path) if recover else None
         if listed is not None:
             led.barrier.protect(listed)
@@ -102,19 +105,21 @@ class Syncer:
             try:
                 copy = await srv.loop.run_in_executor(None, durable.Copy, table.map.layout.size)
                 copy = await srv.call(durable.take, table, copy)
-                n = await srv.loop.run_in_executor(None, durable.write, copy, table.map.rows.fd, d.path)
+                n = await srv.loop.run_in_executor(None, durable.write, copy, table.map.rows.fd, d.path,
+                                                   d.seq + 1)
             except (OSError, ReplayError) as exc:  # a full disk; a directory made unsafe since (safedir)
                 wait = d.failed(str(exc))
-                log.error("sync of table %s to %s failed: %s; the file of the sync before stays, "
+                log.error("sync of table %s to %s failed: %s; the copy of the sync before stays, "
                           "and the next try is in %g s (doubling with each failure, up to %g s)",
                           name, d.path, exc, wait, durable.BACKOFF_MAX_S)
-                raise ReplayError(f"sync of table {name!r} to {d.path} failed: {exc}; the file of "
+                raise ReplayError(f"sync of table {name!r} to {d.path} failed: {exc}; the copy of "
                                   "the sync before stays") from None
             finally:
                 d.wanted = False  # whatever happened, a full table may ask again
             if d.error is not None:
                 log.info("sync of table %s to %s succeeds again", name, d.path)
             d.succeeded()
+            d.seq += 1
             dt = time.monotonic() - t0
             freed = await srv.call(durable.landed, table, copy, dt)
         return {"table": name, "items": copy.items, "bytes": n, "seconds": dt, "freed": freed,

@@ -3,10 +3,12 @@
 A file-backed table keeps two files in its ``storage_dir``::
 
     shmreplay.<instance>.r.<table>   the rows (wire/rowfile.py), written by clients
-    shmreplay.<instance>.t.<table>   the metadata as of the table's last sync: a byte
-                                     copy of the meta segment (same magic, layout
+    shmreplay.<instance>.t.<table>   the metadata as of the table's last sync: byte
+                                     copies of the meta segment (same magic, layout
                                      version, header and schema; docs/layout.md),
-                                     mode 0600, written by the daemon only
+                                     two of them, written in place alternately in
+                                     space reserved when the table is made
+                                     (``metafile.py``), mode 0600, by the daemon only
 
 The meta segment in /dev/shm stays the live truth (a SIGKILLed daemon's
 successor adopts it and loses nothing committed); the file is what is left
@@ -19,23 +21,25 @@ A sync of one table, in order:
 1. engine thread (``take``): copy the meta segment; the reuse barrier
    (tables/barrier.py) now also protects the items the copy lists;
 2. executor (``write``): ``fdatasync`` the rows, so every row of every
-   item in the copy is on disk; write the copy to a temporary file, fsync,
-   rename it over the old one, fsync the directory;
+   item in the copy is on disk; write the copy over the file's older copy,
+   in place, and ``fdatasync`` (no new disk block: another user who filled
+   the filesystem cannot stop it);
 3. engine thread (``landed``): only the new file's items stay protected;
    slots retired before step 1 go back to the free list.
 
 A sync runs every ``sync_interval_s``, when a full table is about to run
 out of free slots (``Table.want_sync``), at every clean stop, and on
 ``shmreplay sync``; one at a time per table (the control plane's lock).
-If step 2 fails (a full disk) the old file stays, and so does the wider
-protection: nothing on disk is ever half-replaced.
+If step 2 fails (an I/O error) the newer copy stays whole, and so does the
+wider protection: a half-written copy fails its checksum and is never read.
+``reserve`` makes the file (or converts a format-1 file) when the table is
+made or adopted, before it is served.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import stat
 import time
 
 import numpy as np
@@ -45,11 +49,9 @@ from ...wire import headers, names
 from ...wire.layout import TableMap, meta_mode
 from ...wire.segment import Segment
 from ..tables.barrier import ReuseBarrier
-from . import safedir
+from . import metafile, safedir
 
 log = logging.getLogger("shmreplayd.durable")
-
-FILE_MODE = 0o600  # clients read the meta segment, never this file
 
 
 def meta_file(tmap: TableMap) -> str:
@@ -58,8 +60,8 @@ def meta_file(tmap: TableMap) -> str:
 
 
 def temp_file(path: str) -> str:
-    """Where a sync writes before its rename: a dot name, outside every
-    table's names (a table may be called ``x.tmp``)."""
+    """Where ``reserve`` makes the file before its rename: a dot name,
+    outside every table's names (a table may be called ``x.tmp``)."""
     d, base = os.path.split(path)
     return os.path.join(d, f".{base}.tmp")
 
@@ -89,6 +91,16 @@ def remove_files(path: str) -> None:
         log.error("metadata file %s left in place: %s", path, exc)
 
 
+def reserve(path: str, meta_size: int, fresh: bool) -> int:
+    """Executor, before a durable table is served (made, ``fresh``, or
+    adopted): its metadata file with all its space reserved
+    (``metafile.reserve``); returns the newest sync's sequence number in it
+    (0: none)."""
+    d, base = os.path.split(path)
+    with safedir.opened(d, safedir.ROWS) as dfd:
+        return metafile.reserve(dfd, base, path, meta_size, os.path.basename(temp_file(path)), fresh)
+
+
 BACKOFF_FIRST_S, BACKOFF_MAX_S = 0.5, 60.0  # a failing sync is tried again this much later, doubling
 
 
@@ -107,6 +119,7 @@ class Durability:
         self.on_wanted = on_wanted  # thread-safe: schedules a sync
         self.wanted = False
         self.syncs = self.failures = 0
+        self.seq = 0            # the newest sync's number in the file (metafile.py)
         self.items = 0          # items in the file on disk
         self.last_ns = 0        # wall time of its copy
         self.seconds = 0.0      # how long the last sync took
@@ -136,7 +149,7 @@ class Durability:
         if self.error is None:
             return ""
         return (f"; the syncs of this table to {self.path} are failing ({self.error}); the next try "
-                f"is in {max(0.0, self.retry_at - time.monotonic()):.1f} s: free room on that disk")
+                f"is in {max(0.0, self.retry_at - time.monotonic()):.1f} s: mend what the error names")
 
     def report(self, barrier: ReuseBarrier) -> dict:
         return {"meta_file": self.path, "syncs": self.syncs, "sync_failures": self.failures,
@@ -168,29 +181,16 @@ def take(table, copy: Copy) -> Copy:
     return copy
 
 
-def write(copy: Copy, rows_fd: int, path: str) -> int:
-    """Executor: step 2.  Returns the bytes written.  Relative to the
-    descriptor of the table's ``storage_dir``, checked as ``storage.py``
-    checks it (``safedir``), so no link is followed and nothing is written
-    elsewhere; the file is made ``O_EXCL`` and given mode 0600 whatever
-    the umask (a start reads only such a file, ``read_file``)."""
+def write(copy: Copy, rows_fd: int, path: str, seq: int) -> int:
+    """Executor: step 2, as sync number ``seq``.  Returns the bytes written.
+    Relative to the descriptor of the table's ``storage_dir``, checked as
+    ``storage.py`` checks it (``safedir``), so no link is followed and
+    nothing is written elsewhere; only into the mode-0600 file of the
+    daemon's user that ``reserve`` made, in place."""
     os.fdatasync(rows_fd)
     d, base = os.path.split(path)
-    tmp = os.path.basename(temp_file(path))
     with safedir.opened(d, safedir.ROWS) as dfd:
-        safedir.remove(dfd, tmp, d)  # a dead daemon's half-written copy; anything else stays and fails the create
-        fd = safedir.create_file(dfd, tmp)
-        try:
-            os.fchmod(fd, FILE_MODE)
-            view = memoryview(copy.buf)
-            done = 0
-            while done < len(view):
-                done += os.write(fd, view[done:])
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.rename(tmp, base, src_dir_fd=dfd, dst_dir_fd=dfd)
-        os.fsync(dfd)
+        metafile.write(dfd, base, path, copy.buf, seq)
     return len(copy.buf)
 
 
@@ -208,35 +208,21 @@ def landed(table, copy: Copy, seconds: float) -> int:
 # ---- startup: the files a reboot left ----
 
 def read_file(path: str) -> bytes:
-    """The bytes of a metadata file this daemon's user made (regular, mode
-    0600, opened without following a link, in a directory that passes
-    ``safedir``'s checks); anything else is ``ForeignObject`` and is
-    neither read nor touched."""
+    """The meta bytes of the newest sync in a metadata file this daemon's
+    user made (regular, mode 0600, opened without following a link, in a
+    directory that passes ``safedir``'s checks; format 2, or format 1 as
+    earlier builds wrote it); anything else is ``ForeignObject`` and is
+    neither read nor touched, a file with no whole copy ``LayoutError``."""
     d, base = os.path.split(path)
     try:
         with safedir.opened(d, safedir.ROWS) as dfd:
-            fd = os.open(base, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dfd)
+            data = metafile.read(dfd, base, path)
     except ForeignObject:
         raise
     except (OSError, ReplayError) as exc:
         why = exc.strerror if isinstance(exc, OSError) else str(exc)
         raise ForeignObject(f"metadata file {path} cannot be opened ({why}); left alone") from None
-    try:
-        st = os.fstat(fd)
-        if (not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid()
-                or stat.S_IMODE(st.st_mode) != FILE_MODE):
-            raise ForeignObject(f"metadata file {path} is not a mode-0600 file of the daemon's user "
-                                f"(uid {st.st_uid}, mode {stat.S_IMODE(st.st_mode):o}); left alone")
-        chunks, size = [], st.st_size
-        while size > 0:
-            b = os.read(fd, min(size, 1 << 24))
-            if not b:
-                break
-            chunks.append(b)
-            size -= len(b)
-        return b"".join(chunks)
-    finally:
-        os.close(fd)
+    return metafile.payload(data, path)
 
 
 def files(instance: str, dirs) -> dict[str, str]:
@@ -299,7 +285,7 @@ def listed_on_disk(tmap: TableMap, path: str) -> np.ndarray | None:
     until the first sync, which follows at once)."""
     try:
         data = read_file(path)
-    except ForeignObject as exc:
+    except LayoutError as exc:  # not ours (ForeignObject), or no whole copy in it
         if os.path.lexists(path):
             log.error("table %s: %s", tmap.spec.name, exc)
         return None

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 import shmreplay
+import shmreplay.statusview  # noqa: F401 (as_user's child, another user, may not read a checkout in a closed folder)
 from daemons import segment_of
 from people import ADMIN, ADMINS, GROUP, MEMBER, STRANGER, as_user, needs_root, shared_start, users  # noqa: F401
 from test_durable import HEADROOM, assert_same, prio, reboot, rows, state, table_def

@@ -49,8 +49,9 @@ def make_home(ident) -> Path:
     cache = home / "numba"
     for pyc in (ROOT / "shmreplay").rglob("__pycache__"):
         kernels = [p for p in pyc.iterdir() if p.suffix in (".nbi", ".nbc")]
-        if kernels:
-            where = cache / UserProvidedCacheLocator.get_suitable_cache_subpath(str(pyc.parent / "x.py"))
+        if kernels:  # numba keys a cache by the source's folder as the user's process sees it (code_at)
+            seen = code_at(home) / pyc.parent.relative_to(ROOT)
+            where = cache / UserProvidedCacheLocator.get_suitable_cache_subpath(str(seen / "x.py"))
             where.mkdir(parents=True, exist_ok=True)
             for p in kernels:
                 shutil.copy2(p, where / p.name)
@@ -62,16 +63,27 @@ def make_home(ident) -> Path:
     return home
 
 
-# The interpreter may live where other users cannot reach it (pyenv under
-# /root, mode 0700): the user's process then runs in a mount namespace of
-# its own where /root is an empty 0755 tmpfs with the interpreter's tree
-# bound back at its own path (so its library paths hold), and nothing else.
+def code_at(home: Path) -> Path:
+    """Where the user's process sees this checkout: bound there in its
+    mount namespace (``spawn``), since the checkout may sit in a folder
+    other users cannot enter (a fresh clone under ``mktemp -d``, 0700)."""
+    return home.parent / (home.name + ".code")
+
+
+# The user's process runs in a mount namespace of its own where the
+# checkout is bound at ``code_at(home)``, and, where the interpreter lives
+# out of other users' reach (pyenv under /root, mode 0700), /root is an
+# empty 0755 tmpfs with the interpreter's tree bound back at its own path
+# (so its library paths hold), and nothing else.
 HIDDEN = "/root"
 MOUNTS = """set -e
-mount --bind "$STASH_FROM" "$STASH"
-mount -t tmpfs -o mode=0755,size=1m shmrroot /root
-mkdir -p "$STASH_FROM"
-mount --move "$STASH" "$STASH_FROM"
+mount --bind "$CODE_FROM" "$CODE"
+if [ -n "$STASH" ]; then
+  mount --bind "$STASH_FROM" "$STASH"
+  mount -t tmpfs -o mode=0755,size=1m shmrroot /root
+  mkdir -p "$STASH_FROM"
+  mount --move "$STASH" "$STASH_FROM"
+fi
 exec "$@"
 """
 
@@ -81,8 +93,11 @@ def spawn(ident, home: Path, code: str, *args: str, env: dict | None = None) -> 
     a pipe (closing it is the program's cue to end), its stdout a pipe of
     JSON lines (``read``)."""
     uid, gid, groups = ident
-    base = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "PYTHONPATH": str(ROOT), "HOME": str(home),
-            "NUMBA_CACHE_DIR": str(home / "numba"), "LANG": "C.UTF-8"}
+    checkout = code_at(home)
+    checkout.mkdir(mode=0o755, exist_ok=True)  # a mount point, in its namespace only
+    base = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "PYTHONPATH": str(checkout), "HOME": str(home),
+            "NUMBA_CACHE_DIR": str(home / "numba"), "LANG": "C.UTF-8", "CODE": str(checkout),
+            "CODE_FROM": str(ROOT), "STASH": ""}
     drop = ["setpriv", f"--reuid={uid}", f"--regid={gid}",
             f"--groups={','.join(map(str, groups))}" if groups else "--clear-groups", "--",
             sys.executable, "-c", code, *args]
@@ -92,7 +107,7 @@ def spawn(ident, home: Path, code: str, *args: str, env: dict | None = None) -> 
         stash.mkdir(exist_ok=True)
         top = prefix[:prefix.index("/", len(HIDDEN) + 1)] if "/" in prefix[len(HIDDEN) + 1:] else prefix
         base.update(STASH=str(stash), STASH_FROM=top)
-        drop = ["unshare", "--mount", "--propagation", "private", "sh", "-c", MOUNTS, "sh", *drop]
+    drop = ["unshare", "--mount", "--propagation", "private", "sh", "-c", MOUNTS, "sh", *drop]
     return subprocess.Popen(drop, env={**base, **(env or {})}, cwd=str(home), stdin=subprocess.PIPE,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
@@ -122,6 +137,6 @@ def finish(proc: subprocess.Popen, timeout: float = 120.0) -> str:
 
 def remove_home(home: Path) -> None:
     shutil.rmtree(home)
-    stash = home.parent / (home.name + ".python")
-    if stash.exists():
-        stash.rmdir()
+    for point in (home.parent / (home.name + ".python"), code_at(home)):
+        if point.exists():
+            point.rmdir()

@@ -14,7 +14,7 @@ import pytest
 import shmreplay
 from inferencekit import (FORK, env_main, env_until_told, names_of, policy, raw_ctrl, raw_header, remove_channel,
                           serve, server, state)
-from shmreplay.wire import atomics
+from shmreplay.wire import atomics, futex
 from shmreplay.wire import inference as wi
 from waiting import HANG_S, reap, wait_for
 
@@ -156,6 +156,7 @@ def scribbler(address: str, spare: list, go, done, hold) -> None:
     rng = np.random.default_rng(1)
     ch = shmreplay.InferenceClient(address)
     ctrl, hdr = raw_ctrl(address), raw_header(address)
+    bell = futex.word_address(hdr, wi.H_SLEEPING)
     targets = [ch.slot, *spare]
     go.wait(HANG_S)
     me, dead = os.getpid(), 4_000_000
@@ -171,7 +172,7 @@ def scribbler(address: str, spare: list, go, done, hold) -> None:
             atomics.store(ctrl, k * wi.SLOT_WORDS + wi.W_START, int(rng.integers(0, 2**63)))
             atomics.store(ctrl, k * wi.SLOT_WORDS + wi.W_SLEEPS, int(rng.integers(0, 2**63)))
         if i % 10 == 0:
-            wi.ring(hdr)
+            wi.ring(hdr, bell)
         elif i % 10 == 5:
             atomics.store(hdr, wi.H_SLEEPING, int(rng.integers(0, 2**63)))
     # and leave garbage behind: an unknown code in its own slot, a dead pid's request in a spare one

@@ -106,6 +106,7 @@ class InferenceServer(_Handle):
         self._header = wi.Header(self._seg.buf, lay)
         self._hdr, self._ctrl, self._reqv, self._respv = wi.views(self._seg.buf, lay)
         self._bell = futex.word_address(self._hdr, H_SLEEPING)
+        self._replies = [futex.word_address(self._ctrl, k * SLOT_WORDS) for k in range(lay.slots)]
         self._waiter = futex.Waiter()
         self._books = SlotBooks(self._ctrl, lay.slots, self._header.mend)
         self._held: list[int] = []
@@ -179,7 +180,7 @@ class InferenceServer(_Handle):
         for name, a in arrays:
             self._respv[name][s[live]] = a[live]
         for k in self._books.answer(s, live).tolist():  # those whose env sleeps on its word
-            futex.wake(futex.word_address(self._ctrl, k * SLOT_WORDS))
+            futex.wake(self._replies[k])
 
     def wait_attached(self, n: int, timeout: float | None = None) -> int:
         """Wait until at least ``n`` envs are attached; their number.
@@ -221,7 +222,7 @@ class InferenceServer(_Handle):
         if os.getpid() == self._pid:
             self._shut()
             self._seg.close()
-        self._hdr = self._ctrl = self._reqv = self._respv = self._header = None
+        self._hdr = self._ctrl = self._reqv = self._respv = self._header = self._replies = None
 
     def __reduce__(self):
         raise TypeError("an InferenceServer cannot be pickled: pass its .address to the env "
@@ -253,6 +254,7 @@ class InferenceClient(_Handle):
                                 "close an env (InferenceClient.close()) first")
         self.slot, self._at = k, lay.ctrl // 8 + k * SLOT_WORDS
         self._reply = futex.word_address(self._words, self._at)  # its state word is its reply bell
+        self._bell = futex.word_address(self._words, H_SLEEPING)
         self._waiter = futex.Waiter()
         self._req = {name: v[k, ...] for name, v in req.items()}
         self._resp = {name: v[k, ...] for name, v in resp.items()}
@@ -260,7 +262,7 @@ class InferenceClient(_Handle):
         if atomics.cas(self._words, self._at, word(me, ATTACHING), word(me, IDLE)) != word(me, ATTACHING):
             raise InferenceClosed(f"slot {k} of {base} was taken back while this env attached "
                                   "(it stalled past the server's grace?): attach again")
-        wi.ring(self._words)
+        wi.ring(self._words, self._bell)
         self._spin = max(1, int(spin_us * 1e-6 * atomics.loads_per_second()))
         self._closed = False
 
@@ -287,7 +289,7 @@ class InferenceClient(_Handle):
                 np.copyto(self._req[name], a, casting="same_kind")
             # the data first, then the word; then whether the server sleeps
             if atomics.store_then_load(self._words, self._at, word(self._pid, POSTED), H_SLEEPING):
-                wi.ring(self._words)
+                wi.ring(self._words, self._bell)
             self._await(deadline)
             out = {name: v.copy() for name, v in self._resp.items()}
             atomics.store(self._words, self._at, word(self._pid, IDLE))
@@ -349,7 +351,7 @@ class InferenceClient(_Handle):
                 if found == w:
                     break
                 w = found
-            wi.ring(self._words)
+            wi.ring(self._words, self._bell)
         self._words = self._req = self._resp = None
 
     def __reduce__(self):

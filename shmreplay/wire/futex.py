@@ -39,9 +39,12 @@ if _NR is None or sys.byteorder != "little":
                       f"(little-endian) only, not of {platform.machine()} ({sys.byteorder}-endian)")
 
 _libc = ctypes.CDLL(None, use_errno=True)
+# no argtypes: ctypes converting seven declared arguments costs ~3x the
+# syscall on the round trip's path; every argument is passed ready-made
+# instead (addresses as c_void_p made once, small ints as C ints)
 _syscall = _libc.syscall
 _syscall.restype = ctypes.c_long
-_syscall.argtypes = [ctypes.c_long] * 7
+_NULL = None
 
 
 class _Timespec(ctypes.Structure):
@@ -53,22 +56,24 @@ class Waiter:
 
     def __init__(self):
         self._ts = _Timespec()
-        self._at = ctypes.addressof(self._ts)
+        self._ref = ctypes.byref(self._ts)
 
-    def wait(self, addr: int, value: int, seconds: float) -> None:
+    def wait(self, addr: ctypes.c_void_p, value: int, seconds: float) -> None:
         """Sleep while the 32-bit word at ``addr`` reads ``value`` (its low
         32 bits), at most ``seconds`` (at least 1 µs), or until a ``wake``."""
         ns = max(1_000, int(seconds * 1e9))
         self._ts.tv_sec, self._ts.tv_nsec = divmod(ns, 1_000_000_000)
-        _syscall(_NR, addr, FUTEX_WAIT, value & 0xFFFFFFFF, self._at, 0, 0)
+        v = int(value) & 0xFFFFFFFF
+        _syscall(_NR, addr, FUTEX_WAIT, v - (1 << 32) if v >= 1 << 31 else v, self._ref, _NULL, 0)
 
 
-def wake(addr: int, n: int = 1) -> None:
+def wake(addr: ctypes.c_void_p, n: int = 1) -> None:
     """Wake up to ``n`` sleepers on the word at ``addr`` (none: nothing)."""
-    _syscall(_NR, addr, FUTEX_WAKE, n, 0, 0, 0)
+    _syscall(_NR, addr, FUTEX_WAKE, n, _NULL, _NULL, 0)
 
 
-def word_address(words, i: int) -> int:
+def word_address(words, i: int) -> ctypes.c_void_p:
     """The address of 64-bit word ``i`` of ``words`` (a uint64 array over
-    the shared mapping), whose low half is the futex word."""
-    return words.ctypes.data + 8 * int(i)
+    the shared mapping), whose low half is the futex word; made once per
+    word and handed to ``wait``/``wake`` as it is."""
+    return ctypes.c_void_p(words.ctypes.data + 8 * int(i))

@@ -75,7 +75,6 @@ MAX_SLOTS = 1024
 MAX_PREFIX = 200   # the segment's name is <prefix>.<token>: within NAME_MAX
 _PREFIX = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*")
 _ADDRESS = re.compile(r"/[A-Za-z0-9_][A-Za-z0-9_.-]*\.[0-9a-f]{16}")
-_U64 = np.uint64
 
 
 def word(pid: int, code: int) -> int:
@@ -137,11 +136,12 @@ def shut(made: list, pid: int, live: list) -> None:
     unlink_made(made, pid)
 
 
-def ring(hdr) -> None:
+def ring(hdr, bell) -> None:
     """An env's post: wake the server if it sleeps on its doorbell (the
-    first env to swap the word from 1 to 0 wakes it; the others need not)."""
-    if cas(hdr, H_SLEEPING, _U64(1), _U64(0)) == 1:
-        futex.wake(futex.word_address(hdr, H_SLEEPING))
+    first env to swap the word from 1 to 0 wakes it; the others need not).
+    ``bell``: ``futex.word_address(hdr, H_SLEEPING)``."""
+    if cas(hdr, H_SLEEPING, 1, 0) == 1:
+        futex.wake(bell)
 
 
 def _user(uid: int) -> str:

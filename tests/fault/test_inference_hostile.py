@@ -115,40 +115,36 @@ def poison_bells(address: str, slot: int) -> list[str]:
 
 def poisoner(address: str) -> None:
     """The rogue env: attaches, writes 0xff over both bells, rings the
-    doorbell, and calls through its poisoned slot."""
+    doorbell, and leaves its poisoned slot as it is."""
     rogue = shmreplay.InferenceClient(address, timeout=HANG_S)
     assert "doorbell word" in poison_bells(address, rogue.slot)
-    hdr = np.frombuffer(raw_segment(address), np.uint64)
+    bell = futex.word_address(np.frombuffer(raw_segment(address), np.uint64), wi.H_SLEEPING)
     for _ in range(3):
-        futex.wake(hdr.ctypes.data + wi.H_SLEEPING * 8)
-    try:
-        rogue.call(obs=[1, 2, 0, 0], reward=0, done=False)
-    except shmreplay.InferenceClosed as exc:  # its slot taken back: "attach again"
-        assert "attach again" in str(exc), exc
-    rogue.close()
+        futex.wake(bell)
+    os._exit(0)  # no close: the word stays until the server takes the slot back
 
 
 def test_garbage_in_the_bells_never_kills_the_learner():
     """Issue 34, item 1: "an env process of the same user that writes 4
     bytes into the doorbell semaphore, or 16 into its own reply semaphore,
     kills the learner with SIGABRT".  A rogue env attaches, writes 0xff
-    over both bells, rings, and calls; the learner lives, the rogue gets a
-    clear error (its slot's word is no state word: taken back), and an
-    honest env attaching afterwards gets every answer right.  On the code
-    before, the learner died of glibc's futex abort (exit -6) at its next
-    sleep."""
+    over both bells and rings; the learner lives and takes the rogue's slot
+    back (its word is no state word: counted as garbage), and an honest env
+    attaching afterwards gets every answer right.  On the code before, the
+    learner died of glibc's futex abort (exit -6) at its next sleep."""
     lrn = Learner(slots=2)
     rogue = env = None
     try:
         rogue = FORK.Process(target=poisoner, args=(lrn.address,))
         rogue.start()
-        rogue.join(HANG_S)  # (what becomes of the rogue is its own affair)
+        rogue.join(HANG_S)
+        assert rogue.exitcode == 0
         env = FORK.Process(target=env_main, args=(lrn.address, 4, 30))
         env.start()
         env.join(HANG_S)
         assert env.exitcode == 0
         stats = lrn.end()
-        assert stats["served"] >= 30 and stats["garbage"] >= 1, stats
+        assert stats["served"] == 30 and stats["garbage"] >= 1, stats
     finally:
         reap([p for p in (rogue, env) if p is not None])
         lrn.close()
@@ -210,13 +206,14 @@ def scribbler(address: str, seed: int, started) -> int:
     lay, _, _ = wi.read_layout(buf, address)
     bells = [wi.H_SLEEPING] + [lay.ctrl // 8 + k * wi.SLOT_WORDS + w for k in range(lay.slots)
                                for w in (wi.W_STATE, wi.W_SLEEPS)]
+    at = {b: futex.word_address(words, b) for b in bells}
     started.set()
     for i in range(SCRIBBLE_ROUNDS):
         buf[:] = rng.integers(0, 256, len(buf), dtype=np.uint8).tobytes()
         for b in bells:
             if i % 3 == 0:
                 words[b] = np.uint64((1 << 64) - 1)
-            futex.wake(words.ctypes.data + 8 * b, futex.WAKE_ALL)
+            futex.wake(at[b], futex.WAKE_ALL)
         if i % 50 == 0:  # and its own calls, through whatever it wrote
             try:
                 ch.call(obs=[0, 0, 0, 0], reward=0, done=False)

@@ -305,6 +305,8 @@ class InferenceClient(_Handle):
         for _ in range(2):  # POSTED -> TAKEN -> DONE
             if w == done:
                 return
+            if w >> 8 != me:  # not its own word (any 64-bit value): told below, never spun on
+                break
             w = int(atomics.spin_until_changed(self._words, self._at, w, self._spin))
         checked = time.monotonic()
         try:

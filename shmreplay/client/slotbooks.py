@@ -24,11 +24,12 @@ other slots that changed; only those are settled, in Python:
 * a word that stays unaccounted for becomes the slot's quiet word, so no
   garbage makes the server spin.
 
-``check_alive`` (at least every ``CHECK_S`` while the server serves or
-waits) frees the slots of envs that died, exited or became zombies, and
-reports them as lost once, and has the server's header written back
-where it changed (``mend``).  Every word goes to a kernel as a uint64, so
-no value a process can write overflows a call.  Used by
+At least every ``CHECK_S`` while the server serves or waits,
+``check_alive`` frees the slots of envs that died, exited or became
+zombies and reports them as lost once, and ``mend`` (the server's
+``Header``) writes back its header where anyone changed it.  Every word
+goes to a kernel as a uint64, so no value a process can write overflows
+a call.  Used by
 ``client/inference.py`` only, on the server's thread.
 """
 

@@ -191,6 +191,42 @@ def test_a_word_too_large_for_a_pid_in_a_free_slot_is_freed_not_raised():
             reap([dying, *([honest] if honest else [])])
 
 
+def test_an_env_whose_word_is_overwritten_while_it_waits_gets_a_clear_error():
+    """The env's side of the same word: an env spinning on its posted
+    request (a spin long enough that it is still spinning) finds a word
+    too large for a pid in its slot; its call raises ``InferenceClosed``
+    ("attach again"), never ``OverflowError``, and it attaches again and
+    is served.  (Found by the scribble test below: the env handed the word
+    it read to its next spin.)"""
+    import threading
+    with server(slots=2) as srv:
+        ch = shmreplay.InferenceClient(srv.address, timeout=HANG_S, spin_us=HANG_S * 1e6)
+        ctrl = raw_ctrl(srv.address)
+        got = []
+
+        def call():
+            try:
+                got.append(ch.call(obs=[1, 2, 0, 0], reward=0, done=False))
+            except BaseException as exc:
+                got.append(exc)
+        t = threading.Thread(target=call, daemon=True)
+        t.start()
+        wait_for(lambda: state(ctrl, ch.slot) == (os.getpid(), wi.POSTED), "the request posted")
+        atomics.store(ctrl, ch.slot * wi.SLOT_WORDS, np.uint64((1 << 63) | wi.IDLE))
+        t.join(HANG_S)
+        assert len(got) == 1 and isinstance(got[0], shmreplay.InferenceClosed), got
+        assert "attach again" in str(got[0])
+        ch.close()
+        with shmreplay.InferenceClient(srv.address, timeout=HANG_S) as again:
+            t = threading.Thread(target=lambda: got.append(again.call(obs=[3, 4, 0, 0], reward=0, done=False)))
+            t.start()
+            b = srv.receive(timeout=HANG_S)
+            srv.respond(b.slots, action=safe_policy(b.data["obs"]))
+            t.join(HANG_S)
+        assert int(got[1]["action"]) == 300_004
+        assert srv.stats()["garbage"] >= 1
+
+
 SCRIBBLE_ROUNDS = 400
 AFTER = 50  # calls each honest env makes once the scribbler stopped, every answer checked
 

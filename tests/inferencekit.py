@@ -29,9 +29,19 @@ def server(slots=4, **kw) -> shmreplay.InferenceServer:
 
 
 def names_of(address: str) -> set[str]:
-    """What of channel ``address`` is in /dev/shm (segment and semaphores)."""
+    """What of channel ``address`` is in /dev/shm: its segment, and anything
+    named after it (an earlier version's semaphores ``sem.<name>.*``)."""
     base = address[1:]
-    return {n for n in os.listdir("/dev/shm") if n == base or n.startswith(f"sem.{base}.")}
+    return {n for n in os.listdir("/dev/shm") if n == base or n.startswith(f"sem.{base}.")
+            or n.startswith(f"{base}.")}
+
+
+def remove_channel(address: str) -> None:
+    """After a failed assert or a killed server: its segment, if left."""
+    try:
+        os.unlink(f"/dev/shm{address}")
+    except FileNotFoundError:
+        pass
 
 
 def policy(obs: np.ndarray) -> np.ndarray:
@@ -71,15 +81,26 @@ def env_until_told(address: str, go, steps: int, hold=None) -> None:
             hold.wait(HANG_S * 10)
 
 
-def raw_ctrl(address: str) -> np.ndarray:
-    """The channel's control words, mapped as any process of the user can."""
+def raw_views(address: str):
+    """(header and control words, control words) of the channel, mapped as
+    any process of the user can."""
     shm = posix_ipc.SharedMemory(address)
     try:
         buf = mmap.mmap(shm.fd, shm.size)
     finally:
         shm.close_fd()
     lay, _, _ = wi.read_layout(buf, address)
-    return wi.views(buf, lay)[1]
+    return wi.views(buf, lay)[:2]
+
+
+def raw_ctrl(address: str) -> np.ndarray:
+    """The channel's control words."""
+    return raw_views(address)[1]
+
+
+def raw_header(address: str) -> np.ndarray:
+    """The channel's header words (and the control lines after them)."""
+    return raw_views(address)[0]
 
 
 def state(ctrl, slot: int) -> tuple[int, int]:

@@ -9,12 +9,12 @@ import os
 import signal
 
 import numpy as np
-import posix_ipc
 import pytest
 
 import shmreplay
-from inferencekit import FORK, env_main, env_until_told, names_of, policy, raw_ctrl, serve, server, state
-from shmreplay.wire import atomics
+from inferencekit import (FORK, env_main, env_until_told, names_of, policy, raw_ctrl, raw_header, remove_channel,
+                          serve, server, state)
+from shmreplay.wire import atomics, futex
 from shmreplay.wire import inference as wi
 from waiting import HANG_S, reap, wait_for
 
@@ -140,22 +140,23 @@ def test_a_dead_server_is_reported_to_its_waiting_env(seal):
             assert mine.recv() == "taken"
         learner.join(HANG_S)
         assert learner.exitcode == -signal.SIGKILL
-        # sealed, the crash left nothing; else its names stay (``shmreplay
-        # cleanup`` removes them: the pid in the default prefix is dead)
-        assert len(names_of(address)) == (0 if seal else 4)
+        # sealed, the crash left nothing; else its segment stays (``shmreplay
+        # cleanup`` removes it: the pid in the default prefix is dead)
+        assert len(names_of(address)) == (0 if seal else 1)
     finally:
         reap([learner])
         if address is not None:
-            wi.unlink_all(wi.all_names(address, 2), os.getpid())
+            remove_channel(address)
 
 
 def scribbler(address: str, spare: list, go, done, hold) -> None:
     """A hostile env: attaches, then writes garbage over its own slot, the
-    free slots and the start words, and floods the doorbell."""
+    free slots, the start words and the sleeping words, and floods the
+    doorbell (rings it, and writes garbage into it)."""
     rng = np.random.default_rng(1)
     ch = shmreplay.InferenceClient(address)
-    ctrl = raw_ctrl(address)
-    bell = posix_ipc.Semaphore(wi.doorbell_name(address))
+    ctrl, hdr = raw_ctrl(address), raw_header(address)
+    bell = futex.word_address(hdr, wi.H_SLEEPING)
     targets = [ch.slot, *spare]
     go.wait(HANG_S)
     me, dead = os.getpid(), 4_000_000
@@ -169,8 +170,11 @@ def scribbler(address: str, spare: list, go, done, hold) -> None:
         atomics.store(ctrl, k * wi.SLOT_WORDS, choices[int(rng.integers(len(choices)))]())
         if i % 3 == 0:
             atomics.store(ctrl, k * wi.SLOT_WORDS + wi.W_START, int(rng.integers(0, 2**63)))
+            atomics.store(ctrl, k * wi.SLOT_WORDS + wi.W_SLEEPS, int(rng.integers(0, 2**63)))
         if i % 10 == 0:
-            bell.release()
+            wi.ring(hdr, bell)
+        elif i % 10 == 5:
+            atomics.store(hdr, wi.H_SLEEPING, int(rng.integers(0, 2**63)))
     # and leave garbage behind: an unknown code in its own slot, a dead pid's request in a spare one
     atomics.store(ctrl, ch.slot * wi.SLOT_WORDS, wi.word(me, 0x7F))
     atomics.store(ctrl, spare[0] * wi.SLOT_WORDS, wi.word(dead, wi.POSTED))

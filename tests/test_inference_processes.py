@@ -21,7 +21,7 @@ import threading
 import pytest
 
 import shmreplay
-from inferencekit import FORK, PREFIX, REQUEST, RESPONSE, env_main, raw_ctrl, serve, server, state
+from inferencekit import FORK, PREFIX, REQUEST, RESPONSE, env_main, raw_ctrl, remove_channel, serve, server, state
 from shmreplay.wire import inference as wi
 from waiting import HANG_S, all_threads_stopped, reap, wait_for
 
@@ -35,10 +35,9 @@ def entries(address: str) -> set[str]:
 
 
 def channel(address: str, slots: int) -> set[str]:
-    """A channel's names, as the doc lists them: the segment, the doorbell
-    ``.d`` and one reply bell ``.r<i>`` per slot."""
-    base = address[1:]
-    return {base, f"sem.{base}.d"} | {f"sem.{base}.r{i}" for i in range(slots)}
+    """A channel's names, as the doc lists them: its segment only (the
+    bells are words in it)."""
+    return {address[1:]}
 
 
 def learner(mode: str) -> subprocess.Popen:
@@ -170,10 +169,10 @@ def test_cleanup_removes_a_killed_learners_names_and_keeps_a_live_ones():
         assert dying.exitcode == -signal.SIGKILL
         assert entries(dead) == channel(dead, 2) and entries(live.address) == channel(live.address, 2)
         out = cleanup("--dry-run", "--instance", instance)
-        assert f"pid {os.getpid()}, kept 4 object(s)" in out and "owner dead, would remove 4 object(s)" in out
+        assert f"pid {os.getpid()}, kept 1 object(s)" in out and "owner dead, would remove 1 object(s)" in out
         assert entries(dead) == channel(dead, 2)
         out = cleanup("--instance", instance)
-        assert "owner dead, removed 4 object(s)" in out
+        assert "owner dead, removed 1 object(s)" in out
         assert entries(dead) == set()
         assert entries(live.address) == channel(live.address, 2)
         env.start()  # and the live one serves on
@@ -184,7 +183,7 @@ def test_cleanup_removes_a_killed_learners_names_and_keeps_a_live_ones():
         reap([dying, env])
         live.close()
         if dead is not None:
-            wi.unlink_all(wi.all_names(dead, 2), os.getpid())
+            remove_channel(dead)
     assert entries(live.address) == set()
 
 
@@ -262,4 +261,4 @@ def test_a_hung_server_gets_a_replaytimeout_and_the_env_closes_cleanly():
             os.kill(learner_.pid, signal.SIGCONT)
         reap([learner_])
         if address is not None:
-            wi.unlink_all(wi.all_names(address, 1), os.getpid())
+            remove_channel(address)

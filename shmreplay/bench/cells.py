@@ -20,6 +20,11 @@ Prints one JSON line.  Cells:
                         probabilities and weights in the client), 1M items
     daemon_cpu          shmreplay only: daemon CPU while one actor inserts
                         1,000 items/s, and while idle
+    infer, infer_sleep  shmreplay only, no daemon: the inference channel's
+                        round trip (one env process, one learner, the
+                        protocol doc's fields): median and p99 per call; with
+                        the default spin, and with spin_us=0 (both sides
+                        sleep every time); the workload is not used
 """
 
 from __future__ import annotations
@@ -169,9 +174,56 @@ def cell_daemon_cpu(w: Workload, seconds: float) -> dict:
     return {"core_fraction_at_1k_inserts": busy, "inserts_per_s": rate, "core_fraction_idle": idle}
 
 
+_INFER_REQUEST = {"obs": ("float32", (4,)), "reward": ("float32", ()), "done": ("bool", ())}
+_INFER_RESPONSE = {"action": ("int64", ())}
+
+
+def _infer_env(address: str, spin_us: float, seconds: float, conn) -> None:
+    import shmreplay
+    with shmreplay.InferenceClient(address, timeout=30.0, spin_us=spin_us) as ch:
+        obs = np.zeros(4, np.float32)
+        for _ in range(500):  # warm-up
+            ch.call(obs=obs, reward=0.0, done=False)
+        lat, t_end = [], time.perf_counter() + seconds
+        while time.perf_counter() < t_end:
+            t0 = time.perf_counter()
+            ch.call(obs=obs, reward=1.0, done=False)
+            lat.append(time.perf_counter() - t0)
+    conn.send(lat)
+
+
+def cell_infer(seconds: float, spin_us: float | None) -> dict:
+    import multiprocessing as mp
+
+    import shmreplay
+    kw = {} if spin_us is None else {"spin_us": spin_us}
+    with shmreplay.InferenceServer(_INFER_REQUEST, _INFER_RESPONSE, slots=1, **kw) as srv:
+        ctx = mp.get_context("fork")
+        mine, theirs = ctx.Pipe()
+        env = ctx.Process(target=_infer_env, args=(srv.address, 50 if spin_us is None else spin_us,
+                                                    seconds, theirs))
+        env.start()
+        try:
+            while not mine.poll(0):
+                try:
+                    b = srv.receive(timeout=0.2)
+                except shmreplay.ReplayTimeout:
+                    if not env.is_alive() and not mine.poll(0):
+                        raise SystemExit(f"the env process ended: exit {env.exitcode}") from None
+                    continue
+                srv.respond(b.slots, action=(b.data["obs"][:, 0] < 10).astype(np.int64))
+            lat = np.array(mine.recv())
+        finally:
+            env.join(30)
+    return {"median_us": float(np.median(lat) * 1e6), "p99_us": float(np.percentile(lat, 99) * 1e6),
+            "calls": len(lat)}
+
+
 def run(cell: str, peer_name: str, wkey: str, seconds: float, capacity: int | None = None) -> dict:
     if cell == "copy":
         return cell_copy(seconds)
+    if cell in ("infer", "infer_sleep"):
+        return cell_infer(seconds, None if cell == "infer" else 0.0)
     w = WORKLOADS[wkey]
     if capacity:  # smoke tests, or a peer that cannot hold the workload's capacity
         w = dataclasses.replace(w, capacity=capacity)

@@ -10,9 +10,10 @@ the message sequence, who may call what and what each failure does are in
 docs/protocol.md, "Inference channel".
 
 The server trusts no byte of the segment: it decides from its own books
-(``slotbooks.py``).  Every wait is bounded and sleeps on a semaphore after
-a short spin, waking at least every ``CHECK_S`` to see whether the other
-side still lives.
+(``slotbooks.py``), and writes its header back whenever it changed.  Every
+wait is bounded and sleeps on a futex word of the segment
+(``wire/futex.py``) after a short spin, waking at least every ``CHECK_S``
+to see whether the other side still lives.
 
 One thread per object: a server's methods from the thread that serves,
 an env's ``call`` from one thread at a time.  Objects stay with the
@@ -28,17 +29,16 @@ import weakref
 from dataclasses import dataclass
 
 import numpy as np
-import posix_ipc
 
-from ..errors import CapacityError, ForeignObject, InferenceClosed, ReplayError, ReplayTimeout
-from ..wire import atomics
+from ..errors import CapacityError, InferenceClosed, ReplayError, ReplayTimeout
+from ..wire import atomics, futex
 from ..wire import inference as wi
 from ..wire.inference import (ATTACHING, CHECK_S, DONE, H_SLEEPING, H_STATE, IDLE, OPEN, POSTED, SLOT_WORDS,
-                              TAKEN, check_values, word)
+                              TAKEN, W_SLEEPS, check_values, word)
 from ..wire.segment import Segment
 from .slotbooks import SlotBooks
 
-SPIN_US = 50     # spin this long on the shared words before sleeping on a semaphore
+SPIN_US = 50     # spin this long on the shared words before sleeping on a futex word
 
 
 @dataclass
@@ -92,37 +92,27 @@ class InferenceServer(_Handle):
         self._lay = lay = wi.plan(request, response, slots)
         self.address = base = wi.channel_name(prefix)
         self._pid, self._closed, self._sealed = os.getpid(), True, False
-        self._made: tuple[list, list] = ([], [])
-        self._live: list = []  # once serving: its words and reply bells, to tell the envs at the end
+        self._made: list = []
+        self._live: list = []  # once serving: its header and control words, to tell the envs at the end
         self._shut = weakref.finalize(self, wi.shut, self._made, self._pid, self._live)
-        self._sems: list = []
         try:
-            self._seg = Segment.create(base, lay.size)  # O_CREX, mode 0600
-            self._made[0].append(base)
+            # O_CREX, mode 0600, complete (header, schema) before an env can use it
+            self._seg = Segment.create(base, lay.size)
+            self._made.append(base)
             wi.write_header(self._seg.buf, lay, self._pid, wi.process_state(self._pid)[1])
-            self._bell = self._semaphore(wi.doorbell_name(base))
-            self._replies = [self._semaphore(wi.reply_name(base, i)) for i in range(lay.slots)]
         except BaseException:
             self._shut()
-            for s in self._sems:
-                s.close()
             raise
+        self._header = wi.Header(self._seg.buf, lay)
         self._hdr, self._ctrl, self._reqv, self._respv = wi.views(self._seg.buf, lay)
-        self._books = SlotBooks(self._ctrl, lay.slots)
+        self._bell = futex.word_address(self._hdr, H_SLEEPING)
+        self._replies = [futex.word_address(self._ctrl, k * SLOT_WORDS) for k in range(lay.slots)]
+        self._waiter = futex.Waiter()
+        self._books = SlotBooks(self._ctrl, lay.slots, self._header.mend)
         self._held: list[int] = []
         self._spin_passes = int(spin_us * 1e-6 * atomics.loads_per_second() / lay.slots)
-        self._live += [self._hdr, self._replies]
+        self._live += [self._hdr, self._ctrl]
         self._closed = False
-
-    def _semaphore(self, name: str):
-        try:
-            sem = posix_ipc.Semaphore(name, posix_ipc.O_CREX, mode=0o600, initial_value=0)
-        except posix_ipc.ExistentialError:  # its token is new: someone planted it; never posix_ipc's error
-            raise ForeignObject(f"{wi.SHM_DIR}/sem.{name[1:]} exists already: an InferenceServer uses "
-                                "no name it did not make; remove it, or find out who created it") from None
-        self._made[1].append(name)
-        self._sems.append(sem)
-        return sem
 
     def _sleep(self, until) -> list[int]:
         """Sleep on the doorbell until ``until`` (at most CHECK_S): say so in
@@ -135,13 +125,10 @@ class InferenceServer(_Handle):
         try:
             took = self._books.take(1)
             if not took and not self._books.lost:
-                try:
-                    self._bell.acquire(t)
-                except (posix_ipc.BusyError, posix_ipc.SignalError):  # a signal (SIGCHLD): look again
-                    pass
+                # woken by an env's ring (it swapped the word to 0), a signal, or the timeout
+                self._waiter.wait(self._bell, 1, t)
         finally:
             atomics.store(self._hdr, H_SLEEPING, 0)
-        wi.drain(self._bell, self._lay.slots)
         return took
 
     # ---- the API ----
@@ -192,8 +179,8 @@ class InferenceServer(_Handle):
         live = self._books.pending[s] == 1  # 2: its env left since; nothing to write
         for name, a in arrays:
             self._respv[name][s[live]] = a[live]
-        for k in self._books.answer(s, live).tolist():
-            wi.ring(self._replies[k])
+        for k in self._books.answer(s, live).tolist():  # those whose env sleeps on its word
+            futex.wake(self._replies[k])
 
     def wait_attached(self, n: int, timeout: float | None = None) -> int:
         """Wait until at least ``n`` envs are attached; their number.
@@ -220,24 +207,22 @@ class InferenceServer(_Handle):
                 "sealed": self._sealed, "closed": self._closed}
 
     def seal(self) -> None:
-        """Unlink every name now: attached envs go on working, no new env
-        can attach, and a learner that crashes leaves nothing behind."""
+        """Unlink the channel's name now: attached envs go on working, no
+        new env can attach, and a learner that crashes leaves nothing behind."""
         self._usable()
-        wi.unlink_all(self._made, self._pid)
+        wi.unlink_made(self._made, self._pid)
         self._sealed = True
 
     def close(self) -> None:
         """Tell every env the channel is closed (their calls raise
-        InferenceClosed) and unlink every name.  Idempotent."""
+        InferenceClosed) and unlink its name.  Idempotent."""
         if self._closed:
             return
         self._closed = True
         if os.getpid() == self._pid:
             self._shut()
-            for sem in self._sems:
-                sem.close()
             self._seg.close()
-        self._hdr = self._ctrl = self._reqv = self._respv = self._sems = self._replies = None
+        self._hdr = self._ctrl = self._reqv = self._respv = self._header = self._replies = None
 
     def __reduce__(self):
         raise TypeError("an InferenceServer cannot be pickled: pass its .address to the env "
@@ -259,32 +244,25 @@ class InferenceClient(_Handle):
         self._words, _, req, resp = wi.views(buf, lay)  # the header and the control lines
         self._lay, self.slots = lay, lay.slots
         self._check_server()
-        self._bell = wi.open_semaphore(wi.doorbell_name(base))
         me = self._pid
         for k in range(lay.slots):
             if atomics.cas(self._words, lay.ctrl // 8 + k * SLOT_WORDS, 0, word(me, ATTACHING)) == 0:
                 break
         else:
-            self._bell.close()
             raise CapacityError(f"inference channel {base} is full: all slots={lay.slots} are held "
                                 "by attached envs; make the InferenceServer with more slots, or "
                                 "close an env (InferenceClient.close()) first")
         self.slot, self._at = k, lay.ctrl // 8 + k * SLOT_WORDS
-        try:
-            self._reply = wi.open_semaphore(wi.reply_name(base, k))
-        except BaseException:
-            atomics.cas(self._words, self._at, word(me, ATTACHING), 0)
-            self._bell.close()
-            raise
+        self._reply = futex.word_address(self._words, self._at)  # its state word is its reply bell
+        self._bell = futex.word_address(self._words, H_SLEEPING)
+        self._waiter = futex.Waiter()
         self._req = {name: v[k, ...] for name, v in req.items()}
         self._resp = {name: v[k, ...] for name, v in resp.items()}
         atomics.store(self._words, self._at + wi.W_START, wi.process_state(me)[1])
         if atomics.cas(self._words, self._at, word(me, ATTACHING), word(me, IDLE)) != word(me, ATTACHING):
-            self._bell.close()
-            self._reply.close()
             raise InferenceClosed(f"slot {k} of {base} was taken back while this env attached "
                                   "(it stalled past the server's grace?): attach again")
-        wi.ring(self._bell)
+        wi.ring(self._words, self._bell)
         self._spin = max(1, int(spin_us * 1e-6 * atomics.loads_per_second()))
         self._closed = False
 
@@ -311,41 +289,46 @@ class InferenceClient(_Handle):
                 np.copyto(self._req[name], a, casting="same_kind")
             # the data first, then the word; then whether the server sleeps
             if atomics.store_then_load(self._words, self._at, word(self._pid, POSTED), H_SLEEPING):
-                wi.ring(self._bell)
+                wi.ring(self._words, self._bell)
             self._await(deadline)
             out = {name: v.copy() for name, v in self._resp.items()}
             atomics.store(self._words, self._at, word(self._pid, IDLE))
-            wi.drain(self._reply, 4)
             return out
         finally:
             self._lock.release()
 
     def _await(self, deadline) -> None:
-        """Until the slot reads DONE: spin, then sleep on the reply bell,
+        """Until the slot reads DONE: spin, then sleep on its state word,
         looking at the server at least every CHECK_S."""
         me, done = self._pid, word(self._pid, DONE)
         w = int(atomics.load(self._words, self._at))
         for _ in range(2):  # POSTED -> TAKEN -> DONE
             if w == done:
                 return
+            if w >> 8 != me:  # not its own word (any 64-bit value): told below, never spun on
+                break
             w = int(atomics.spin_until_changed(self._words, self._at, w, self._spin))
         checked = time.monotonic()
-        while w != done:
-            if w >> 8 != me or w & 0xFF not in (POSTED, TAKEN):
-                self._check_server()
-                raise InferenceClosed(f"slot {self.slot} of {self.address} was taken from this env "
-                                      f"(it reads {w:#x}): attach again")
-            now = time.monotonic()
-            if atomics.load(self._words, H_STATE) != OPEN or now - checked >= CHECK_S:
-                self._check_server()
-                checked = now
-            if deadline is not None and now >= deadline:
-                self._give_up()
-            try:
-                self._reply.acquire(CHECK_S if deadline is None else min(CHECK_S, deadline - now))
-            except (posix_ipc.BusyError, posix_ipc.SignalError):  # a signal interrupted it: look again
-                pass
-            w = int(atomics.load(self._words, self._at))
+        try:
+            while w != done:
+                if w >> 8 != me or w & 0xFF not in (POSTED, TAKEN):
+                    self._check_server()
+                    raise InferenceClosed(f"slot {self.slot} of {self.address} was taken from this env "
+                                          f"(it reads {w:#x}): attach again")
+                now = time.monotonic()
+                if atomics.load(self._words, H_STATE) != OPEN or now - checked >= CHECK_S:
+                    self._check_server()
+                    checked = now
+                if deadline is not None and now >= deadline:
+                    self._give_up()
+                # say it sleeps, then look once more: the server swaps DONE in, then reads that
+                w = int(atomics.store_then_load(self._words, self._at + W_SLEEPS, 1, self._at))
+                if w != done:
+                    self._waiter.wait(self._reply, w, CHECK_S if deadline is None else
+                                      min(CHECK_S, deadline - now))
+                    w = int(atomics.load(self._words, self._at))
+        finally:
+            atomics.store(self._words, self._at + W_SLEEPS, 0)
 
     def _give_up(self):
         posted = word(self._pid, POSTED)
@@ -366,13 +349,11 @@ class InferenceClient(_Handle):
             for _ in range(4):  # the server may take a request meanwhile
                 if w >> 8 != self._pid:
                     break
-                found = int(atomics.cas(self._words, self._at, w, 0))
+                found = int(atomics.cas(self._words, self._at, np.uint64(w), 0))
                 if found == w:
                     break
                 w = found
-            wi.ring(self._bell)
-            self._bell.close()
-            self._reply.close()
+            wi.ring(self._words, self._bell)
         self._words = self._req = self._resp = None
 
     def __reduce__(self):

@@ -10,6 +10,10 @@ or done, or taken while its answer is out).  One kernel pass (``scan``)
 looks at every word, takes the requests its holder posted and lists the
 other slots that changed; only those are settled, in Python:
 
+* a word that is no state word (``parse``: a pid no process can have, a
+  code of no state) on a held slot: the holder is treated as dead (its
+  slot lost, freed for a new env); on a free slot: garbage, freed;
+  either way counted, never raised;
 * a word of another pid than the holder's: the holder let go (a graceful
   close, not a loss); the word is then read as a new claim;
 * a new claim counts once its env's start time is written and that
@@ -17,15 +21,16 @@ other slots that changed; only those are settled, in Python:
   claim mid-attach (attaching, by a live process) is waited for, up to
   ``ATTACH_GRACE_S``;
 * anything else on a free slot is garbage: counted and the slot freed;
-  on a held slot, a word of no known state is the holder's own garbage:
-  counted, and the slot waits for its next change;
 * a word that stays unaccounted for becomes the slot's quiet word, so no
   garbage makes the server spin.
 
-``check_alive`` (at least every ``CHECK_S`` while the server serves or
-waits) frees the slots of envs that died, exited or became zombies, and
-reports them as lost once.  Used by ``client/inference.py`` only, on the
-server's thread.
+At least every ``CHECK_S`` while the server serves or waits,
+``check_alive`` frees the slots of envs that died, exited or became
+zombies and reports them as lost once, and ``mend`` (the server's
+``Header``) writes back its header where anyone changed it.  Every word
+goes to a kernel as a uint64, so no value a process can write overflows
+a call.  Used by
+``client/inference.py`` only, on the server's thread.
 """
 
 from __future__ import annotations
@@ -39,10 +44,11 @@ from ..errors import FieldError, ReplayError
 from ..numbaconf import JIT
 from ..wire import atomics
 from ..wire import inference as wi
-from ..wire.inference import ATTACHING, DONE, IDLE, POSTED, SLOT_WORDS, TAKEN
+from ..wire.inference import ATTACHING, DONE, IDLE, POSTED, SLOT_WORDS, TAKEN, W_SLEEPS
 
 ATTACH_GRACE_S = 1.0  # an attach takes microseconds: a slot left mid-attach longer is freed
-_U8, _IDLE, _DONE, _POSTED, _TAKEN = (np.uint64(x) for x in (8, IDLE, DONE, POSTED, TAKEN))
+_U8, _IDLE, _DONE, _POSTED, _TAKEN, _ONE, _ZERO = (np.uint64(x) for x in (8, IDLE, DONE, POSTED, TAKEN, 1, 0))
+_U64 = np.uint64
 
 
 @numba.njit(**JIT)
@@ -88,18 +94,21 @@ def scan(ctrl, owner, pending, qa, qb, taken, odd, words, passes):
 @numba.njit(**JIT)
 def answer(ctrl, owner, pending, qa, qb, slots, live, woken):
     """Publish the answers of ``slots[live]`` (taken -> done; written
-    already) and close the books of all ``slots``; the slots to wake go
-    into ``woken``, their count is returned."""
-    n = 0
+    already) and close the books of all ``slots``; the slots whose env
+    said it sleeps (its sleeping word swapped back to 0 after the state
+    word) go into ``woken``; returns (answered, woken)."""
+    n = m = 0
     for j in range(len(slots)):
         k = slots[j]
         p = owner[k] << _U8
         if live[j] and atomics.cas(ctrl, k * SLOT_WORDS, p | _TAKEN, p | _DONE) == p | _TAKEN:
-            woken[n] = k
             n += 1
+            if atomics.cas(ctrl, k * SLOT_WORDS + W_SLEEPS, _ONE, _ZERO) == _ONE:
+                woken[m] = k
+                m += 1
         pending[k] = 0
         requiet(owner, pending, qa, qb, k)
-    return n
+    return n, m
 
 
 @numba.njit(**JIT)
@@ -119,8 +128,8 @@ def first_bad(slots, pending, seen):
 
 
 class SlotBooks:
-    def __init__(self, ctrl: np.ndarray, slots: int):
-        self.ctrl, self.slots = ctrl, slots
+    def __init__(self, ctrl: np.ndarray, slots: int, mend):
+        self.ctrl, self.slots, self.mend = ctrl, slots, mend
         self.owner = np.zeros(slots, np.uint64)    # the env pid holding each slot (0: none)
         self.start = np.zeros(slots, np.uint64)    # and its start time
         self.pending = np.zeros(slots, np.int8)    # 1: taken, not answered; 2: so, but its env left
@@ -130,7 +139,7 @@ class SlotBooks:
         self.seen = np.zeros(slots, np.int8)
         self.lost: list[int] = []
         self.attaching: dict[int, tuple[int, float]] = {}  # slot -> (its word, since when)
-        self.counts = {"served": 0, "lost": 0, "garbage": 0}
+        self.counts = {"served": 0, "lost": 0, "garbage": 0, "header_mended": 0}
         self.checked = time.monotonic()
 
     @property
@@ -151,16 +160,24 @@ class SlotBooks:
 
     def free(self, k: int, w: int) -> None:
         """Free slot k if its word still reads ``w`` (a claim no live process backs)."""
-        atomics.cas(self.ctrl, k * SLOT_WORDS, w, 0)
+        atomics.cas(self.ctrl, k * SLOT_WORDS, _U64(w), _ZERO)
 
     def settle(self, k: int, w: int) -> bool:
         """Account for slot k's word ``w``, which is neither of its quiet
         words nor its holder's request; True if it is a new holder's request."""
-        pid, code = w >> 8, w & 0xFF
-        if self.owner[k] and (pid != self.owner[k] or code == ATTACHING):  # its env let go of it
-            self.release(k, lost=False)
-        if w == 0:
+        claim = wi.parse(w)
+        if claim is None and w:  # no state word: its holder (if any) is as good as dead
+            self.counts["garbage"] += 1
+            if self.owner[k]:
+                self.release(k, lost=True)
+            self.attaching.pop(k, None)
+            self.free(k, w)
             return False
+        if self.owner[k] and (claim is None or claim[0] != self.owner[k] or claim[1] == ATTACHING):
+            self.release(k, lost=False)  # its env let go of it
+        if claim is None:
+            return False
+        pid, code = claim
         if not self.owner[k]:
             if code == ATTACHING and wi.alive(pid):  # its start word comes next
                 if self.attaching.get(k, (0,))[0] != w:
@@ -177,8 +194,6 @@ class SlotBooks:
             self.requiet(k)
         if code == POSTED and self.pending[k] == 0:
             return True
-        if code not in (IDLE, POSTED, TAKEN, DONE):
-            self.counts["garbage"] += 1
         self.qb[k] = w  # waits for its next change (or, posted, for respond())
         return False
 
@@ -190,12 +205,15 @@ class SlotBooks:
                       self.words, passes)
         took = self.taken[:nt].tolist()
         for k, w in zip(self.odd[:no].tolist(), self.words[:no].tolist()):
-            if self.settle(k, w) and atomics.cas(self.ctrl, k * SLOT_WORDS, w, wi.word(w >> 8, TAKEN)) == w:
+            if self.settle(k, w) and atomics.cas(self.ctrl, k * SLOT_WORDS, _U64(w),
+                                                 _U64(wi.word(w >> 8, TAKEN))) == w:
                 self.pending[k] = 1
                 self.requiet(k)
                 took.append(k)
         if time.monotonic() - self.checked >= wi.CHECK_S:
             self.check_alive()
+            if self.mend():
+                self.counts["header_mended"] += 1
         return took
 
     def check_alive(self) -> None:
@@ -236,11 +254,11 @@ class SlotBooks:
 
     def answer(self, slots: np.ndarray, live: np.ndarray) -> np.ndarray:
         """Publish the answers of ``slots[live]`` (written already) and
-        close the books of all ``slots``; the slots whose env is to be woken."""
+        close the books of all ``slots``; the slots whose env sleeps, to be woken."""
         woken = np.empty(len(slots), np.int64)
-        n = answer(self.ctrl, self.owner, self.pending, self.qa, self.qb, slots, live, woken)
+        n, m = answer(self.ctrl, self.owner, self.pending, self.qa, self.qb, slots, live, woken)
         self.counts["served"] += n
-        return woken[:n]
+        return woken[:m]
 
     def forget(self, taken: list[int], lost: np.ndarray) -> list[int]:
         """``taken`` less the slots in ``lost``, whose requests need no answer."""

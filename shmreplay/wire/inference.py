@@ -1,23 +1,24 @@
-"""The inference channel's bytes: one segment, its names, its slot words.
+"""The inference channel's bytes: one segment, its name, its slot words and bells.
 
 An inference channel (``client/inference.py``; docs/protocol.md,
-"Inference channel") is one POSIX shared-memory segment and ``slots + 1``
-named semaphores, all made by the learner process (the server) with
-O_CREX and mode 0600 under ``/<prefix>.<token>`` (``channel_name``)::
-
-    /<prefix>.<token>        the segment (its name is the channel's address)
-    /<prefix>.<token>.d      the server's doorbell: an env posts it after a request if the server sleeps
-    /<prefix>.<token>.r<i>   slot i's reply bell: the server posts it after a response
+"Inference channel") is one POSIX shared-memory segment, made by the
+learner process (the server) with O_CREX and mode 0600 under
+``/<prefix>.<token>`` (``channel_name``; the token is 16 random hex
+digits), complete before anything else can see it.  That name is its
+address, and the only name it has: the bells are words of the segment
+(``wire/futex.py``), so there is no other name anyone could take first.
 
 The segment (every offset a multiple of 64, ``Layout``)::
 
     0      header, 16 x uint64: MAGIC, VERSION, server pid, server start
            time, OPEN/CLOSED, slots, segment size, schema length, the
-           offsets and strides of the three areas below; word 15: the
-           server sleeps (an env that posts then rings its doorbell)
+           offsets and strides of the three areas below; word 15 the
+           doorbell: 1 while the server sleeps on it (an env that posts
+           swaps it to 0 and wakes the server)
     128    schema: JSON {"request": [[name, dtype, shape], ...], "response": [...]}
-    C      control: one 64-byte line per slot; word 0 its state word, word 1
-           its env's start time (clock ticks since boot)
+    C      control: one 64-byte line per slot: word 0 its state word (also
+           its env's reply bell: the env sleeps on it), word 1 its env's
+           start time (clock ticks since boot), word 2 1 while its env sleeps
     R      requests: slot i's at R + i * req_stride, each field at its offset
     P      responses: slot i's at P + i * resp_stride
 
@@ -25,11 +26,13 @@ A state word is ``pid << 8 | code``: the env process holding the slot and
 where its request is (``word``).  Who writes which transition is in the
 protocol doc; every word the server reads may have been written by any
 process of the user, so the server decides from its own books and takes
-a word only as a claim to check (``alive``, the start time, the codes).
+a word only as a claim to check (``parse``, ``alive``, the start time).
+The header and the schema are the server's alone: it writes them back
+whenever they differ from what it made (``Header``).
 
 ``check_values`` checks what a caller hands in against the fields (a
-``FieldError`` saying what to do).  Pure functions and constants; the
-atomics over the words (``cas``, ``pause``, loads, stores) are
+``FieldError`` saying what to do).  Pure functions and constants, and the
+bells; the atomics over the words (``cas``, ``pause``, loads, stores) are
 ``wire/atomics.py``'s; any thread.
 """
 
@@ -38,42 +41,51 @@ from __future__ import annotations
 import json
 import mmap
 import os
+import pwd
 import re
 import secrets
-import stat
 from dataclasses import dataclass
 
 import numpy as np
 import posix_ipc
 
-from ..errors import FieldError, ForeignObject, InferenceClosed, LayoutError
+from ..errors import FieldError, InferenceClosed, LayoutError, PermissionDenied
 from ..fields import Field, cannot_store, parse_fields, unconvertible
-from .atomics import store
+from . import futex
+from .atomics import cas, store
 from .names import SHM_DIR
 from .segment import check_owned, unlink_quiet
 
 MAGIC = int.from_bytes(b"SHMRINF\x01", "little")
-VERSION = 1
+VERSION = 2  # 2: the bells are futex words of the segment (1 had named semaphores)
 HEADER_BYTES, LINE = 128, 64
 # header words
 H_MAGIC, H_VERSION, H_PID, H_START, H_STATE, H_SLOTS, H_SIZE, H_SCHEMA = range(8)
 H_CTRL, H_REQ, H_REQ_STRIDE, H_RESP, H_RESP_STRIDE = range(8, 13)
-H_SLEEPING = 15  # the server sets it (then looks once more) before it sleeps on its doorbell
+H_SLEEPING = 15  # the doorbell: the server sets it (then looks once more) before it sleeps on it
 OPEN, CLOSED = 1, 2
-# a slot's control line: its state word, then its env's start time
-SLOT_WORDS, W_STATE, W_START = LINE // 8, 0, 1
+# a slot's control line: its state word (its reply bell), its env's start time, its env sleeps
+SLOT_WORDS, W_STATE, W_START, W_SLEEPS = LINE // 8, 0, 1, 2
 # state codes (the low byte of a state word); FREE is the whole word 0
 FREE, ATTACHING, IDLE, POSTED, TAKEN, DONE = 0, 1, 2, 3, 4, 5
+CODES = frozenset((ATTACHING, IDLE, POSTED, TAKEN, DONE))
 CHECK_S = 0.05     # the longest sleep between two looks at whether the other side lives
 PID_MAX = 1 << 22  # the kernel's largest pid_max
 MAX_SLOTS = 1024
-MAX_PREFIX = 180   # a semaphore's name is sem.<prefix>.<token>.r<i>: within NAME_MAX
+MAX_PREFIX = 200   # the segment's name is <prefix>.<token>: within NAME_MAX
 _PREFIX = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*")
 _ADDRESS = re.compile(r"/[A-Za-z0-9_][A-Za-z0-9_.-]*\.[0-9a-f]{16}")
 
 
 def word(pid: int, code: int) -> int:
     return (int(pid) << 8) | code
+
+
+def parse(w: int) -> tuple[int, int] | None:
+    """(pid, code) of a state word that can be one: a pid a process can
+    have and a known code; None for anything else (FREE included)."""
+    pid, code = w >> 8, w & 0xFF
+    return (pid, code) if 0 < pid < PID_MAX and code in CODES else None
 
 
 def default_prefix() -> str:
@@ -98,49 +110,45 @@ def check_address(address) -> str:
     return address
 
 
-def doorbell_name(base: str) -> str:
-    return base + ".d"
-
-
-def reply_name(base: str, slot: int) -> str:
-    return f"{base}.r{slot}"
-
-
-def all_names(base: str, slots: int) -> tuple[list[str], list[str]]:
-    """(segments, semaphores) of the channel ``base``."""
-    return [base], [doorbell_name(base)] + [reply_name(base, i) for i in range(slots)]
-
-
-def unlink_all(made: tuple[list, list], pid: int) -> None:
-    """Unlink the segments and semaphores named in ``made`` (what a server
-    created: never another's) and forget them; only in process ``pid`` (a
-    forked child's exit must not unlink its parent's channel)."""
+def unlink_made(made: list, pid: int) -> None:
+    """Unlink the segment named in ``made`` (what a server created: never
+    another's) and forget it; only in process ``pid`` (a forked child's
+    exit must not unlink its parent's channel)."""
     if os.getpid() != pid:
         return
-    for name in made[0]:
+    for name in made:
         unlink_quiet(name)
-    for name in made[1]:
-        try:
-            posix_ipc.unlink_semaphore(name)
-        except posix_ipc.ExistentialError:
-            pass
-    made[0].clear()
-    made[1].clear()
+    made.clear()
 
 
-def shut(made: tuple[list, list], pid: int, live: list) -> None:
+def shut(made: list, pid: int, live: list) -> None:
     """A server's end (close, its object collected, or the interpreter's
-    exit): mark the channel closed, wake every env (``live``: the words and
-    the reply bells, once serving), unlink every name it made.  Only in
-    process ``pid``: a forked child's exit ends nothing of its parent's."""
+    exit): mark the channel closed, wake every env (``live``: the header
+    and control words, once serving), unlink its name.  Only in process
+    ``pid``: a forked child's exit ends nothing of its parent's."""
     if os.getpid() != pid:
         return
     if live:
-        words, replies = live
-        store(words, H_STATE, CLOSED)
-        for sem in replies:
-            ring(sem)
-    unlink_all(made, pid)
+        hdr, ctrl = live
+        store(hdr, H_STATE, CLOSED)
+        for k in range(len(ctrl) // SLOT_WORDS):
+            futex.wake(futex.word_address(ctrl, k * SLOT_WORDS), futex.WAKE_ALL)
+    unlink_made(made, pid)
+
+
+def ring(hdr, bell) -> None:
+    """An env's post: wake the server if it sleeps on its doorbell (the
+    first env to swap the word from 1 to 0 wakes it; the others need not).
+    ``bell``: ``futex.word_address(hdr, H_SLEEPING)``."""
+    if cas(hdr, H_SLEEPING, 1, 0) == 1:
+        futex.wake(bell)
+
+
+def _user(uid: int) -> str:
+    try:
+        return f"{pwd.getpwuid(uid).pw_name} (uid {uid})"
+    except KeyError:
+        return f"uid {uid}"
 
 
 def open_segment(base: str) -> mmap.mmap:
@@ -151,9 +159,15 @@ def open_segment(base: str) -> mmap.mmap:
     except posix_ipc.ExistentialError:
         raise InferenceClosed(f"no inference channel {base}: its server closed or sealed it (a "
                               "sealed channel takes no new envs), or it never existed") from None
-    except posix_ipc.PermissionsError:  # another user's, with no bits for us: not our server's
-        raise ForeignObject(f"{SHM_DIR}{base} is not an inference channel an InferenceServer of this "
-                            "user made (permission denied): not using it") from None
+    except posix_ipc.PermissionsError:  # another user's, with no bits for us
+        try:
+            owner = _user(os.lstat(SHM_DIR + base).st_uid)
+        except OSError:
+            owner = "another user"
+        raise PermissionDenied(
+            f"{SHM_DIR}{base} belongs to {owner} and this process runs as {_user(os.geteuid())}: an "
+            "inference channel is private to the user of its InferenceServer; run the env processes "
+            "as the learner's user (InferenceClient never uses another user's channel)") from None
     try:
         st = os.fstat(shm.fd)
         check_owned(SHM_DIR + base, st, 0o600)
@@ -162,45 +176,6 @@ def open_segment(base: str) -> mmap.mmap:
         return mmap.mmap(shm.fd, st.st_size)
     finally:
         shm.close_fd()
-
-
-def open_semaphore(name: str):
-    """An existing semaphore of the channel, once its file is checked to be
-    this user's and no one else's (sem_open's mode went through the umask)."""
-    path = f"{SHM_DIR}/sem.{name[1:]}"
-    try:
-        st = os.lstat(path)
-        sem = posix_ipc.Semaphore(name)
-    except (OSError, posix_ipc.ExistentialError):
-        raise InferenceClosed(f"semaphore {name} of the inference channel is gone: its server "
-                              "closed or sealed it") from None
-    except posix_ipc.PermissionsError:  # another user's, with no bits for us: not our server's
-        raise ForeignObject(f"{path} is not a semaphore an InferenceServer of this user made "
-                            "(permission denied): not using it") from None
-    if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o077:
-        sem.close()
-        raise ForeignObject(f"{path} is not a semaphore an InferenceServer of this user made "
-                            f"(mode {stat.S_IMODE(st.st_mode):04o}, uid {st.st_uid}): not using it")
-    return sem
-
-
-def ring(sem) -> None:
-    """Post ``sem`` (a userspace increment unless someone sleeps on it)."""
-    try:
-        sem.release()
-    except (posix_ipc.Error, OSError, ValueError):  # a full count: the sleeper wakes anyway
-        pass
-
-
-def drain(sem, most: int) -> None:
-    """Take up to ``most`` posts left on ``sem`` (wake-ups already served)."""
-    for _ in range(most):
-        try:
-            if sem.value <= 0:
-                return
-            sem.acquire(0)
-        except (posix_ipc.BusyError, posix_ipc.SignalError):
-            return
 
 
 def _align(x: int, a: int = LINE) -> int:
@@ -257,6 +232,25 @@ def write_header(buf, lay: Layout, pid: int, start: int) -> None:
         MAGIC, VERSION, pid, start, OPEN, lay.slots, lay.size, len(lay.schema), lay.ctrl, lay.req,
         lay.req_stride, lay.resp, lay.resp_stride]
     buf[HEADER_BYTES:HEADER_BYTES + len(lay.schema)] = lay.schema
+
+
+class Header:
+    """The server's copy of what it wrote before its header and schema:
+    header words 0-14 (word 15, the doorbell, changes) and the schema's
+    bytes.  ``mend`` writes them back where any process changed them."""
+
+    def __init__(self, buf, lay: Layout):
+        self._buf, self._end = buf, lay.ctrl
+        self._words, self._rest = bytes(buf[:H_SLEEPING * 8]), bytes(buf[HEADER_BYTES:lay.ctrl])
+
+    def mend(self) -> bool:
+        """True if anything had to be written back."""
+        buf, bad = self._buf, False
+        if buf[:H_SLEEPING * 8] != self._words:
+            buf[:H_SLEEPING * 8], bad = self._words, True
+        if buf[HEADER_BYTES:self._end] != self._rest:
+            buf[HEADER_BYTES:self._end], bad = self._rest, True
+        return bad
 
 
 def read_layout(buf, name: str) -> tuple[Layout, int, int]:

@@ -1,10 +1,11 @@
-"""Issue 33: the inference channel and what it did not make
+"""Issues 33 and 34: the inference channel and what it did not make
 (docs/protocol.md, "Inference channel", "Objects and layout" and "Who may
 call what").
 
 * "The server never opens a name it did not create.  An env opens only
-  existing names, and only a regular file of its own user with no group or
-  other bits (``ForeignObject`` otherwise)."  Each test plants the object
+  an existing name, and only a regular file of its own user with no group
+  or other bits (``ForeignObject`` otherwise, ``PermissionDenied`` where it
+  may not open it)."  Each test plants the object
   first, as a squatter would (this user with a mode a server never sets, or
   another user: root only, tests/fault/people.py); the channel refuses it
   with an error naming it, and leaves it exactly as it was.
@@ -25,8 +26,8 @@ import posix_ipc
 import pytest
 
 import shmreplay
-from inferencekit import FORK, PREFIX, env_main, names_of, raw_ctrl, serve, server, state
-from people import MEMBER, STRANGER, as_user, needs_root, users  # noqa: F401 (a fixture)
+from inferencekit import FORK, PREFIX, env_main, names_of, policy, raw_ctrl, serve, server, state
+from people import ADMIN, MEMBER, STRANGER, as_user, needs_root, users  # noqa: F401 (a fixture)
 from shmreplay.wire import inference as wi
 from waiting import HANG_S, reap, wait_for
 
@@ -89,9 +90,9 @@ def attach_error(address: str):
 def test_an_env_refuses_a_segment_planted_at_its_address(request, planter):
     """A name at an address (a sealed or closed channel's, which anyone may
     have read) that the user's server did not make: ``ForeignObject`` naming
-    it, for an env of root and of an ordinary user alike (that one cannot
-    even open another user's 0600 segment: still ``ForeignObject``, never
-    posix_ipc's own error)."""
+    it for an env that can open it; an ordinary user's env, which cannot
+    even open another user's 0600 segment, gets ``PermissionDenied`` naming
+    its owner, never posix_ipc's own error."""
     address = f"/{PREFIX}.{TOKEN}"
     entry = address[1:]
     try:
@@ -101,111 +102,135 @@ def test_an_env_refuses_a_segment_planted_at_its_address(request, planter):
         match = rf"^/dev/shm{re.escape(address)} is not an object .*\({why}\); not using it"
         with pytest.raises(shmreplay.ForeignObject, match=match):
             shmreplay.InferenceClient(address)
-        if planter == OTHER:  # an env that is not root
-            assert as_user(request.getfixturevalue("users")[MEMBER], attach_error, address) == (
-                "ForeignObject", f"/dev/shm{address} is not an inference channel an InferenceServer of "
-                "this user made (permission denied): not using it")
+        if planter == OTHER:  # an env that is not root cannot open it: told whose it is
+            people = request.getfixturevalue("users")
+            assert as_user(people[MEMBER], attach_error, address) == (
+                "PermissionDenied", f"/dev/shm{address} belongs to {STRANGER} (uid {uid}) and this process "
+                f"runs as {MEMBER} (uid {people[MEMBER][0]}): an inference channel is private to the user "
+                "of its InferenceServer; run the env processes as the learner's user (InferenceClient "
+                "never uses another user's channel)")
         assert contents(entry) == before
     finally:
         remove(entry)
 
 
+DERIVED = ["sem.{base}.d", "sem.{base}.r0", "sem.{base}.r1", "{base}.d", "{base}.r0", "{base}.r1"]
+
+
 @pytest.mark.parametrize("planter", [ME, ANOTHER])
-@pytest.mark.parametrize("bell", ["d", "r0"])
-def test_an_env_refuses_a_semaphore_planted_under_the_channels_names(request, planter, bell):
-    """A real server's segment, but its doorbell or slot 0's reply bell
-    replaced by a squatter's (the user's own process removed the real one:
-    any process of the user can): the env refuses it with ``ForeignObject``
-    naming its owner and mode, takes back its claim on the slot, and leaves
-    the squatter's semaphore as it was."""
-    with server(slots=1) as srv:
-        entry = f"sem.{srv.address[1:]}.{bell}"
-        remove(entry)
-        try:
-            uid = plant_as(request, planter, entry)
-            before = contents(entry)
-            mode = "0644" if planter == ME else "0600"
-            with pytest.raises(shmreplay.ForeignObject, match=rf"^/dev/shm/{re.escape(entry)} is not a "
-                               rf"semaphore an InferenceServer of this user made \(mode {mode}, uid {uid}\)"):
-                shmreplay.InferenceClient(srv.address)
-            assert contents(entry) == before
-            assert state(raw_ctrl(srv.address), 0) == (0, 0)  # FREE: the refused env holds no slot
-        finally:
+def test_names_derived_from_the_channels_take_nothing_from_it(request, monkeypatch, planter):
+    """Issue 34, item 1: a squatter that watches /dev/shm and, as soon as a
+    channel's segment appears, creates every name derived from it (the
+    semaphores an earlier version made next to it: its doorbell ``.d``, its
+    reply bells ``.r<i>``; and segments of those names).  Here they are all
+    there before the server starts (the squatter won every race; the test
+    fixes the token so that the names are known): the server starts,
+    envs attach and are served, and the squatter's objects are left as
+    they were.  On the code before (semaphores ``sem.<name>.d``/``.r<i>``
+    made with O_CREX after the segment) every start failed with
+    ``ForeignObject``: "exists already"."""
+    monkeypatch.setattr(wi.secrets, "token_hex", lambda n: TOKEN)
+    base = f"{PREFIX}.{TOKEN}"
+    planted = [e.format(base=base) for e in DERIVED]
+    try:
+        for entry in planted:
+            plant_as(request, planter, entry)
+        before = {e: contents(e) for e in planted}
+        with server(slots=2) as srv:
+            assert srv.address == "/" + base
+            env = FORK.Process(target=env_main, args=(srv.address, 3, 20))
+            try:
+                env.start()
+                serve(srv, 20)
+                env.join(HANG_S)
+                assert env.exitcode == 0
+            finally:
+                reap([env])
+        assert {e: contents(e) for e in planted} == before
+    finally:
+        for entry in planted:
             remove(entry)
-    assert names_of(srv.address) == set()
+        remove(base)
 
 
 def member_server(ident, conn) -> None:
-    """An ordinary user's learner: a channel, open until the test says."""
+    """An ordinary user's learner: a channel, serving until the test says."""
     uid, gid, groups = ident
     os.setgroups(groups)
     os.setgid(gid)
     os.setuid(uid)
-    with server(slots=1) as srv:
+    with server(slots=2) as srv:
         conn.send(srv.address)
-        conn.poll(HANG_S)
+        while not conn.poll(0):
+            try:
+                b = srv.receive(timeout=0.05)
+            except shmreplay.ReplayTimeout:
+                continue
+            srv.respond(b.slots, action=policy(b.data["obs"]))
         conn.recv()
-    conn.send(sorted(names_of(srv.address)))
+        stats = srv.stats()
+    conn.send((sorted(names_of(srv.address)), stats))
 
 
 @needs_root
-def test_an_ordinary_users_env_refuses_another_users_semaphore(users):
-    """An env that is not root cannot even open another user's 0600
-    semaphore under its channel's names: still ``ForeignObject`` naming it,
-    never posix_ipc's own error."""
+def test_a_user_who_may_not_open_the_channel_gets_permission_denied(users):
+    """Issue 34, item 1: an env of another user (a member of the learner's
+    group, a stranger) cannot open the learner's 0600 segment; it gets
+    ``PermissionDenied`` naming the channel's owner and saying to run the
+    env as that user, never posix_ipc's own error, and takes nothing: the
+    learner's own env is served, no slot is held, and its stats show no
+    garbage.  (Root may open it, and is refused as a ``ForeignObject``
+    naming the owner: test_an_env_refuses_a_segment_planted_at_its_address.)"""
     with server(slots=1) as warm, shmreplay.InferenceClient(warm.address):
         pass  # compiled here: the other user's processes cannot read this user's modules or caches
     mine, theirs = FORK.Pipe()
     learner = FORK.Process(target=member_server, args=(users[MEMBER], theirs))
-    entry = address = None
+    address = env = None
     try:
         learner.start()
         wait_for(lambda: mine.poll(0) or learner.exitcode is not None, "the learner's address")
         address = mine.recv()
-        entry = f"sem.{address[1:]}.d"
-        remove(entry)
-        as_user(users[STRANGER], plant, entry, 0o600)
-        before = contents(entry)
-        assert as_user(users[MEMBER], attach_error, address) == (
-            "ForeignObject", f"/dev/shm/{entry} is not a semaphore an InferenceServer of this user made "
-            "(permission denied): not using it")
-        assert contents(entry) == before
-        remove(entry)
+        owner = f"{MEMBER} (uid {users[MEMBER][0]})"
+        for who in (STRANGER, ADMIN):  # ADMIN: in the learner's group too
+            ident = users[who]
+            got = as_user(ident, attach_error, address)
+            assert got == ("PermissionDenied", f"/dev/shm{address} belongs to {owner} and this process runs "
+                           f"as {who} (uid {ident[0]}): an inference channel is private to the user of its "
+                           "InferenceServer; run the env processes as the learner's user (InferenceClient "
+                           "never uses another user's channel)"), got
+        env = FORK.Process(target=as_user, args=(users[MEMBER], env_main, address, 4, 5))
+        env.start()
+        env.join(HANG_S)
+        assert env.exitcode == 0
         mine.send("close")
-        assert mine.poll(HANG_S) and mine.recv() == []
+        assert mine.poll(HANG_S)
+        left, stats = mine.recv()
+        assert left == [] and (stats["served"], stats["garbage"], stats["lost"]) == (5, 0, 0), stats
         learner.join(HANG_S)
         assert learner.exitcode == 0
     finally:
-        reap([learner])
-        if entry is not None:
-            remove(entry)
-        if address is not None:  # the learner killed by reap: its names
-            wi.unlink_all(wi.all_names(address, 1), os.getpid())
+        reap([learner, *([env] if env else [])])
+        if address is not None:  # the learner killed by reap: its segment
+            remove(address[1:])
 
 
 @pytest.mark.parametrize("planter", [ME, ANOTHER])
-@pytest.mark.parametrize("suffix", ["", ".d", ".r1"])
-def test_a_server_refuses_a_name_planted_before_it(request, monkeypatch, planter, suffix):
-    """A name the server is about to make, planted first (its segment, its
-    doorbell, a reply bell): the server refuses it with an error naming it,
-    unlinks what it made before it met that name, and leaves the
-    squatter's as it was.  The random token cannot be guessed; the test
-    fixes it so that the name is known in advance, as it would be to a
-    squatter who learned it."""
+def test_a_server_refuses_a_segment_planted_at_its_name(request, monkeypatch, planter):
+    """The server's own segment name, planted first (the random token cannot
+    be guessed; the test fixes it so that the name is known in advance, as
+    it would be to a squatter who learned it): the server refuses it with
+    an error naming it, and leaves the squatter's as it was."""
     monkeypatch.setattr(wi.secrets, "token_hex", lambda n: TOKEN)
     base = f"{PREFIX}.{TOKEN}"
-    entry = base if suffix == "" else f"sem.{base}{suffix}"
+    entry = base
     try:
         uid = plant_as(request, planter, entry)
         before = contents(entry)
-        if suffix == "" and planter == ME:
+        if planter == ME:
             error, match = shmreplay.ReplayError, rf"^shared-memory segment /{re.escape(base)} exists already"
-        elif suffix == "":
+        else:
             error, match = shmreplay.ForeignObject, rf"^/dev/shm/{re.escape(base)} is not an object .*" \
                                                     rf"\(owned by uid {uid}, not {os.geteuid()}\)"
-        else:
-            error, match = shmreplay.ForeignObject, rf"^/dev/shm/{re.escape(entry)} exists already: an " \
-                                                    "InferenceServer uses no name it did not make"
         with pytest.raises(error, match=match):
             server(slots=2)
         assert contents(entry) == before
@@ -241,8 +266,8 @@ def test_an_env_refuses_a_segment_whose_header_is_wrong():
             unread = rf"^{re.escape(a)}: its schema does not read \("
             mismatch = rf"^{re.escape(a)}: its header does not match its schema \(segment {size} bytes\)$"
             for word, value, match in [
-                    (0, bad_magic, not_ours + rf"{bad_magic:#x}/1, expected {MAGIC:#x}/1\)$"),
-                    (1, 2, not_ours + rf"{MAGIC:#x}/2, expected {MAGIC:#x}/1\)$"),
+                    (0, bad_magic, not_ours + rf"{bad_magic:#x}/2, expected {MAGIC:#x}/2\)$"),
+                    (1, 1, not_ours + rf"{MAGIC:#x}/1, expected {MAGIC:#x}/2\)$"),  # the version before
                     (7, 0, unread + r"schema length 0\)$"),
                     (7, size, unread + rf"schema length {size}\)$"),
                     (5, 0, unread + r"slots=0: give the number of env processes"),

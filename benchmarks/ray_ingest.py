@@ -39,8 +39,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import shmreplay  # noqa: E402
 from shmreplay.bench.peers import process_cpu_seconds as cpu_seconds  # noqa: E402
-from shmreplay.bench.raycluster import LocalCluster  # noqa: E402
+from shmreplay.bench.raycluster import LocalCluster, token_auth  # noqa: E402
 from shmreplay.bench.workloads import WORKLOADS  # noqa: E402
+
+token_auth()  # before anything imports ray: the cluster listens on every interface
 
 CHUNK, IN_FLIGHT = 64, 2
 

@@ -20,6 +20,7 @@ import sys
 import pytest
 from hypothesis import settings as hypothesis_settings
 
+from shmreplay.bench.raycluster import token_auth
 from shmreplay.wire.names import runtime_dir
 from waiting import processes
 # the daemon helpers, here too for tests that import them from conftest
@@ -29,6 +30,11 @@ from daemons import (DaemonProcess, close_zygote, nested_env, remove_entries, se
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 pytest_plugins = ["strict_ci"]  # CI=true: a skip fails (strict_ci.py)
+
+# Every Ray cluster the suite starts (raycluster.py, the docs' snippets)
+# demands this process's token: Ray listens on every interface whatever
+# --node-ip-address says.  Set before any test module imports ray.
+token_auth()
 
 # Property tests (test_sumtree.py): the suite, CI's run included, draws the
 # same examples every time ("derandomized": a seed fixed per test), so a

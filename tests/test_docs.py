@@ -38,9 +38,11 @@ def test_snippet_runs(code, tmp_path):
     # a snippet that starts a local Ray puts its session under RAY_TMPDIR:
     # short (Ray's socket paths live there), and removed after
     ray_tmp = tempfile.mkdtemp(prefix="ray", dir="/tmp")
-    # RAY_AUTH_MODE: else Ray keeps a token in ~/.ray for a new local cluster
+    # Ray's token authentication comes with the environment (conftest.py:
+    # token_auth): a local cluster a snippet starts demands it, and no token
+    # file is kept in ~/.ray
     env = {**os.environ, "PYTHONPATH": os.path.join(ROOT, "clients"), "RAY_TMPDIR": ray_tmp,
-           "RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "disabled"}
+           "RAY_USAGE_STATS_ENABLED": "0"}
     env.pop("SHMREPLAY_SOCKET", None)
     p = subprocess.Popen([sys.executable, "-c", code], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
                          stderr=subprocess.STDOUT, text=True)

@@ -5,16 +5,21 @@ one), each started with ``ray start --block`` in a session of its own, so
 every process of a node belongs to a process this object owns and stops
 with it.
 
-Ray runs without its token authentication (``RAY_AUTH_MODE=disabled``, a
-loopback-only cluster): with it, a new local cluster makes and keeps
-``~/.ray/auth_token``, a file outside the run's folders that later clusters
-then demand.  Who calls it: one driver process, one thread.
+Ray's token authentication is on (``token_auth``): whatever
+``--node-ip-address`` says, Ray 2.60's GCS and raylets listen on every
+interface, so without a token anyone who reaches this box could run code
+on the cluster as its user while it runs.  The token is drawn once per
+process and handed on in the environment (``RAY_AUTH_TOKEN``), so no
+``~/.ray/auth_token`` is made.  Ray reads the mode when it is imported: a
+driver calls ``token_auth`` before ``import ray``.  Who calls it: one
+driver process, one thread.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import secrets
 import shutil
 import signal
 import socket
@@ -23,7 +28,21 @@ import sys
 import tempfile
 import time
 
-ENV = {"RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}
+ENV = {"RAY_USAGE_STATS_ENABLED": "0"}
+
+
+def token_auth() -> None:
+    """Turn Ray's token authentication on for this process and every
+    process it starts (the environment), with a token drawn here unless
+    one is set; before ``import ray`` (RuntimeError after it, unless it
+    was already on)."""
+    if os.environ.get("RAY_AUTH_MODE") == "token" and os.environ.get("RAY_AUTH_TOKEN"):
+        return
+    if "ray" in sys.modules:
+        raise RuntimeError("Ray was imported before its token authentication was set: call "
+                           "shmreplay.bench.raycluster.token_auth() before 'import ray'")
+    os.environ["RAY_AUTH_MODE"] = "token"
+    os.environ["RAY_AUTH_TOKEN"] = secrets.token_hex(32)
 START_S = 120.0  # a hang guard for a node to come up on a loaded box
 REAP_S = 30.0    # ... and for what is left of one to go after SIGKILL
 
@@ -39,6 +58,7 @@ class LocalCluster:
 
     def start(self) -> str:
         """Start both nodes; returns the head's address (host:port)."""
+        token_auth()
         self.temp = tempfile.mkdtemp(prefix="ray", dir="/tmp")  # short: Ray's socket paths live under it
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))

@@ -20,7 +20,8 @@ everything bounded, whoever connects:
 * the answer is rendered at most once per pushed view (the daemon pushes
   one a second), however many scrapes come, and shared by all of them;
 * on the Unix socket, a peer the control socket's rule would refuse
-  (``access.may_connect``: ``SO_PEERCRED``/``SO_PEERGROUPS``) gets 403.
+  (``access.may_connect``: ``SO_PEERCRED``/``SO_PEERGROUPS``, asked at
+  accept) gets 403 to its request, under the same bounds as anyone.
 
 So a flood costs this process at most ``MAX_CONNECTIONS`` descriptors and
 ``MAX_CONNECTIONS * HEAD_MAX`` bytes of buffers, and the daemon nothing.
@@ -64,10 +65,10 @@ TOO_LARGE = reply("431 Request Header Fields Too Large", f"request head over {HE
 
 
 class Conn:
-    __slots__ = ("sock", "tcp", "deadline", "head", "out")
+    __slots__ = ("sock", "tcp", "allowed", "deadline", "head", "out")
 
-    def __init__(self, sock: socket.socket, tcp: bool, now: float):
-        self.sock, self.tcp, self.deadline = sock, tcp, now + HEAD_S
+    def __init__(self, sock: socket.socket, tcp: bool, allowed: bool, now: float):
+        self.sock, self.tcp, self.allowed, self.deadline = sock, tcp, allowed, now + HEAD_S
         self.head = bytearray()
         self.out: memoryview | None = None  # the answer left to send, once there is one
 
@@ -160,14 +161,12 @@ class Scrapes:
                 log.warning("metrics: accept failed: %s", exc)
                 return
             sock.setblocking(False)
-            if not tcp and not self._allowed(sock):
-                _say(sock, FORBIDDEN)
-                sock.close()
-                continue
             if len(self.conns) >= MAX_CONNECTIONS and not self._evict():
                 sock.close()
                 continue
-            conn = Conn(sock, tcp, time.monotonic())
+            # refused peers are answered 403 once they ask (curl shows them
+            # that, not a broken pipe); until then they are bounded as anyone
+            conn = Conn(sock, tcp, tcp or self._allowed(sock), time.monotonic())
             self.conns[sock.fileno()] = conn
             self.sel.register(sock, selectors.EVENT_READ, "conn")
 
@@ -203,20 +202,22 @@ class Scrapes:
                 if len(conn.head) > HEAD_MAX:
                     self._respond(conn, TOO_LARGE)
                 return
-            self._respond(conn, self._route(bytes(conn.head[:end]), conn.tcp))
+            self._respond(conn, self._route(bytes(conn.head[:end]), conn))
             return
         self._send(conn)
 
-    def _route(self, head: bytes, tcp: bool) -> bytes:
+    def _route(self, head: bytes, conn: Conn) -> bytes:
         parts = head.split(b"\r\n", 1)[0].split(b" ")
         if len(parts) != 3 or not parts[2].startswith(b"HTTP/"):
             return BAD
+        if not conn.allowed:
+            return FORBIDDEN
         method, target = parts[0], parts[1].split(b"?", 1)[0]
         if target != b"/metrics":
             return NOT_FOUND
         if method != b"GET":
             return NOT_ALLOWED
-        return self.answer(self.tcp_tables or not tcp)
+        return self.answer(self.tcp_tables or not conn.tcp)
 
     def _respond(self, conn: Conn, data: bytes) -> None:
         conn.out = memoryview(data)

@@ -363,13 +363,15 @@ def test_the_tcp_endpoint_can_leave_tables_out_and_the_unix_socket_has_them(star
 
 
 def test_the_scrape_process_is_replaced_if_it_dies_and_never_outlives_the_daemon(start_daemon):
-    """SIGKILL the scrape process: the daemon serves on, starts another, and
+    """The scrape process runs 10 nicer than the daemon.  SIGKILL it: the daemon serves on, starts another, and
     scrapes answer again; SIGKILL the daemon: its scrape process exits
     (its pair with the daemon closed), leaving the port free."""
     d = start_daemon(metrics_port=0)
     with d.connect() as c:
         url = c.stats()["metrics"]
         first = scrape_process(d.pid)
+        # and it runs below the daemon's priority (its niceness, 10 higher)
+        assert int(proc_stat(f"/proc/{first}/stat")[16]) == int(proc_stat(f"/proc/{d.pid}/stat")[16]) + 10
         os.kill(first, signal.SIGKILL)
         wait_for(lambda: _answers(url), "a scrape answered by a new scrape process")
         second = scrape_process(d.pid)
@@ -391,3 +393,18 @@ def _zombie(pid: int) -> bool:
     """Gone, or exited and waiting for whoever inherited it to reap it."""
     fields = proc_stat(f"/proc/{pid}/stat")
     return fields is None or fields[0] == "Z"
+
+
+def test_a_bad_metrics_socket_is_refused_naming_the_key(tmp_path):
+    """``metrics_socket`` must be an absolute path (refused as the config is
+    read, exit 2), in a directory only the daemon's user can write, as the
+    control socket's must be: /tmp itself (anyone may create names there)
+    stops the start (exit 1) with safedir's reason, nothing left behind."""
+    p = start_refused(tmp_path, "rel", metrics_socket="m.sock")
+    assert p.returncode == 2 and "metrics_socket must be an absolute path" in p.stderr, p.stderr
+    p = start_refused(tmp_path, "tab", metrics_tcp_tables="no")
+    assert p.returncode == 2 and "metrics_tcp_tables must be true or false" in p.stderr, p.stderr
+    planted = f"/tmp/shmr{os.getpid()}metrics.sock"
+    p = start_refused(tmp_path, "tmp", metrics_socket=planted)
+    assert p.returncode == 1 and "/tmp is not a safe place" in p.stderr, p.stderr
+    assert "Traceback" not in p.stderr and not os.path.exists(planted)

@@ -17,6 +17,8 @@ everything bounded, whoever connects:
   bytes of it (408 and 431 otherwise), ``SEND_S`` to take the answer;
 * only ``GET /metrics`` is answered (404, 405, 400 otherwise), with
   ``Connection: close``;
+* it runs ``NICE`` below the daemon's priority, so what a flood makes it
+  do takes CPU time the data path leaves;
 * the answer is rendered at most once per pushed view (the daemon pushes
   one a second), however many scrapes come, and shared by all of them;
 * on the Unix socket, a peer the control socket's rule would refuse
@@ -32,6 +34,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import selectors
 import signal
 import socket
@@ -48,6 +51,7 @@ HEAD_S = 2.0
 SEND_S = 5.0
 ACCEPT_BATCH = 64        # accepts per wake-up, then the connections' own work
 FRAME_MAX = 64 << 20     # a pushed view larger than this is the daemon's bug: stop
+NICE = 10                # added to the daemon's niceness
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 
@@ -268,6 +272,9 @@ def main(argv=None) -> int:
     # Ctrl-C at a terminal reaches the whole process group: the daemon
     # decides when this process ends (it closes the pair)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # below the daemon (and the learners and actors beside it): a flood
+    # makes this process busy, and the CPU it then takes is what they leave
+    os.nice(NICE)
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
     Scrapes(json.loads(argv[0])).run()

@@ -272,11 +272,14 @@ def main(argv=None) -> int:
     # Ctrl-C at a terminal reaches the whole process group: the daemon
     # decides when this process ends (it closes the pair)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    # below the daemon (and the learners and actors beside it): a flood
-    # makes this process busy, and the CPU it then takes is what they leave
-    os.nice(NICE)
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    # below the daemon (and the learners and actors beside it): a flood
+    # makes this process busy, and the CPU it then takes is what they leave
+    try:
+        os.nice(NICE)
+    except OSError as exc:  # a seccomp filter without setpriority: serve at the daemon's priority
+        log.warning("metrics: cannot lower this process's priority: %s", exc)
     Scrapes(json.loads(argv[0])).run()
     return 0
 

@@ -54,6 +54,7 @@ HIST_BASE_S = 1.024e-6  # engine/commands.py: bucket k holds SAMPLEs under HIST_
 FRAME = struct.Struct("<I")  # a pushed view: its length, then that many bytes of JSON
 LISTEN_BACKLOG = 64  # connections the kernel queues for the scrape process; past it a SYN waits
 RESPAWN_S = 5.0      # a scrape process that died is started again at most this often
+STALL_S = 10.0       # a push not taken by then: the scrape process is wedged, and is killed
 STOP_S = 5.0         # how long a stop waits for the scrape process before killing it
 
 # what a scrape needs of each table's numbers, and nothing else (no client
@@ -240,6 +241,7 @@ class MetricsServer:
         """Start the scrape process with the endpoints and one end of a
         new socket pair; it ends when that pair closes (the daemon stopped,
         or died)."""
+        self.last_spawn = asyncio.get_running_loop().time()
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         tcp = self.listeners[0] if self.port is not None else None
         unix = self.listeners[-1] if self.path else None
@@ -260,24 +262,31 @@ class MetricsServer:
             theirs.close()
         ours.setblocking(False)
         self.feed = ours
-        self.last_spawn = asyncio.get_running_loop().time()
 
     async def run(self) -> None:
         """Push each new snapshot to the scrape process (an event-loop task)."""
         loop = asyncio.get_running_loop()
-        pushed = None
+        pushed, since = None, 0.0
         while not self.closed:
             latest = self.monitor.latest
             if self.proc.poll() is not None and loop.time() - self.last_spawn >= RESPAWN_S:
                 log.error("the metrics process exited (%s); starting it again", self.proc.returncode)
                 self.feed.close()
-                self._spawn()
+                try:
+                    self._spawn()
+                except ReplayError as exc:  # tried again RESPAWN_S later; the daemon serves on
+                    log.error("%s", exc)
+                    self.proc = _Gone()
                 pushed = None
-            if latest is not pushed and (self.pushing is None or self.pushing.done()):
+            busy = self.pushing is not None and not self.pushing.done()
+            if busy and loop.time() - since > STALL_S and self.proc.poll() is None:
+                log.error("the metrics process took no snapshot for %g s; killing it", STALL_S)
+                self.proc.kill()  # the push then fails, and the process is started again
+            if latest is not pushed and not busy and self.proc.poll() is None:
                 body = json.dumps(view_of(latest, self.checkpoints.last_success),
                                   default=_plain).encode()
                 self.pushing = loop.create_task(self._push(self.feed, FRAME.pack(len(body)) + body))
-                pushed = latest
+                pushed, since = latest, loop.time()
             await asyncio.sleep(self.monitor.interval / 2)
 
     async def _push(self, feed: socket.socket, frame: bytes) -> None:
@@ -309,6 +318,20 @@ class MetricsServer:
         if self.path:
             from ...wire.rowfile import unlink_file_quiet
             unlink_file_quiet(self.path)
+
+
+class _Gone:
+    """In place of a scrape process that could not be started."""
+    returncode = None
+
+    def poll(self):
+        return -1
+
+    def kill(self):
+        pass
+
+    def wait(self, timeout=None):
+        return -1
 
 
 def _plain(o):

@@ -376,7 +376,8 @@ def test_the_tcp_endpoint_can_leave_tables_out_and_the_unix_socket_has_them(star
 
 
 def test_the_scrape_process_is_replaced_if_it_dies_and_never_outlives_the_daemon(start_daemon):
-    """The scrape process runs 10 nicer than the daemon.  SIGKILL it: the daemon serves on, starts another, and
+    """The scrape process runs 10 nicer than the daemon and lives through a
+    SIGTERM.  SIGKILL it: the daemon serves on, starts another, and
     scrapes answer again; SIGKILL the daemon: its scrape process exits
     (its pair with the daemon closed), leaving the port free."""
     d = start_daemon(metrics_port=0)
@@ -387,6 +388,9 @@ def test_the_scrape_process_is_replaced_if_it_dies_and_never_outlives_the_daemon
         # it runs below the daemon's (its niceness 10 higher)
         wait_for(lambda: _answers(url), "a first answer")
         assert int(proc_stat(f"/proc/{first}/stat")[16]) == int(proc_stat(f"/proc/{d.pid}/stat")[16]) + 10
+        # systemd's stop sends SIGTERM to every process of the unit: the daemon decides when it ends
+        os.kill(first, signal.SIGTERM)
+        assert _answers(url) and scrape_process(d.pid) == first
         os.kill(first, signal.SIGKILL)
         wait_for(lambda: _answers(url), "a scrape answered by a new scrape process")
         second = scrape_process(d.pid)

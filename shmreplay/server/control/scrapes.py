@@ -6,7 +6,8 @@ daemon bound (``metrics.py``), from the views the daemon pushes.
 Started by the daemon only, with its listening sockets and one end of a
 socket pair as inherited descriptors (their numbers in the spec); it exits
 when that pair closes, so it never outlives the daemon (a SIGKILLed one
-included).  One thread, one ``epoll`` loop, non-blocking sockets, and
+included), and ignores SIGINT and SIGTERM (SIGKILL ends it; the daemon
+then starts another).  One thread, one ``epoll`` loop, non-blocking sockets, and
 everything bounded, whoever connects:
 
 * at most ``MAX_CONNECTIONS`` open at once.  One more evicts the oldest
@@ -269,9 +270,12 @@ def _say(sock: socket.socket, data: bytes) -> None:
 
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    # Ctrl-C at a terminal reaches the whole process group: the daemon
-    # decides when this process ends (it closes the pair)
+    # the daemon decides when this process ends (it closes the pair): not
+    # Ctrl-C at a terminal, which reaches the whole process group, nor the
+    # SIGTERM systemd sends every process of the unit at a stop, which would
+    # end it while the daemon still serves, and have it started again
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
     # below the daemon (and the learners and actors beside it): a flood

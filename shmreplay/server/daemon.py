@@ -108,7 +108,7 @@ class Daemon:
         self.started = False
         self.stop_reason = ""
         self.watchdog: Watchdog | None = None
-        self.metrics = None  # control/metrics.py's MetricsServer, when metrics_port is set
+        self.metrics = None  # control/metrics.py's MetricsServer, when metrics_port or metrics_socket is set
 
     def _stop(self, reason: str) -> None:
         self.stop_reason = reason
@@ -151,13 +151,14 @@ class Daemon:
             self.periodic.append(loop.create_task(self._checkpoint_periodically()))
         if cfg.sync_interval_s > 0 and cfg.durable_file_tables:
             self.periodic.append(loop.create_task(self._sync_periodically()))
-        if cfg.metrics_port is not None:
+        if cfg.metrics_port is not None or cfg.metrics_socket:
             # before ``started``: a start refused here (an address not of this
             # host, a port in use) keeps the tables it adopted, as any failed start
             from .control.metrics import MetricsServer  # prometheus_client only when asked for
-            self.metrics = MetricsServer(cfg.metrics_address, cfg.metrics_port, self.control.monitor,
-                                         self.control.checkpoints, cfg.instance)
-            self.control.metrics_url = f"http://{self.metrics.address}:{self.metrics.port}/metrics"
+            self.metrics = MetricsServer(cfg, self.control.monitor, self.control.checkpoints)
+            self.control.metrics_url = self.metrics.url or f"unix:{self.metrics.path}"
+            self.periodic.append(loop.create_task(self.metrics.run()))
+            self.control.gate.recount()  # its listening sockets and its pair, held for good
         n = len(await self.control.call(self.engine.table_names))
         log.info("serving %s with %d table(s)", self.socket_path, n)
         self.started = True
@@ -186,9 +187,9 @@ class Daemon:
 
     async def shutdown(self) -> None:
         notify("STOPPING=1")
-        if self.metrics is not None:
-            self.metrics.close()
         await cancel_within(self.periodic, PERIODIC_STOP_S)
+        if self.metrics is not None:
+            await self.metrics.close()
         if self.control is not None:
             await self.control.close()                  # steps 1-2
             if self.failed:  # the tables stay exactly as they are, as after a SIGKILL

@@ -16,16 +16,21 @@ rules let in must also be in that group to map the tables.  A client's
 channel is given to that client's uid when the daemon runs as root.
 
 Pure functions; the control plane calls them per connection (gate.py) and
-per table (quotas.py).
+per table (quotas.py), the metrics process per connection to its Unix
+socket (scrapes.py: ``may_connect`` reads only ``allowed_uids`` and
+``allowed_gids`` of what it is given).
 """
 
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from ...wire import peer
-from .config import DaemonConfig
+
+if TYPE_CHECKING:  # the metrics process (scrapes.py) uses the rules without the config's imports (numba)
+    from .config import DaemonConfig
 
 
 @dataclass(frozen=True)

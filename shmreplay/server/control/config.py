@@ -33,7 +33,7 @@ DAEMON_KEYS = {"socket", "instance", "segment_mode", "spin_us", "learner_spin_us
                "max_clients", "max_tables", "hold_timeout_s", "reservation_timeout_s", "max_clients_per_user",
                "handshake_timeout_s", "storage_dir", "storage_dirs", "durable_file_tables",
                "sync_interval_s", "prefetch_threads", "prefetch_queue", "prefetch_method",
-               "metrics_address", "metrics_port"}
+               "metrics_address", "metrics_port", "metrics_socket", "metrics_tcp_tables"}
 # per-user limits (server/control/quotas.py, gate.py, descriptors.py)
 DAEMON_KEYS |= {"max_tables_per_user", "reserved_tables", "file_quota_bytes_per_user",
                 "max_lingering_refusals", "max_lingering_refusals_per_user", "refusal_linger_s",
@@ -50,6 +50,8 @@ class DaemonConfig:
     idle_timeout_s: float = 1.0
     metrics_address: str = "127.0.0.1"  # Prometheus /metrics (control/metrics.py)
     metrics_port: int | None = None     # None: off; 0: any free port (logged, and in status)
+    metrics_socket: str = ""            # a Unix socket for /metrics, readable as the control socket is
+    metrics_tcp_tables: bool = True     # per-table metrics on the TCP endpoint too (any local user reads it)
     log_level: str = "info"
     seed: int | None = None  # seeds every table's sampler (seed + table id): reproducible runs
     # recovery and checkpoints (docs/reliability.md)
@@ -178,6 +180,8 @@ def parse_config(doc: dict, where: str = "config") -> DaemonConfig:
             raise SchemaError(f"{where}: metrics_port must be an int in 0..65535 (0: any free port), "
                               f"got {port!r}")
         cfg.metrics_port = port
+    cfg.metrics_socket = _metrics_socket(d, where)
+    cfg.metrics_tcp_tables = _bool(d, "metrics_tcp_tables", True, where)
     cfg.log_level = str(d.get("log_level", cfg.log_level))
     if "seed" in d:
         if not isinstance(d["seed"], int) or d["seed"] < 0:
@@ -295,3 +299,14 @@ def group_id(g, where: str = "config") -> int:
         return grp.getgrgid(g).gr_gid if isinstance(g, int) else grp.getgrnam(str(g)).gr_gid
     except KeyError:
         raise SchemaError(f"{where}: no group {g!r} on this machine") from None
+
+
+def _metrics_socket(d: dict, where: str) -> str:
+    path = d.get("metrics_socket", "")
+    if not isinstance(path, str) or (path and not os.path.isabs(path)):
+        raise SchemaError(f"{where}: metrics_socket must be an absolute path, the Unix socket to serve "
+                          f"metrics on (e.g. \"/run/shmreplay/main.metrics.sock\"), got {path!r}")
+    if len(os.fsencode(path)) > names.SOCKET_PATH_MAX:
+        raise SchemaError(f"{where}: metrics_socket {path!r} is longer than a Unix socket path may be "
+                          f"({names.SOCKET_PATH_MAX} bytes); choose a shorter one")
+    return path

@@ -4,13 +4,12 @@ the daemon's own memory.
 
 ``shmreplay status`` and ``top`` read rates from here (so a status needs
 one round trip, not two a second apart), and the Prometheus endpoint
-(``metrics.py``) reads ``latest`` from its own thread: the snapshot is a
-new dict every time, handed over by one reference assignment, never
-changed after, so the reader needs no lock and never asks the engine
+(``metrics.py``) pushes each new ``latest`` to its scrape process: the
+snapshot is a new dict every time, handed over by one reference
+assignment, never changed after, so a scrape never asks the engine
 anything itself (a scrape costs the data path nothing).
 
-Who calls it: the event loop runs ``run``; ``latest``/``rates`` are read
-by the loop and by the metrics thread.
+Who calls it: the event loop runs ``run`` and reads ``latest``/``rates``.
 """
 
 from __future__ import annotations

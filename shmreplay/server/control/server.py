@@ -74,7 +74,7 @@ class ControlServer:
 
     async def start(self, path: str) -> None:
         self.loop = asyncio.get_running_loop()
-        _claim_socket_path(path)
+        claim_socket_path(path)
         self.gate.listen(path)
         os.chmod(path, self.cfg.segment_mode)
         os.chown(path, -1, self.cfg.gid)
@@ -301,7 +301,7 @@ class ControlServer:
         return st if peer is None or may_administer(self.cfg, peer) else seen.for_user(st, peer.uid)
 
 
-def _claim_socket_path(path: str) -> None:
+def claim_socket_path(path: str) -> None:
     """Check the socket's directory is one only this user (or root) can
     write, and every directory above it (``safedir.secure_dir``; created
     0700 if missing), then remove a

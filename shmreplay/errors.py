@@ -132,7 +132,8 @@ class ReservationExpired(ReplayError):
 
 class PermissionDenied(ReplayError, PermissionError):
     """The daemon's access rules refuse this user (connect) or this
-    operation (admin operations: drop_table, checkpoint, shutdown)."""
+    operation (admin operations: drop_table, checkpoint, shutdown; writes to
+    a table only its creator writes: ``writers="creator"``)."""
 
     code = 15
 

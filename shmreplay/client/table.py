@@ -117,6 +117,14 @@ class Table:
         return (_reopen, (self._client, self.name))
 
     @property
+    def mapped(self) -> TableMap:
+        """The table's segments as mapped now (a reconnect maps them anew):
+        the daemon's per-slot marks (``state``, ``gens``, ``seqno``: read
+        only) and the field rows, for a reader that copies rows itself and
+        checks the stamps, as ``ParameterBoard`` does."""
+        return self._map
+
+    @property
     def client(self):
         """The ``Client`` this handle belongs to."""
         return self._client

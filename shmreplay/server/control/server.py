@@ -111,11 +111,16 @@ class ControlServer:
         asked = spec_from_wire(wire)
         self.aside.refuse(asked.name)
         spec = self.cfg.place(asked)
+        uid = os.geteuid() if peer is None else peer.uid
+        if spec.writer_only:  # the creator is the kernel's word, whatever the client sent
+            spec = dataclasses.replace(spec, writer_uid=uid)
         existing = await self.call(self.engine.describe, spec.name)
         if existing is not None:
             have = spec_from_wire(existing["spec"])
             if asked.storage_dir is None:  # not asked for a place: wherever it lives now
                 have = dataclasses.replace(have, storage_dir=spec.storage_dir)
+            if spec.writer_only and have.writer_only and (peer is None or may_administer(self.cfg, peer)):
+                spec = dataclasses.replace(spec, writer_uid=have.writer_uid)  # an admin may write it too
             if exist_ok and have == spec:
                 await self._rows_whole(spec.name)  # a client attaches to it next
                 return existing

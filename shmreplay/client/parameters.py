@@ -170,6 +170,9 @@ class ParameterBoard:
         if self._lease is None:
             self._lease = self.table.lease()
         lease = self._lease
+        if not lease.views["blob"].flags.writeable:  # rows group read-only: not its creator
+            raise PermissionDenied(f"board {self.table.name!r} is published only by its creator (uid "
+                                   f"{self.table.spec.writer_uid}) and root; you are uid {os.geteuid()}")
         lease.begin()
         slot, stamp = lease.run(self._write, lease, blob)
         self.table.client.flush(keep_leases=True)  # the commit applied: the item has its number

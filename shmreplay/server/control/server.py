@@ -22,7 +22,8 @@ import socket
 import stat
 import time
 
-from ...errors import CapacityError, DaemonUnavailable, ForeignObject, ReplayError, TableExists, UnknownTable
+from ...errors import (CapacityError, DaemonUnavailable, ForeignObject, PermissionDenied, ReplayError, TableExists,
+                       UnknownTable)
 from ...schema import check_table_name, spec_from_wire
 from ...wire import names
 from ...version import __version__
@@ -113,6 +114,14 @@ class ControlServer:
         spec = self.cfg.place(asked)
         uid = os.geteuid() if peer is None else peer.uid
         if spec.writer_only:  # the creator is the kernel's word, whatever the client sent
+            if uid not in (0, os.geteuid()):
+                # its rows are the daemon user's and group read-only: another
+                # creator could not write them (a writable descriptor passed
+                # over this socket would lift this; not built yet)
+                raise PermissionDenied(
+                    f"table {spec.name!r}: only the daemon's user or root may create a table with "
+                    f"writers=\"creator\" (a ParameterBoard); you are uid {uid}: ask the daemon's "
+                    "user to create it, or create one any member may write")
             spec = dataclasses.replace(spec, writer_uid=uid)
         existing = await self.call(self.engine.describe, spec.name)
         if existing is not None:

@@ -136,8 +136,8 @@ class ParameterBoard:
         table = client.create_table(name, slots, fields, sampler="lifo", remover="fifo",
                                     exist_ok=exist_ok, writers="creator")
         board = cls(table, like, publisher=table.spec.writer_uid)
-        newest = board._read_direct()
-        board.version = 0 if newest in (None, _TORN) else newest[0]
+        newest = board.latest()
+        board.version = 0 if newest is None else newest[0]
         return board
 
     @classmethod

@@ -116,18 +116,10 @@ class Table:
     def __reduce__(self):
         return (_reopen, (self._client, self.name))
 
-    @property
-    def mapped(self) -> TableMap:
-        """The table's segments as mapped now (a reconnect maps them anew):
-        the daemon's per-slot marks (``state``, ``gens``, ``seqno``: read
-        only) and the field rows, for a reader that copies rows itself and
-        checks the stamps, as ``ParameterBoard`` does."""
-        return self._map
-
-    @property
-    def client(self):
-        """The ``Client`` this handle belongs to."""
-        return self._client
+    client = property(lambda self: self._client, doc="The ``Client`` this handle belongs to.")
+    # the segments as mapped now (anew at a reconnect): marks (``state``, ``gens``, ``seqno``; read only)
+    # and rows, for a reader that copies rows and checks the stamps itself (``ParameterBoard``)
+    mapped = property(lambda self: self._map)
 
     def __len__(self) -> int:
         return self._words.size

@@ -212,3 +212,37 @@ def test_a_member_is_told_it_cannot_make_a_board_yet(daemon, users):
     assert "only the daemon's user or root may create" in got, got
     with daemon.connect() as owner:
         assert "mine" not in owner.list_tables()
+
+
+def rows_mode(daemon) -> int:
+    return os.stat("/dev/shm" + daemon.segment("policy", "r")).st_mode & 0o777
+
+
+@pytest.mark.parametrize("how", ["adopted", "restored"])
+def test_the_write_rule_survives_a_crash_and_a_checkpoint(daemon, users, how, tmp_path):
+    """The rule and its writer are part of the table's definition, so they
+    come back with the table: adopted after a SIGKILL (the meta segment's
+    schema), or restored from a checkpoint (its spec): the rows are group
+    read-only again, the member is refused again, and the versions go on
+    from the newest (the daemon's commit numbers)."""
+    with daemon.connect() as owner:
+        board = shmreplay.ParameterBoard.create(owner, "policy", like=LIKE)
+        for v in (1, 2, 3):
+            board.publish(params(v))
+        if how == "restored":
+            ck = str(tmp_path / "ck")
+            owner.checkpoint(ck, ["policy"])
+    if how == "adopted":
+        daemon.crash()
+        daemon.start()
+    else:
+        assert daemon.stop() == 0  # the table goes with a clean stop
+        daemon.start(["--restore", ck])
+    assert rows_mode(daemon) == 0o640
+    with daemon.connect() as owner:
+        assert owner.table("policy").spec.writer_uid == os.geteuid()
+        got = as_user(users[MEMBER], forge, daemon.socket)
+        assert all("only by its creator" in why for why in got.values()), got
+        board = shmreplay.ParameterBoard.create(owner, "policy", like=LIKE)
+        assert board.version == 3 and board.publish(params(4)) == 4
+        assert as_user(users[MEMBER], read_newer, daemon.socket, 3) == (4, True)

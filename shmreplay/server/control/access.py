@@ -8,7 +8,10 @@ else.  The rules (config keys in ``[daemon]``):
 * connect: root, the daemon's own user, a user in ``allowed_users``, or a
   member (primary or supplementary) of a group in ``allowed_groups``;
 * admin operations (``protocol.ADMIN_OPS``: drop_table, checkpoint,
-  shutdown): root, the daemon's own user, or a member of ``admin_group``.
+  shutdown): root, the daemon's own user, or a member of ``admin_group``;
+* writing a table made with ``writers="creator"`` (a ParameterBoard): its
+  creator (``writer_uid``, recorded here at create) and the admins above
+  (the engine enforces it: ``engine/commands.py``).
 
 The file modes back this up: the socket and every segment are mode
 ``segment_mode`` (0660) and owned by the config's ``group``, so a user the
@@ -21,9 +24,12 @@ per table (quotas.py).
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass
 
+from ...errors import PermissionDenied
+from ...schema import TableSpec
 from ...wire import peer
 from .config import DaemonConfig
 
@@ -70,3 +76,25 @@ def may_connect(cfg: DaemonConfig, peer: Peer) -> bool:
 
 def may_administer(cfg: DaemonConfig, peer: Peer) -> bool:
     return is_owner(peer.uid) or (cfg.admin_gid is not None and cfg.admin_gid in peer.groups)
+
+
+def writer_of(spec: TableSpec, peer: Peer | None, cfg: DaemonConfig | None = None,
+              have: TableSpec | None = None) -> TableSpec:
+    """``spec`` as ``peer`` (None: the daemon) asks to create it, with its
+    writer recorded: the kernel's word on the creator, whatever the client
+    sent.  ``have``: the table of that name already served, whose writer an
+    admin's ``exist_ok`` create keeps (an admin may write it too)."""
+    if not spec.writer_only:
+        return spec
+    uid = os.geteuid() if peer is None else peer.uid
+    if have is not None and have.writer_only and (peer is None or may_administer(cfg, peer)):
+        return dataclasses.replace(spec, writer_uid=have.writer_uid)
+    if not is_owner(uid):
+        # its rows are the daemon user's and group read-only: another creator
+        # could not write them (a writable descriptor passed over the socket
+        # would lift this; not built yet)
+        raise PermissionDenied(
+            f"table {spec.name!r}: only the daemon's user or root may create a table with "
+            f"writers=\"creator\" (a ParameterBoard); you are uid {uid}: ask the daemon's user to "
+            "create it, or create one any member may write")
+    return dataclasses.replace(spec, writer_uid=uid)

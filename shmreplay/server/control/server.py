@@ -22,8 +22,7 @@ import socket
 import stat
 import time
 
-from ...errors import (CapacityError, DaemonUnavailable, ForeignObject, PermissionDenied, ReplayError, TableExists,
-                       UnknownTable)
+from ...errors import CapacityError, DaemonUnavailable, ForeignObject, ReplayError, TableExists, UnknownTable
 from ...schema import check_table_name, spec_from_wire
 from ...wire import names
 from ...version import __version__
@@ -38,7 +37,7 @@ from ..tables.table import Table
 from . import recovery
 from .aside import SetAside
 from .checkpoints import Checkpoints
-from .access import may_administer
+from .access import may_administer, writer_of
 from .config import DaemonConfig
 from .connection import ControlConnection
 from .descriptors import PER_TABLE
@@ -112,29 +111,18 @@ class ControlServer:
         asked = spec_from_wire(wire)
         self.aside.refuse(asked.name)
         spec = self.cfg.place(asked)
-        uid = os.geteuid() if peer is None else peer.uid
-        if spec.writer_only:  # the creator is the kernel's word, whatever the client sent
-            if uid not in (0, os.geteuid()):
-                # its rows are the daemon user's and group read-only: another
-                # creator could not write them (a writable descriptor passed
-                # over this socket would lift this; not built yet)
-                raise PermissionDenied(
-                    f"table {spec.name!r}: only the daemon's user or root may create a table with "
-                    f"writers=\"creator\" (a ParameterBoard); you are uid {uid}: ask the daemon's "
-                    "user to create it, or create one any member may write")
-            spec = dataclasses.replace(spec, writer_uid=uid)
         existing = await self.call(self.engine.describe, spec.name)
         if existing is not None:
             have = spec_from_wire(existing["spec"])
             if asked.storage_dir is None:  # not asked for a place: wherever it lives now
                 have = dataclasses.replace(have, storage_dir=spec.storage_dir)
-            if spec.writer_only and have.writer_only and (peer is None or may_administer(self.cfg, peer)):
-                spec = dataclasses.replace(spec, writer_uid=have.writer_uid)  # an admin may write it too
+            spec = writer_of(spec, peer, self.cfg, have)  # the creator: the kernel's word
             if exist_ok and have == spec:
                 await self._rows_whole(spec.name)  # a client attaches to it next
                 return existing
             raise TableExists(f"table {spec.name!r} exists already"
                               + (" with a different schema" if exist_ok else ""))
+        spec = writer_of(spec, peer, self.cfg)
         if spec.name in self.creating:
             raise TableExists(f"table {spec.name!r} is being created by another client")
         self.creating.add(spec.name)  # before the next await: a second create must see it

@@ -135,7 +135,8 @@ class Client:
         min_size_to_sample, samples_per_insert, error_buffer (schema.make_spec
         says what each means and which combinations are refused), and
         storage_dir (rows in a file there: a directory the daemon's config
-        allows; "" for /dev/shm; unset: the daemon's default).
+        allows; "" for /dev/shm; unset: the daemon's default), and writers
+        ("creator": only this user and the daemon's admins may write it).
         ``exist_ok`` returns an existing table with the same definition."""
         spec = make_spec(name, capacity, fields, sampler, alpha, **limits)
         desc = self._session.request("create_table", spec=spec.to_wire(), exist_ok=bool(exist_ok))["table"]

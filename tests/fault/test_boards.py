@@ -75,9 +75,7 @@ def test_a_member_cannot_publish_into_the_owners_board_nor_freeze_its_readers(da
     loaded its weights, then ignored the learner's later versions.  Now the
     daemon refuses every write of the board from anyone but its creator and
     admins, and numbers the versions itself: the actors read the learner's
-    next version.  An admin-group member's connection is let through by the
-    daemon's rule (it then cannot write the rows: root and the daemon's
-    user publish)."""
+    next version."""
     with daemon.connect() as owner:
         board = shmreplay.ParameterBoard.create(owner, "policy", like=LIKE)
         assert [board.publish(params(v)) for v in (1, 2, 3)] == [1, 2, 3]

@@ -34,6 +34,8 @@ happens in the daemon, so it costs no CPU here (``pipe.in_slices``).
 
 from __future__ import annotations
 
+import os
+
 from ..errors import DaemonUnavailable, ReplayError
 from ..schema import make_spec
 from ..wire.names import client_socket_path
@@ -164,6 +166,8 @@ class Client:
     def _adopt(self, desc: dict) -> Table:
         t = self._tables.get(desc["spec"]["name"])
         if t is not None and t.id == desc["id"]:
+            if desc.get("rows_fd") is not None:  # mapped already
+                os.close(desc["rows_fd"])
             return t
         t = (ReconnectingTable if self.reconnect else Table)(self, self._session, desc)
         self._tables[t.name] = t

@@ -135,7 +135,7 @@ class ParameterBoard:
         fields = {"layout": ("int64", ()), "blob": ("uint8", (nbytes,))}
         table = client.create_table(name, slots, fields, sampler="lifo", remover="fifo",
                                     exist_ok=exist_ok, writers="creator")
-        board = cls(table, like, publisher=table.spec.writer_uid)
+        board = cls(table, like)  # another user's board of this name (made first) is refused
         newest = board.latest()
         board.version = 0 if newest is None else newest[0]
         return board
@@ -172,7 +172,8 @@ class ParameterBoard:
         lease = self._lease
         if not lease.views["blob"].flags.writeable:  # rows group read-only: not its creator
             raise PermissionDenied(f"board {self.table.name!r} is published only by its creator (uid "
-                                   f"{self.table.spec.writer_uid}) and root; you are uid {os.geteuid()}")
+                                   f"{self.table.spec.writer_uid}) and the daemon's admins; you are uid "
+                                   f"{os.geteuid()}")
         lease.begin()
         slot, stamp = lease.run(self._write, lease, blob)
         self.table.client.flush(keep_leases=True)  # the commit applied: the item has its number

@@ -62,7 +62,7 @@ class Table:
 
     def _bind(self, desc: dict) -> None:
         self.id = int(desc["id"])
-        old, self._map = self._map, TableMap.attach(desc["segment"], self.spec)
+        old, self._map = self._map, TableMap.attach(desc["segment"], self.spec, desc.get("rows_fd"))
         if old is not None:
             old.release()  # arrays handed out keep their mapping alive
         self._views = self._map.fields

@@ -246,20 +246,29 @@ class TableMap:
         return cls._checked(meta, rows)
 
     @classmethod
-    def attach(cls, name: str, expected: TableSpec | None = None) -> "TableMap":
+    def attach(cls, name: str, expected: TableSpec | None = None, rows_fd: int | None = None) -> "TableMap":
         """Client: the meta segment read-only, the rows read-write, or
         read-only if the table is written only by its creator
         (``writers="creator"``: rows group read-only) and this user may not
-        open them for writing."""
-        meta = Segment.attach(name, None if expected is None else TableLayout(expected).size,
-                              read_only=True)
+        open them for writing.  ``rows_fd``: a writable descriptor of the
+        rows the daemon passed (taken: closed once mapped)."""
+        try:
+            meta = Segment.attach(name, None if expected is None else TableLayout(expected).size,
+                                  read_only=True)
+        except BaseException:
+            if rows_fd is not None:
+                os.close(rows_fd)
+            raise
         try:
             spec = read_spec(meta)
             kind, where = rows_location(name, spec)
             path = where if kind is not Segment else SHM_DIR + where
-            rows = kind.attach(where, map_size=TableLayout(spec).rows_size,
-                               read_only=spec.writer_only and not os.access(path, os.W_OK))
+            read_only = rows_fd is None and spec.writer_only and not os.access(path, os.W_OK)
+            rows_fd, fd = None, rows_fd
+            rows = kind.attach(where, map_size=TableLayout(spec).rows_size, read_only=read_only, fd=fd)
         except BaseException:
+            if rows_fd is not None:
+                os.close(rows_fd)
             meta.close()
             raise
         return cls._checked(meta, rows, expected)

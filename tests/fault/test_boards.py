@@ -193,23 +193,67 @@ def test_latest_finds_the_newest_version_on_two_slots_while_the_learner_publishe
     assert seen >= 1
 
 
-def create_board(sock):
+def members_board(sock, versions):
+    """The member's learner: make (or reuse) its own board, publish
+    ``versions``; returns what publish answered, and how its rows object
+    is mapped (the daemon passed it a writable descriptor)."""
     with shmreplay.connect(sock, timeout=30) as c:
+        board = shmreplay.ParameterBoard.create(c, "mine", like=LIKE)
+        got = [board.publish(params(v)) for v in versions]
+        again = shmreplay.ParameterBoard.attach(c.clone(), "mine", like=LIKE)  # open_table passes it too
+        got.append(again.publish(params(len(got) + 1)))
+        return got, board.table.mapped.fields["blob"].flags.writeable
+
+
+def other_member_tries(sock, rows):
+    out = {"open_rw": overwrite_rows(rows)}
+    with shmreplay.connect(sock, timeout=30) as c:
+        board = shmreplay.ParameterBoard.attach(c, "mine", like=LIKE, publisher=MEMBER)
         try:
-            shmreplay.ParameterBoard.create(c, "mine", like=LIKE)
-            return "created"
+            board.publish(params(-1))
+            out["publish"] = "accepted"
         except shmreplay.PermissionDenied as exc:
-            return str(exc)
+            out["publish"] = str(exc)
+        out["read"] = board.latest()[0]
+    return out
 
 
-def test_a_member_is_told_it_cannot_make_a_board_yet(daemon, users):
-    """Boards of users other than the daemon's own are refused with a reason
-    (their rows would be read-only to them: no writable descriptor is
-    passed yet), and nothing is made."""
-    got = as_user(users[MEMBER], create_board, daemon.socket)
-    assert "only the daemon's user or root may create" in got, got
+def test_a_members_board_is_written_by_that_member_only(daemon, users):
+    """A member's own board: the daemon passes the member (its creator) a
+    writable descriptor of the rows at each create and open, since the rows
+    are the daemon user's and group read-only; another member can neither
+    open them for writing nor publish, and the owner's reader trusts the
+    board only when told who publishes it."""
+    got, writable = as_user(users[MEMBER], members_board, daemon.socket, (1, 2))
+    assert got == [1, 2, 3] and writable
+    rows = "/dev/shm" + daemon.segment("mine", "r")
+    st = os.stat(rows)
+    assert (st.st_uid, st.st_mode & 0o777) == (os.geteuid(), 0o640)
+    other = as_user(users[ADMIN], other_member_tries, daemon.socket, rows)  # no admin_group here
+    assert other["open_rw"] == "EACCES" and "only by its creator" in other["publish"], other
+    assert other["read"] == 3
     with daemon.connect() as owner:
-        assert "mine" not in owner.list_tables()
+        with pytest.raises(shmreplay.PermissionDenied, match="publisher="):
+            shmreplay.ParameterBoard.attach(owner, "mine", like=LIKE)
+        v, arrays = shmreplay.ParameterBoard.attach(owner, "mine", like=LIKE, publisher=users[MEMBER][0]).latest()
+        assert v == 3 and whole(3, arrays)
+
+
+def test_a_board_a_member_made_first_under_the_learners_name_is_refused(daemon, users):
+    """A member makes "policy" before the learner: the learner's create and
+    the owner's readers refuse it, naming its publisher, instead of
+    publishing into, or reading, the member's board."""
+    with daemon.connect() as owner:
+        as_user(users[MEMBER], squat, daemon.socket)
+        with pytest.raises(shmreplay.PermissionDenied, match=f"published by uid {users[MEMBER][0]}"):
+            shmreplay.ParameterBoard.create(owner, "policy", like=LIKE)
+        with pytest.raises(shmreplay.PermissionDenied, match="publisher="):
+            shmreplay.ParameterBoard.attach(owner, "policy", like=LIKE)
+
+
+def squat(sock):
+    with shmreplay.connect(sock, timeout=30) as c:
+        shmreplay.ParameterBoard.create(c, "policy", like=LIKE).publish(params(666))
 
 
 def rows_mode(daemon) -> int:

@@ -28,7 +28,6 @@ import dataclasses
 import os
 from dataclasses import dataclass
 
-from ...errors import PermissionDenied
 from ...schema import TableSpec
 from ...wire import peer
 from .config import DaemonConfig
@@ -89,12 +88,4 @@ def writer_of(spec: TableSpec, peer: Peer | None, cfg: DaemonConfig | None = Non
     uid = os.geteuid() if peer is None else peer.uid
     if have is not None and have.writer_only and (peer is None or may_administer(cfg, peer)):
         return dataclasses.replace(spec, writer_uid=have.writer_uid)
-    if not is_owner(uid):
-        # its rows are the daemon user's and group read-only: another creator
-        # could not write them (a writable descriptor passed over the socket
-        # would lift this; not built yet)
-        raise PermissionDenied(
-            f"table {spec.name!r}: only the daemon's user or root may create a table with "
-            f"writers=\"creator\" (a ParameterBoard); you are uid {uid}: ask the daemon's user to "
-            "create it, or create one any member may write")
     return dataclasses.replace(spec, writer_uid=uid)

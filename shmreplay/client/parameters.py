@@ -170,10 +170,6 @@ class ParameterBoard:
         if self._lease is None:
             self._lease = self.table.lease()
         lease = self._lease
-        if not lease.views["blob"].flags.writeable:  # rows group read-only: not its creator
-            raise PermissionDenied(f"board {self.table.name!r} is published only by its creator (uid "
-                                   f"{self.table.spec.writer_uid}) and the daemon's admins; you are uid "
-                                   f"{os.geteuid()}")
         lease.begin()
         slot, stamp = lease.run(self._write, lease, blob)
         self.table.client.flush(keep_leases=True)  # the commit applied: the item has its number
@@ -187,7 +183,12 @@ class ParameterBoard:
 
     def _write(self, lease, blob) -> tuple[int, int]:
         """Copy one version into a reserved slot and commit it; returns the
-        slot and its stamp (bumped by the reservation)."""
+        slot and its stamp (bumped by the reservation).  Run again after a
+        reconnect (``lease.run``), with the rows as mapped then."""
+        if not lease.views["blob"].flags.writeable:  # rows group read-only: not its creator
+            raise PermissionDenied(f"board {self.table.name!r} is published only by its creator (uid "
+                                   f"{self.table.spec.writer_uid}) and the daemon's admins; you are uid "
+                                   f"{os.geteuid()}")
         rid, pos, slot = lease.take(None)
         stamp = int(self.table.mapped.gens[slot])
         views = lease.views

@@ -7,12 +7,15 @@ import errno
 import mmap
 import multiprocessing
 import os
+import select
+import threading
 
 import numpy as np
 import pytest
 
 import shmreplay
 
+from faults import HANG_S
 from people import ADMIN, GROUP, MEMBER, as_user, needs_root, shared_start, users  # noqa: F401 (fixtures)
 
 pytestmark = needs_root
@@ -288,3 +291,46 @@ def test_the_write_rule_survives_a_crash_and_a_checkpoint(daemon, users, how, tm
         board = shmreplay.ParameterBoard.create(owner, "policy", like=LIKE)
         assert board.version == 3 and board.publish(params(4)) == 4
         assert as_user(users[MEMBER], read_newer, daemon.socket, 3) == (4, True)
+
+
+def publish_across_a_restart(sock, published, restarted):
+    """A member's learner with a reconnecting client: publishes, waits for
+    the daemon's SIGKILL and restart, publishes again."""
+    with shmreplay.connect(sock, timeout=30, reconnect=True) as c:
+        board = shmreplay.ParameterBoard.create(c, "mine", like=LIKE)
+        first = board.publish(params(1))
+        os.write(published, b"1")
+        assert os.read(restarted, 1) == b"1"
+        return first, board.publish(params(2)), board.table.mapped.fields["blob"].flags.writeable
+
+
+def test_a_members_board_is_its_own_again_after_the_daemon_restarts(daemon, users):
+    """The writer is part of the adopted table's definition, and the
+    member's reconnecting client gets its writable rows again when it
+    reopens the table: it publishes version 2 after the restart; another
+    member is still refused."""
+    published, restarted = os.pipe(), os.pipe()
+    out = []
+    def member():
+        try:
+            out.append(as_user(users[MEMBER], publish_across_a_restart, daemon.socket, published[1],
+                               restarted[0]))
+        except BaseException as exc:  # shown by the assert below
+            out.append(exc)
+    th = threading.Thread(target=member)
+    th.start()
+    try:
+        assert select.select([published[0]], [], [], HANG_S)[0], "the member did not publish"
+        os.read(published[0], 1)
+        daemon.crash()
+        daemon.start()
+        os.write(restarted[1], b"1")
+        th.join(HANG_S)
+    finally:
+        for fd in (*published, *restarted):
+            os.close(fd)
+    assert out == [(1, 2, True)], out
+    rows = "/dev/shm" + daemon.segment("mine", "r")
+    other = as_user(users[ADMIN], other_member_tries, daemon.socket, rows)
+    assert other["open_rw"] == "EACCES" and "only by its creator" in other["publish"], other
+    assert other["read"] == 2

@@ -334,3 +334,23 @@ def test_a_members_board_is_its_own_again_after_the_daemon_restarts(daemon, user
     other = as_user(users[ADMIN], other_member_tries, daemon.socket, rows)
     assert other["open_rw"] == "EACCES" and "only by its creator" in other["publish"], other
     assert other["read"] == 2
+
+
+def forge_writer(sock, owner_uid):
+    """A member's create that names another user (the owner) as the writer."""
+    with shmreplay.connect(sock, timeout=30) as c:
+        t = c.create_table("forged", 4, {"x": ("int64", ())}, writers="creator", writer_uid=owner_uid)
+        return t.spec.writer_uid
+
+
+def test_the_daemon_records_the_creator_whatever_the_request_says(daemon, users):
+    """The writer is the kernel's word on who asked (SO_PEERCRED): a member
+    that sends the owner's uid as ``writer_uid`` is recorded as itself; a
+    malformed rule is a SchemaError naming it."""
+    assert as_user(users[MEMBER], forge_writer, daemon.socket, os.geteuid()) == users[MEMBER][0]
+    with daemon.connect() as owner:
+        assert owner.table("forged").spec.writer_uid == users[MEMBER][0]
+        with pytest.raises(shmreplay.SchemaError, match="writers must be one of"):
+            owner.create_table("bad", 4, {"x": ("int64", ())}, writers="everyone")
+        with pytest.raises(shmreplay.SchemaError, match="writer_uid must be a uid"):
+            owner.create_table("bad", 4, {"x": ("int64", ())}, writer_uid=5)

@@ -5,8 +5,7 @@ The book keeps, for every table the daemon serves or is creating, the uid
 that created it (the kernel's word on the connection: ``access.Peer``)
 and its rows file's bytes if it is file-backed.  Tables the config
 declares, and tables adopted or restored at start (whose creator this
-daemon did not see), are the daemon's own user's, unless their definition
-records a writer (``writers="creator"``: ``writer_uid``).
+daemon did not see), are the daemon's own user's.
 
 A ``create_table`` of anyone but root and the daemon's user is refused
 (``CapacityError`` naming the limit, before anything is made) when:
@@ -55,10 +54,8 @@ class TableBook:
 
     def keep(self, spec) -> None:
         """A table brought up without a claim (the config's, adopted,
-        restored): its recorded writer's (``writers="creator"``), else the
-        daemon's own user's."""
-        who = spec.writer_uid if spec.writer_only else os.geteuid()
-        self.holders.setdefault(spec.name, (who, rows_file_bytes(spec)))
+        restored): the daemon's own user's."""
+        self.holders.setdefault(spec.name, (os.geteuid(), rows_file_bytes(spec)))
 
     def release(self, name: str) -> None:
         self.holders.pop(name, None)

@@ -110,19 +110,17 @@ class ControlServer:
         """``peer`` (an access.Peer) asks; None: the daemon itself."""
         asked = spec_from_wire(wire)
         self.aside.refuse(asked.name)
-        spec = self.cfg.place(asked)
-        existing = await self.call(self.engine.describe, spec.name)
-        if existing is not None:
-            have = spec_from_wire(existing["spec"])
+        existing = await self.call(self.engine.describe, asked.name)
+        have = None if existing is None else spec_from_wire(existing["spec"])
+        spec = writer_of(self.cfg.place(asked), peer, self.cfg, have)  # the creator: the kernel's word
+        if have is not None:
             if asked.storage_dir is None:  # not asked for a place: wherever it lives now
                 have = dataclasses.replace(have, storage_dir=spec.storage_dir)
-            spec = writer_of(spec, peer, self.cfg, have)  # the creator: the kernel's word
             if exist_ok and have == spec:
                 await self._rows_whole(spec.name)  # a client attaches to it next
                 return existing
             raise TableExists(f"table {spec.name!r} exists already"
                               + (" with a different schema" if exist_ok else ""))
-        spec = writer_of(spec, peer, self.cfg)
         if spec.name in self.creating:
             raise TableExists(f"table {spec.name!r} is being created by another client")
         self.creating.add(spec.name)  # before the next await: a second create must see it

@@ -132,8 +132,9 @@ class ReservationExpired(ReplayError):
 
 class PermissionDenied(ReplayError, PermissionError):
     """The daemon's access rules refuse this user (connect) or this
-    operation (admin operations: drop_table, checkpoint, shutdown); or an
-    inference channel is another user's (its envs run as its learner's user)."""
+    operation (admin operations: drop_table, checkpoint, shutdown; writes to
+    a table only its creator writes: ``writers="creator"``); or an inference
+    channel is another user's (its envs run as its learner's user)."""
 
     code = 15
 

@@ -22,7 +22,12 @@ SAMPLERS = ("uniform", "prioritized", "fifo", "lifo")
 REMOVERS = ("fifo", "lifo", "uniform")
 # keys of the wire/TOML form, in order; the first three are required
 SPEC_KEYS = ("name", "capacity", "fields", "sampler", "alpha", "remover", "max_times_sampled",
-             "min_size_to_sample", "samples_per_insert", "error_buffer", "storage_dir")
+             "min_size_to_sample", "samples_per_insert", "error_buffer", "storage_dir", "writers",
+             "writer_uid")
+# who may write a table's items: "any" client the daemon lets in, or only its
+# "creator" (and the daemon's admins), which the daemon enforces and records
+# as ``writer_uid`` (docs/reliability.md, section 10)
+WRITERS = ("any", "creator")
 MAX_CAPACITY = 2**32 - 1  # keys carry the slot in their low 32 bits
 # a table's rows must fit one mapping: x86-64 gives a process 2**47 bytes
 # (128 TiB) of address space, so a larger table could never be attached
@@ -46,6 +51,16 @@ class TableSpec:
     # rows in a file in this directory instead of /dev/shm (None: the
     # daemon's default; "" asks for /dev/shm even when there is a default)
     storage_dir: str | None = None
+    # "creator": only ``writer_uid`` (the creating user, filled in by the
+    # daemon whatever a client sends) and the daemon's admins may reserve,
+    # commit or update priorities, and the rows are group read-only
+    writers: str = "any"
+    writer_uid: int | None = None
+
+    @property
+    def writer_only(self) -> bool:
+        """True if the daemon lets only ``writer_uid`` and its admins write."""
+        return self.writers == "creator"
 
     @property
     def file_backed(self) -> bool:
@@ -94,6 +109,8 @@ class TableSpec:
             # only when set: a /dev/shm table's schema reads as it did before
             # file-backed tables existed (layout 4 segments and checkpoints)
             **({} if self.storage_dir is None else {"storage_dir": self.storage_dir}),
+            # likewise only when set: a table any client writes reads as before
+            **({} if self.writers == "any" else {"writers": self.writers, "writer_uid": self.writer_uid}),
         }
 
 
@@ -130,7 +147,7 @@ def _number(name, key, value, integer=False) -> float:
 
 def make_spec(name, capacity, fields, sampler="prioritized", alpha=0.6, remover="fifo",
               max_times_sampled=0, min_size_to_sample=1, samples_per_insert=None,
-              error_buffer=None, storage_dir=None) -> TableSpec:
+              error_buffer=None, storage_dir=None, writers="any", writer_uid=None) -> TableSpec:
     """Validate every part of a table definition; raise SchemaError naming the problem.
 
     Configurations the rate limiter could deadlock on are refused here, at
@@ -174,7 +191,8 @@ def make_spec(name, capacity, fields, sampler="prioritized", alpha=0.6, remover=
     except SchemaError as exc:  # name the table too: a config may define several
         raise SchemaError(f"table {name!r}: {exc}") from None
     spec = TableSpec(str(name), int(capacity), fields, str(sampler), alpha,
-                     str(remover), mts, mss, spi, eb, _storage_dir(name, storage_dir))
+                     str(remover), mts, mss, spi, eb, _storage_dir(name, storage_dir),
+                     *_writers(name, writers, writer_uid))
     _check_size(spec)
     _check_limits(spec)
     return spec
@@ -188,6 +206,16 @@ def _storage_dir(name, d) -> str | None:
                           f"characters), \"\" for /dev/shm, or None for the daemon's default; "
                           f"got {brief(d)}")
     return d.rstrip("/") or "/"
+
+
+def _writers(name, writers, uid) -> tuple[str, int | None]:
+    if not isinstance(writers, str) or writers not in WRITERS:
+        raise SchemaError(f"table {name!r}: writers must be one of {WRITERS}, got {brief(writers)}")
+    if uid is not None and (writers == "any" or isinstance(uid, bool)
+                            or not isinstance(uid, (int, np.integer)) or not 0 <= uid < 2**32):
+        raise SchemaError(f"table {name!r}: writer_uid must be a uid (0..2**32-1) and goes with "
+                          f"writers=\"creator\" only, got {brief(uid)}")
+    return writers, None if uid is None else int(uid)
 
 
 def _check_size(spec: TableSpec) -> None:

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import shmreplay
-from shmreplay.client import gather
+from shmreplay.client import parameters
 
 LIKE = {"w1": np.zeros((64, 33), np.float32), "b1": np.zeros(64, np.float32),
         "steps": np.zeros((), np.int64), "w2": np.zeros((2, 64), np.float64)}
@@ -61,16 +61,14 @@ def _publishing_on_demand(sock: str, conn) -> None:
 
 def test_a_read_torn_by_a_publish_is_read_again_never_returned(daemon, client, monkeypatch):
     """The board's promise (client/parameters.py): a reader never gets a
-    torn copy; a slot overwritten during the copy is read again.  The
-    overlap is arranged, not hoped for: the reader copies a row one field
-    at a time (``gather._take``), and right after its first field (the
-    ``version`` word, 2) it has a publisher process publish versions 3 and
-    4: with two slots and a fifo remover, 4 reuses the slot being copied
-    (its stamp moved: checked), so the rest of the copy (``blob``) comes
-    from version 4, a copy that says version 2 and holds version 4's
-    parameters.  The stamp
-    check must catch it: the read returns version 4, whole, and the board
-    counts exactly one re-read (``rereads``)."""
+    torn copy; a copy a publish overwrote is made again.  The overlap is
+    arranged, not hoped for: the reader copies version 2's bytes in two
+    halves (``parameters._copy``), and between them has a publisher
+    process publish versions 3 and 4: with two slots and a fifo remover, 4
+    reuses the slot being copied (its stamp moved: checked), so the copy
+    holds version 2's first half and version 4's second.  The stamp check
+    must catch it: the read returns version 4, whole, and the board counts
+    exactly one re-read (``rereads``)."""
     ctx = multiprocessing.get_context("fork")
     mine, theirs = ctx.Pipe()
     pub = ctx.Process(target=_publishing_on_demand, args=(daemon.socket, theirs))
@@ -81,26 +79,29 @@ def test_a_read_torn_by_a_publish_is_read_again_never_returned(daemon, client, m
             mine.send(v)
             assert mine.poll(60) and mine.recv() == v
         reader = shmreplay.ParameterBoard.attach(client, "policy", like=LIKE)
-        gens = reader.table._map.gens  # the slots' stamps, as the reader's stamp check reads them
-        copy = gather._take
+        gens = reader.table.mapped.gens  # the slots' stamps, as the reader's check reads them
+        copy = parameters._copy
         torn = []
 
-        def publish_mid_copy(src, slots, dst):
-            copy(src, slots, dst)
+        def publish_mid_copy(dst, src):
             if torn:
-                return  # once: the re-read copies undisturbed
-            assert dst.ndim == 1, "the first field copied is not a scalar: blob would be whole"
-            slot, stamp = int(slots[0]), int(gens[slots[0]])
+                return copy(dst, src)  # once: the re-read copies undisturbed
+            half = dst.shape[0] // 2
+            copy(dst[:half], src[:half])
+            slot = int(np.flatnonzero(reader.table.mapped.seqno == 2)[0])
+            stamp = int(gens[slot])
             for v in (3, 4):  # slots=2, fifo: the second publish reuses the slot being copied
                 mine.send(v)
                 assert mine.poll(60) and mine.recv() == v
             assert int(gens[slot]) != stamp, "the publishes did not reuse the slot being copied"
-            torn.append(int(dst[0]))
+            copy(dst[half:], src[half:])
+            # w1 leads the blob, w2 ends it: their first and last values
+            torn.append((float(dst[:4].view(np.float32)[0]), float(dst[-8:].view(np.float64)[0])))
 
-        monkeypatch.setattr(gather, "_take", publish_mid_copy)
+        monkeypatch.setattr(parameters, "_copy", publish_mid_copy)
         v, arrays = reader.latest(newer_than=0)
         monkeypatch.undo()
-        assert torn == [2], torn  # the copy began with version 2's first field
+        assert torn == [(2.0, 4.0)], torn  # the copy: version 2's first half, version 4's second
         assert v == 4 and all((a == 4).all() for a in arrays.values()), (v, arrays)
         assert reader.rereads == 1
     finally:

@@ -34,6 +34,8 @@ happens in the daemon, so it costs no CPU here (``pipe.in_slices``).
 
 from __future__ import annotations
 
+import os
+
 from ..errors import DaemonUnavailable, ReplayError
 from ..schema import make_spec
 from ..wire.names import client_socket_path
@@ -135,7 +137,8 @@ class Client:
         min_size_to_sample, samples_per_insert, error_buffer (schema.make_spec
         says what each means and which combinations are refused), and
         storage_dir (rows in a file there: a directory the daemon's config
-        allows; "" for /dev/shm; unset: the daemon's default).
+        allows; "" for /dev/shm; unset: the daemon's default), and writers
+        ("creator": only this user and the daemon's admins may write it).
         ``exist_ok`` returns an existing table with the same definition."""
         spec = make_spec(name, capacity, fields, sampler, alpha, **limits)
         desc = self._session.request("create_table", spec=spec.to_wire(), exist_ok=bool(exist_ok))["table"]
@@ -163,6 +166,8 @@ class Client:
     def _adopt(self, desc: dict) -> Table:
         t = self._tables.get(desc["spec"]["name"])
         if t is not None and t.id == desc["id"]:
+            if desc.get("rows_fd") is not None:  # mapped already
+                os.close(desc["rows_fd"])
             return t
         t = (ReconnectingTable if self.reconnect else Table)(self, self._session, desc)
         self._tables[t.name] = t

@@ -80,7 +80,7 @@ class ControlLink:
                 self.conn.receive(data)
                 msg = self.conn.result(rid)
                 if msg is not None:
-                    return msg
+                    return self._rows_passed(op, msg)
                 if self.conn.bye is not None:
                     raise self.conn.bye
         except ReplayError:  # the daemon's word (some are OSErrors too: ShmFull)
@@ -90,6 +90,22 @@ class ControlLink:
         except OSError as exc:  # a broken pipe, a reset: never a raw OSError
             self._read_bye()  # a refused connection is closed with a reason; raise that
             raise DaemonUnavailable(f"daemon at {self.path} went away: {exc}") from None
+
+    def _rows_passed(self, op: str, msg: dict) -> dict:
+        """A create or open of a table only its creator writes, by its
+        creator (not the daemon's user): the daemon passed a writable
+        descriptor of its rows, which goes into the table's description
+        (``rows_fd``: the table's to map and close).  Descriptors with any
+        other reply but hello's are closed."""
+        if op == "hello" or not self.fds:
+            return msg
+        fds, self.fds = self.fds, []
+        if msg.get("fds") == ["rows"] and len(fds) == 1 and isinstance(msg.get("table"), dict):
+            msg["table"]["rows_fd"] = fds[0]
+            return msg
+        for fd in fds:
+            os.close(fd)
+        raise ProtocolError(f"the daemon passed {len(fds)} descriptors with its {op!r} reply")
 
     def _recv(self) -> bytes:
         """Read bytes and any descriptors the daemon attached to them."""

@@ -62,7 +62,7 @@ class Table:
 
     def _bind(self, desc: dict) -> None:
         self.id = int(desc["id"])
-        old, self._map = self._map, TableMap.attach(desc["segment"], self.spec)
+        old, self._map = self._map, TableMap.attach(desc["segment"], self.spec, desc.get("rows_fd"))
         if old is not None:
             old.release()  # arrays handed out keep their mapping alive
         self._views = self._map.fields
@@ -116,10 +116,10 @@ class Table:
     def __reduce__(self):
         return (_reopen, (self._client, self.name))
 
-    @property
-    def client(self):
-        """The ``Client`` this handle belongs to."""
-        return self._client
+    client = property(lambda self: self._client, doc="The ``Client`` this handle belongs to.")
+    # the segments as mapped now (anew at a reconnect): marks (``state``, ``gens``, ``seqno``; read only)
+    # and rows, for a reader that copies rows and checks the stamps itself (``ParameterBoard``)
+    mapped = property(lambda self: self._map)
 
     def __len__(self) -> int:
         return self._words.size

@@ -40,7 +40,8 @@ import msgpack
 
 from ..errors import ProtocolError, ReplayError, error_from_name
 
-PROTOCOL_VERSION = 4  # 2: checkpoint and shutdown ops; access control; 3: channel passed as fds; 4: sync op
+PROTOCOL_VERSION = 5  # 2: checkpoint and shutdown ops; access control; 3: channel passed as fds; 4: sync op;
+# 5: writers="creator" tables (spec keys writers, writer_uid; their rows passed as fds)
 MAX_FRAME = 1 << 20
 # an error message may quote what the peer sent; cut it here so that the
 # reply fits a frame whatever the request held (it could not be sent else)

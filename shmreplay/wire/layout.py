@@ -9,8 +9,9 @@ cannot be written by the clients it decides for:
   write bit) and every client maps it ``PROT_READ``.
 * the **rows** segment ``shmreplay.<instance>.r.<table>``: a small header
   and the field rows.  Clients write the rows of slots they reserved and
-  read the rest; the daemon never touches it through a mapping once the
-  table is served (checkpoints read it with ``pread``), so a client that
+  read the rest (a table only its creator writes, ``writers="creator"``:
+  group read-only, so other users map it read-only); the daemon never
+  touches it through a mapping once the table is served (checkpoints read it with ``pread``), so a client that
   truncates it cannot make the daemon fault.
 
 ``TableMap`` maps both as numpy views; ``LiveWords`` reads and writes the
@@ -72,6 +73,7 @@ from ..schema import TableSpec
 from .headers import (HEADER, LAYOUT_VERSION, LIVE_OFF, MAGIC, PAGE, ROWS_HEADER, ROWS_MAGIC, ROWS_OFF,
                       SCHEMA_OFF, decode_schema, meta_header, same_table, schema_span)
 from .livewords import LIVE_WORDS, LiveWords
+from .names import SHM_DIR
 from .peer import process_start
 from .rowfile import rows_location
 from .segment import Segment
@@ -222,7 +224,7 @@ class TableMap:
         """Daemon: give the segments their final modes.  The meta segment
         never gets a group or other write bit, whatever ``mode`` says."""
         self.meta.set_mode(meta_mode(mode), gid)
-        self.rows.set_mode(mode, gid)
+        self.rows.set_mode(rows_mode(self.spec, mode), gid)
 
     @classmethod
     def adopt(cls, name: str, mode: int, gid: int = -1, check_spec=None) -> "TableMap":
@@ -237,22 +239,36 @@ class TableMap:
                 check_spec(spec)
             kind, where = rows_location(name, spec)
             # the rows' size is the layout's, whatever a client did to it
-            rows = kind.open_owned(where, mode, gid, size=TableLayout(spec).rows_size)
+            rows = kind.open_owned(where, rows_mode(spec, mode), gid, size=TableLayout(spec).rows_size)
         except BaseException:
             meta.close()
             raise
         return cls._checked(meta, rows)
 
     @classmethod
-    def attach(cls, name: str, expected: TableSpec | None = None) -> "TableMap":
-        """Client: the meta segment read-only, the rows read-write."""
-        meta = Segment.attach(name, None if expected is None else TableLayout(expected).size,
-                              read_only=True)
+    def attach(cls, name: str, expected: TableSpec | None = None, rows_fd: int | None = None) -> "TableMap":
+        """Client: the meta segment read-only, the rows read-write, or
+        read-only if the table is written only by its creator
+        (``writers="creator"``: rows group read-only) and this user may not
+        open them for writing.  ``rows_fd``: a writable descriptor of the
+        rows the daemon passed (taken: closed once mapped)."""
+        try:
+            meta = Segment.attach(name, None if expected is None else TableLayout(expected).size,
+                                  read_only=True)
+        except BaseException:
+            if rows_fd is not None:
+                os.close(rows_fd)
+            raise
         try:
             spec = read_spec(meta)
             kind, where = rows_location(name, spec)
-            rows = kind.attach(where, map_size=TableLayout(spec).rows_size)
+            path = where if kind is not Segment else SHM_DIR + where
+            read_only = rows_fd is None and spec.writer_only and not os.access(path, os.W_OK)
+            rows_fd, fd = None, rows_fd
+            rows = kind.attach(where, map_size=TableLayout(spec).rows_size, read_only=read_only, fd=fd)
         except BaseException:
+            if rows_fd is not None:
+                os.close(rows_fd)
             meta.close()
             raise
         return cls._checked(meta, rows, expected)
@@ -301,6 +317,13 @@ class TableMap:
 def meta_mode(mode: int) -> int:
     """The meta segment's mode: ``mode`` without group or other write."""
     return (mode & ~0o022) | 0o600
+
+
+def rows_mode(spec: TableSpec, mode: int) -> int:
+    """The rows' mode: ``mode``, or the meta segment's (no group or other
+    write) for a table only its creator writes: other users map its rows
+    read-only, so none can put values under its writer's items."""
+    return meta_mode(mode) if spec.writer_only else mode
 
 
 def read_spec(seg: Segment) -> TableSpec:

@@ -96,12 +96,12 @@ class RowFile(Segment):
 
     @classmethod
     def attach(cls, path: str, expected_size: int | None = None,
-               read_only: bool = False, map_size: int | None = None) -> "RowFile":
-        """A client's mapping of the rows file (``map_size``: as for
+               read_only: bool = False, map_size: int | None = None, fd: int | None = None) -> "RowFile":
+        """A client's mapping of the rows file (``map_size``, ``fd``: as for
         ``Segment.attach``)."""
         flags = (os.O_RDONLY if read_only else os.O_RDWR) | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
         try:
-            fd = os.open(path, flags)
+            fd = os.open(path, flags) if fd is None else fd
         except FileNotFoundError:
             raise LayoutError(f"rows file {path} does not exist") from None
         except PermissionError:

@@ -107,22 +107,25 @@ class Segment:
 
     @classmethod
     def attach(cls, name: str, expected_size: int | None = None,
-               read_only: bool = False, map_size: int | None = None) -> "Segment":
+               read_only: bool = False, map_size: int | None = None, fd: int | None = None) -> "Segment":
         """A client's mapping (``read_only``: PROT_READ, of an object it may
         only read).  ``map_size``: map exactly that many bytes of an object
         at least that large (a rows object, whose size any writer could
-        change: bytes past the table's are none of ours).  The descriptor is
-        closed once mapped."""
+        change: bytes past the table's are none of ours).  ``fd``: the
+        object's descriptor, passed by the daemon, instead of its name.  The
+        descriptor is closed once mapped."""
+        if fd is None:
+            try:
+                shm = posix_ipc.SharedMemory(name, read_only=read_only)
+            except posix_ipc.ExistentialError as exc:
+                raise LayoutError(f"shared-memory segment {name} does not exist") from exc
+            fd = shm.fd
         try:
-            shm = posix_ipc.SharedMemory(name, read_only=read_only)
-        except posix_ipc.ExistentialError as exc:
-            raise LayoutError(f"shared-memory segment {name} does not exist") from exc
-        try:
-            size = check_size(name, shm.size, expected_size, map_size)
-            mm = mmap.mmap(shm.fd, size, prot=mmap.PROT_READ if read_only else
+            size = check_size(name, os.fstat(fd).st_size, expected_size, map_size)
+            mm = mmap.mmap(fd, size, prot=mmap.PROT_READ if read_only else
                            mmap.PROT_READ | mmap.PROT_WRITE)
         finally:
-            shm.close_fd()
+            os.close(fd)
         advise_huge_pages(mm)
         try:
             prefault(mm, write=False)

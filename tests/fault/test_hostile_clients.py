@@ -154,17 +154,36 @@ def innocent(sock, stop, out):
         out.append(exc)
 
 
+BOARD = {"w": np.zeros((16, 8), np.float32), "n": np.zeros((), np.int64)}
+
+
+def board_params(v) -> dict:
+    return {k: np.full(a.shape, v, a.dtype) for k, a in BOARD.items()}
+
+
+def read_board(sock):
+    """A fresh reader of the owner's board: (version, whether every value
+    is the learner's for that version)."""
+    with shmreplay.connect(sock, timeout=60) as c:
+        v, got = shmreplay.ParameterBoard.attach(c, "policy", like=BOARD).latest()
+        return v, all((got[k] == v).all() for k in BOARD)
+
+
 def test_random_scribble_by_a_member_changes_no_metadata_and_loses_no_item(daemon, users):
     """Issue 12, and issue 21 item 9: the scribble covers every rows object
     and rows file from their first byte (the header no longer decides
     anything); after it, and after a SIGKILL and a restart, every table is
     served with every item (rows damaged where they were written, nothing
-    else)."""
+    else).  Issue 34 item 7: a board's rows are out of the member's reach,
+    and every reader gets the learner's versions and values."""
     with daemon.connect() as owner:
         owner.table("still").insert_batch(rows(np.arange(3000)))
         owner.table("victim").insert_batch(rows(np.arange(1000)))
         owner.table("ondisk").insert_batch(rows(np.arange(300)))
         owner.flush()
+        board = shmreplay.ParameterBoard.create(owner, "policy", like=BOARD)  # issue 34 item 7
+        for v in range(1, 6):
+            board.publish(board_params(v))
         before = meta_bytes(daemon.instance, "still")
         stop, out = threading.Event(), []
         th = threading.Thread(target=innocent, args=(daemon.socket, stop, out), daemon=True)
@@ -190,12 +209,18 @@ def test_random_scribble_by_a_member_changes_no_metadata_and_loses_no_item(daemo
         owner.flush()
         assert len(owner.table("still")) == 3100
         sizes = {name: len(owner.table(name)) for name in ("victim", "still", "shared", "ondisk")}
+        # a board's rows were out of the member's reach: every reader gets the learner's versions
+        assert any(".r.policy" in p for p in refused) and not any(".r.policy" in p for p in wrote)
+        assert board.publish(board_params(6)) == 6
+        assert as_user(users[MEMBER], read_board, daemon.socket) == (6, True)
+        assert read_board(daemon.socket) == (6, True)
     daemon.crash()
     daemon.start()  # adopts every table: no byte a member wrote decides whether it can
     with daemon.connect() as owner:
         assert owner.stats()["set_aside"] == {}
         assert {name: len(owner.table(name)) for name in sizes} == sizes
         assert len(owner.table("still").sample(64)) == 64  # rows scribbled, the table served
+        assert as_user(users[MEMBER], read_board, daemon.socket) == (6, True)  # adopted whole
 
 
 def truncate(path):

@@ -8,7 +8,10 @@ else.  The rules (config keys in ``[daemon]``):
 * connect: root, the daemon's own user, a user in ``allowed_users``, or a
   member (primary or supplementary) of a group in ``allowed_groups``;
 * admin operations (``protocol.ADMIN_OPS``: drop_table, checkpoint,
-  shutdown): root, the daemon's own user, or a member of ``admin_group``.
+  shutdown): root, the daemon's own user, or a member of ``admin_group``;
+* writing a table made with ``writers="creator"`` (a ParameterBoard): its
+  creator (``writer_uid``, recorded here at create) and the admins above
+  (the engine enforces it: ``engine/commands.py``).
 
 The file modes back this up: the socket and every segment are mode
 ``segment_mode`` (0660) and owned by the config's ``group``, so a user the
@@ -23,10 +26,12 @@ socket (scrapes.py: ``may_connect`` reads only ``allowed_uids`` and
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from ...schema import TableSpec
 from ...wire import peer
 
 if TYPE_CHECKING:  # the metrics process (scrapes.py) uses the rules without the config's imports (numba)
@@ -75,3 +80,17 @@ def may_connect(cfg: DaemonConfig, peer: Peer) -> bool:
 
 def may_administer(cfg: DaemonConfig, peer: Peer) -> bool:
     return is_owner(peer.uid) or (cfg.admin_gid is not None and cfg.admin_gid in peer.groups)
+
+
+def writer_of(spec: TableSpec, peer: Peer | None, cfg: DaemonConfig | None = None,
+              have: TableSpec | None = None) -> TableSpec:
+    """``spec`` as ``peer`` (None: the daemon) asks to create it, with its
+    writer recorded: the kernel's word on the creator, whatever the client
+    sent.  ``have``: the table of that name already served, whose writer an
+    admin's ``exist_ok`` create keeps (an admin may write it too)."""
+    if not spec.writer_only:
+        return spec
+    uid = os.geteuid() if peer is None else peer.uid
+    if have is not None and have.writer_only and (peer is None or may_administer(cfg, peer)):
+        return dataclasses.replace(spec, writer_uid=have.writer_uid)
+    return dataclasses.replace(spec, writer_uid=uid)

@@ -229,6 +229,8 @@ def parse_config(doc: dict, where: str = "config") -> DaemonConfig:
         if spec.storage_dir:  # the config's author may put a table anywhere
             cfg.storage_dirs.add(spec.storage_dir)
         spec = cfg.place(spec)
+        if spec.writer_only and spec.writer_uid is None:  # the config's tables are the daemon's user's
+            spec = dataclasses.replace(spec, writer_uid=os.geteuid())
         if spec.name in names:
             raise SchemaError(f"{where}: table {spec.name!r} is declared twice")
         names.add(spec.name)

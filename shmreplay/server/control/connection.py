@@ -128,17 +128,20 @@ class ControlConnection(asyncio.Protocol):
                 frame = protocol.reply_ok(rid, **(result or {}))
             except ReplayError as exc:
                 frame = protocol.reply_error(rid, exc)
+                unpass(self, msg["op"])
             except Exception as exc:  # a bug must not take the daemon down
                 log.exception("connection %d: %s failed", self.cid, msg.get("op"))
                 frame = protocol.reply_error(rid, ReplayError(f"internal error: {exc}"))
+                unpass(self, msg["op"])
             if self.transport.is_closing():
+                unpass(self, msg["op"])
                 return
-            if self.passing and msg["op"] == "hello":
+            if self.passing:
                 try:
-                    self._send_with_fds(frame)
+                    self._send_with_fds(frame, msg["op"] == "hello")
                 except (OSError, ProtocolError) as exc:
-                    log.warning("connection %d: could not hand over its channel: %s", self.cid, exc)
-                    self.kick(ProtocolError(f"could not hand over the channel: {exc}"))
+                    log.warning("connection %d: could not pass its descriptors: %s", self.cid, exc)
+                    self.kick(ProtocolError(f"could not pass the descriptors: {exc}"))
                     return
             else:
                 self.transport.write(frame)
@@ -166,10 +169,10 @@ class ControlConnection(asyncio.Protocol):
         await self._ready()
 
     async def _on_create_table(self, msg: dict) -> dict:
-        return {"table": await self.srv.create_table(msg["spec"], msg["exist_ok"], self.peer)}
+        return await with_rows(self, await self.srv.create_table(msg["spec"], msg["exist_ok"], self.peer))
 
     async def _on_open_table(self, msg: dict) -> dict:
-        return {"table": await self.srv.open_table(check_table_name(msg["name"]))}
+        return await with_rows(self, await self.srv.open_table(check_table_name(msg["name"])))
 
     async def _on_drop_table(self, msg: dict) -> None:
         await self.srv.drop_table(msg["name"])
@@ -235,20 +238,27 @@ class ControlConnection(asyncio.Protocol):
         await self.srv.call(self.srv.engine.add_client, cl)
         log.debug("client %d (pid %d) attached", self.cid, self.peer.pid)
 
-    def _send_with_fds(self, frame: bytes) -> None:
-        """Write the hello reply with the channel and doorbells attached
-        (SCM_RIGHTS), then close our copy of the channel's descriptor.  The
-        transport has nothing queued yet (hello is the first reply), so
-        writing on the socket itself keeps the stream in order."""
+    def _send_with_fds(self, frame: bytes, hello: bool) -> None:
+        """Write a reply with descriptors attached (SCM_RIGHTS): the hello
+        reply's channel and doorbells (then close our copy of the channel's
+        descriptor), or a table's writable rows (``with_rows``: then close
+        that).  The transport has nothing queued (the client waits for each
+        reply), so writing on the socket itself keeps the stream in order."""
         fds, self.passing = self.passing, []
-        if self.transport.get_write_buffer_size():
-            raise ProtocolError("hello reply would overtake queued bytes")
-        sock = socket.socket(fileno=os.dup(self.transport.get_extra_info("socket").fileno()))
         try:
-            sent = sock.sendmsg([frame], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))])
+            if self.transport.get_write_buffer_size():
+                raise ProtocolError("a reply with descriptors would overtake queued bytes")
+            sock = socket.socket(fileno=os.dup(self.transport.get_extra_info("socket").fileno()))
+            try:
+                sent = sock.sendmsg([frame], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))])
+            finally:
+                sock.close()
         finally:
-            sock.close()
-            self.channel.handed_over()
+            if hello:
+                self.channel.handed_over()
+            else:
+                for fd in fds:
+                    os.close(fd)
         if sent < len(frame):
             self.transport.write(frame[sent:])
 
@@ -267,6 +277,38 @@ class ControlConnection(asyncio.Protocol):
         self.worker = self.channel = None
         self.srv.gate.left(self)
         log.debug("connection %d closed", self.cid)
+
+
+async def with_rows(conn: ControlConnection, desc: dict) -> dict:
+    """The reply to a create or open.  A table only its creator writes
+    (``writers="creator"``) has rows the group may only read: its
+    creator, or an admin, who is not the daemon's user gets a writable
+    descriptor of them with the reply (SCM_RIGHTS), so no name of them
+    is writable by anyone else.  A new open file description (reopened
+    through /proc), so nothing the client sets on it (``fcntl``) reaches
+    the daemon's own."""
+    uid = desc["spec"].get("writer_uid")
+    if uid is None or access.is_owner(conn.peer.uid) or not (
+            uid == conn.peer.uid or access.may_administer(conn.srv.cfg, conn.peer)):
+        return {"table": desc}
+    table = await conn.srv.call(conn.srv.engine.table_named, desc["spec"]["name"])
+    try:
+        fd = os.open(f"/proc/self/fd/{table.map.rows.fd}", os.O_RDWR | os.O_CLOEXEC)
+    except (OSError, TypeError) as exc:  # out of descriptors; the table dropped meanwhile
+        raise CapacityError(f"the daemon cannot pass the rows of table {desc['spec']['name']!r} "
+                            f"now ({exc}); try again") from None
+    conn.passing.append(fd)
+    return {"table": desc, "fds": ["rows"]}
+
+
+def unpass(conn: ControlConnection, op: str) -> None:
+    """A reply that will not carry the rows descriptor it made (an
+    error, a closing connection): close it.  Hello's are the channel's,
+    which ``ControlConnection._end_lease`` closes."""
+    if op != "hello":
+        for fd in conn.passing:
+            os.close(fd)
+        conn.passing = []
 
 
 def _names(msg: dict, op: str) -> list:

@@ -37,7 +37,7 @@ from ..tables.table import Table
 from . import recovery, seen
 from .aside import SetAside
 from .checkpoints import Checkpoints
-from .access import may_administer
+from .access import may_administer, writer_of
 from .config import DaemonConfig
 from .connection import ControlConnection
 from .descriptors import PER_TABLE
@@ -110,10 +110,10 @@ class ControlServer:
         """``peer`` (an access.Peer) asks; None: the daemon itself."""
         asked = spec_from_wire(wire)
         self.aside.refuse(asked.name)
-        spec = self.cfg.place(asked)
-        existing = await self.call(self.engine.describe, spec.name)
-        if existing is not None:
-            have = spec_from_wire(existing["spec"])
+        existing = await self.call(self.engine.describe, asked.name)
+        have = None if existing is None else spec_from_wire(existing["spec"])
+        spec = writer_of(self.cfg.place(asked), peer, self.cfg, have)  # the creator: the kernel's word
+        if have is not None:
             if asked.storage_dir is None:  # not asked for a place: wherever it lives now
                 have = dataclasses.replace(have, storage_dir=spec.storage_dir)
             if exist_ok and have == spec:

@@ -25,7 +25,7 @@ from __future__ import annotations
 import logging
 import time
 
-from ...errors import ProtocolError, ReplayError, UnknownTable
+from ...errors import PermissionDenied, ProtocolError, ReplayError, UnknownTable
 from ...wire import records as R
 from ..tables.counters import Blocked
 from .outbox import ClientState
@@ -108,6 +108,8 @@ class Commands:
         else:
             n, wait_us, beta, protect = R.read_sample(rec)
         table = self.table(tid)
+        if op == R.RESERVE:
+            _may_write(cl, table)
         cl.uses[tid] = cl.uses.get(tid, 0) | (USES_WRITE if op == R.RESERVE else USES_SAMPLE)
         w = Waiter(cl, op, seq, n, beta, _deadline(wait_us), protect)
         if self.parking.queued(tid, op):  # keep the order behind a parked one
@@ -127,7 +129,9 @@ class Commands:
         self.table(tid).release(cl.id, R.read_release(rec))
 
     def _on_update(self, cl, rec, pay, op, tid, seq) -> None:
-        self.table(tid).update_priorities(*R.read_update(rec, pay))
+        table = self.table(tid)
+        _may_write(cl, table)
+        table.update_priorities(*R.read_update(rec, pay))
 
     def _on_flush(self, cl, rec, pay, op, tid, seq) -> None:  # every earlier record is applied
         cl.respond(R.flush_reply(seq))
@@ -183,6 +187,18 @@ class Commands:
         Returns the clients to cut off."""
         gone = UnknownTable(f"table {name!r} was dropped")
         return self.answer([(w, gone) for w in self.parking.drop_table(table_id)])
+
+
+def _may_write(cl: ClientState, table) -> None:
+    """A table whose definition says ``writers="creator"`` takes RESERVEs
+    (so commits) and priority updates only from its writer's uid and the
+    daemon's admins (``cl.user`` None: root, the daemon's user, the admin
+    group); an ordinary table pays one attribute look."""
+    uid = table.spec.writer_uid
+    if uid is not None and cl.user is not None and cl.user != uid:
+        raise PermissionDenied(
+            f"table {table.spec.name!r} is written only by its creator (uid {uid}) and the daemon's "
+            f"admins (writers=\"creator\"); you are uid {cl.user}: read it, or write your own table")
 
 
 def _as_protocol_error(w: Waiter, exc: BaseException) -> ProtocolError:

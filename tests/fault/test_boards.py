@@ -330,6 +330,8 @@ def test_a_members_board_is_its_own_again_after_the_daemon_restarts(daemon, user
         for fd in (*published, *restarted):
             os.close(fd)
     assert out == [(1, 2, True)], out
+    with daemon.connect() as owner:  # still the member's table, counted against its limits
+        assert owner.stats()["creators"][str(users[MEMBER][0])]["tables"] == 1
     rows = "/dev/shm" + daemon.segment("mine", "r")
     other = as_user(users[ADMIN], other_member_tries, daemon.socket, rows)
     assert other["open_rw"] == "EACCES" and "only by its creator" in other["publish"], other

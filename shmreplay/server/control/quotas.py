@@ -5,7 +5,8 @@ The book keeps, for every table the daemon serves or is creating, the uid
 that created it (the kernel's word on the connection: ``access.Peer``)
 and its rows file's bytes if it is file-backed.  Tables the config
 declares, and tables adopted or restored at start (whose creator this
-daemon did not see), are the daemon's own user's.
+daemon did not see), are the daemon's own user's, except a table only its
+creator writes (``writers="creator"``), whose definition names it.
 
 A ``create_table`` of anyone but root and the daemon's user is refused
 (``CapacityError`` naming the limit, before anything is made) when:
@@ -79,8 +80,18 @@ class TableBook:
 
     def keep(self, spec) -> None:
         """A table brought up without a claim (the config's, adopted,
-        restored): the daemon's own user's."""
-        self.holders.setdefault(spec.name, (os.geteuid(), rows_file_bytes(spec), None, True))
+        restored): the daemon's own user's, unless its definition names its
+        creator (``writers="creator"``: ``writer_uid``, the kernel's word at
+        its create), whose table it stays, counted against its limits and
+        share as at the create (never refused here: it exists already)."""
+        uid = spec.writer_uid if spec.writer_uid is not None else os.geteuid()
+        fs = None
+        if spec.file_backed and not is_owner(uid):
+            try:
+                fs = filesystem(spec.storage_dir)
+            except (OSError, PermissionDenied):  # counted as on no filesystem: it is up already
+                pass
+        self.holders.setdefault(spec.name, (uid, rows_file_bytes(spec), fs and fs[0], is_owner(uid)))
 
     def release(self, name: str) -> None:
         self.holders.pop(name, None)

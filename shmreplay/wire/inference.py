@@ -1,18 +1,25 @@
-"""The inference channel's bytes: one segment, its name, its slot words and bells.
+"""The inference channel's bytes: one sealed memfd, its address, its slot words and bells.
 
 An inference channel (``client/inference.py``; docs/protocol.md,
-"Inference channel") is one POSIX shared-memory segment, made by the
-learner process (the server) with O_CREX and mode 0600 under
-``/<prefix>.<token>`` (``channel_name``; the token is 16 random hex
-digits), complete before anything else can see it.  That name is its
-address, and the only name it has: the bells are words of the segment
-(``wire/futex.py``), so there is no other name anyone could take first.
+"Inference channel") is one memfd the learner process (the server) makes
+(``create_channel``): sized, reserved and sealed against shrinking and
+growing (``F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL``) before it is
+mapped, so no process, the server's own user included, can ever truncate
+it under a mapping (a SIGBUS).  It has no name in /dev/shm, nor anywhere
+else: its address is the server's descriptor of it,
+``/proc/<server pid>/fd/<fd>#<token>`` (``address``), which the kernel lets
+only processes that may read the server's memory open (its own user, or
+root); the token, 16 random hex digits, is also header word 13, so an env
+tells the channel from whatever object that descriptor number holds later
+(``open_channel`` refuses it unmapped).  The bells are words of the
+channel (``wire/futex.py``).
 
 The segment (every offset a multiple of 64, ``Layout``)::
 
     0      header, 16 x uint64: MAGIC, VERSION, server pid, server start
            time, OPEN/CLOSED, slots, segment size, schema length, the
-           offsets and strides of the three areas below; word 15 the
+           offsets and strides of the three areas below; word 13 the
+           address's token, word 14 zero; word 15 the
            doorbell: 1 while the server sleeps on it (an env that posts
            swaps it to 0 and wakes the server)
     128    schema: JSON {"request": [[name, dtype, shape], ...], "response": [...]}
@@ -38,30 +45,31 @@ bells; the atomics over the words (``cas``, ``pause``, loads, stores) are
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import json
 import mmap
 import os
 import pwd
 import re
 import secrets
+import stat
 from dataclasses import dataclass
 
 import numpy as np
-import posix_ipc
 
-from ..errors import FieldError, InferenceClosed, LayoutError, PermissionDenied
+from ..errors import FieldError, InferenceClosed, LayoutError, PermissionDenied, ShmFull
 from ..fields import Field, cannot_store, parse_fields, unconvertible
 from . import futex
 from .atomics import cas, store
-from .names import SHM_DIR
-from .segment import check_owned, unlink_quiet
+from .segment import prefault
 
 MAGIC = int.from_bytes(b"SHMRINF\x01", "little")
-VERSION = 2  # 2: the bells are futex words of the segment (1 had named semaphores)
+VERSION = 3  # 3: a sealed memfd reached through the server's descriptor (2: a /dev/shm name; 1 had semaphores)
 HEADER_BYTES, LINE = 128, 64
 # header words
 H_MAGIC, H_VERSION, H_PID, H_START, H_STATE, H_SLOTS, H_SIZE, H_SCHEMA = range(8)
-H_CTRL, H_REQ, H_REQ_STRIDE, H_RESP, H_RESP_STRIDE = range(8, 13)
+H_CTRL, H_REQ, H_REQ_STRIDE, H_RESP, H_RESP_STRIDE, H_TOKEN = range(8, 14)
 H_SLEEPING = 15  # the doorbell: the server sets it (then looks once more) before it sleeps on it
 OPEN, CLOSED = 1, 2
 # a slot's control line: its state word (its reply bell), its env's start time, its env sleeps
@@ -72,9 +80,11 @@ CODES = frozenset((ATTACHING, IDLE, POSTED, TAKEN, DONE))
 CHECK_S = 0.05     # the longest sleep between two looks at whether the other side lives
 PID_MAX = 1 << 22  # the kernel's largest pid_max
 MAX_SLOTS = 1024
-MAX_PREFIX = 200   # the segment's name is <prefix>.<token>: within NAME_MAX
+MAX_PREFIX = 200   # a memfd's name: at most 249 bytes
+DEFAULT_LABEL = "shmreplay.inf"
+SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW  # what an env requires: the size cannot change
 _PREFIX = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*")
-_ADDRESS = re.compile(r"/[A-Za-z0-9_][A-Za-z0-9_.-]*\.[0-9a-f]{16}")
+_ADDRESS = re.compile(r"/proc/([1-9][0-9]{0,6})/fd/([0-9]{1,9})#([0-9a-f]{16})")
 
 
 def word(pid: int, code: int) -> int:
@@ -88,44 +98,75 @@ def parse(w: int) -> tuple[int, int] | None:
     return (pid, code) if 0 < pid < PID_MAX and code in CODES else None
 
 
-def default_prefix() -> str:
-    """``shmreplay.inf.<pid>``: ``shmreplay cleanup`` reads the pid from such a
-    name (``wire/names.py`` ``pid_in_name``) and removes what a dead learner left."""
-    return f"shmreplay.inf.{os.getpid()}"
-
-
-def channel_name(prefix: str | None) -> str:
-    """A new channel's segment name: ``/<prefix>.<16 random hex digits>``."""
-    prefix = default_prefix() if prefix is None else prefix
+def channel_label(prefix: str | None) -> str:
+    """A new channel's memfd name (``DEFAULT_LABEL`` for None): only a label
+    in /proc/<pid>/maps and fd links, which nobody can open it by."""
+    prefix = DEFAULT_LABEL if prefix is None else prefix
     if not isinstance(prefix, str) or len(prefix) > MAX_PREFIX or not _PREFIX.fullmatch(prefix):
         raise ValueError(f"prefix {prefix!r}: use at most {MAX_PREFIX} letters, digits, '_', '.' "
                          "or '-' (no '/'), e.g. 'shmreplay.inf.myrun'")
-    return f"/{prefix}.{secrets.token_hex(8)}"
+    return prefix
 
 
-def check_address(address) -> str:
-    if not isinstance(address, str) or len(address) > MAX_PREFIX + 18 or not _ADDRESS.fullmatch(address):
-        raise ValueError(f"{address!r} is not an inference channel's address: pass the "
-                         "InferenceServer's .address (a str such as '/shmreplay.inf.123.<token>')")
-    return address
+def new_token() -> int:
+    """The address's token: 64 random bits, never 0 (a word nobody set)."""
+    return secrets.randbits(64) or 1
 
 
-def unlink_made(made: list, pid: int) -> None:
-    """Unlink the segment named in ``made`` (what a server created: never
-    another's) and forget it; only in process ``pid`` (a forked child's
-    exit must not unlink its parent's channel)."""
+def address(pid: int, fd: int, token: int) -> str:
+    return f"/proc/{pid}/fd/{fd}#{token:016x}"
+
+
+def check_address(addr) -> tuple[int, int, int]:
+    """(server pid, descriptor, token) of an address; ValueError if it is none."""
+    m = _ADDRESS.fullmatch(addr) if isinstance(addr, str) else None
+    if m is None:
+        raise ValueError(f"{addr!r} is not an inference channel's address: pass the InferenceServer's "
+                         ".address (a str such as '/proc/123/fd/7#<16 hex digits>')")
+    return int(m[1]), int(m[2]), int(m[3], 16)
+
+
+def create_channel(label: str, size: int) -> tuple[int, mmap.mmap]:
+    """(descriptor, mapping) of a new channel of ``size`` bytes: a memfd of
+    this user, mode 0600, its pages reserved, sealed so that its size can
+    never change (nor its seals) before it is mapped, then populated."""
+    fd = os.memfd_create(label, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    try:
+        os.fchmod(fd, 0o600)
+        try:
+            os.posix_fallocate(fd, 0, size)  # all pages now, or ENOSPC/ENOMEM now, not SIGBUS later
+        except OSError as exc:
+            if exc.errno in (errno.ENOSPC, errno.ENOMEM):
+                raise ShmFull(f"no memory for an inference channel of {size / 2**20:.1f} MiB: "
+                              f"{os.strerror(exc.errno)}; use fewer slots or smaller fields") from exc
+            raise
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, SEALS | fcntl.F_SEAL_SEAL)
+        mm = mmap.mmap(fd, size)
+    except BaseException:
+        os.close(fd)
+        raise
+    prefault(mm, write=True)
+    return fd, mm
+
+
+def close_fds(fds: list, pid: int) -> None:
+    """Close the descriptors in ``fds`` (a server's channel: its address
+    names nothing from then on) and forget them; only in process ``pid``
+    (a forked child's copies are its own, and go with it)."""
     if os.getpid() != pid:
         return
-    for name in made:
-        unlink_quiet(name)
-    made.clear()
+    while fds:
+        try:
+            os.close(fds.pop())
+        except OSError:  # EBADF: closed behind its back (a closerange); nothing left to close
+            pass
 
 
-def shut(made: list, pid: int, live: list) -> None:
+def shut(fds: list, pid: int, live: list) -> None:
     """A server's end (close, its object collected, or the interpreter's
     exit): mark the channel closed, wake every env (``live``: the header
-    and control words, once serving), unlink its name.  Only in process
-    ``pid``: a forked child's exit ends nothing of its parent's."""
+    and control words, once serving), close its descriptor.  Only in
+    process ``pid``: a forked child's exit ends nothing of its parent's."""
     if os.getpid() != pid:
         return
     if live:
@@ -133,7 +174,7 @@ def shut(made: list, pid: int, live: list) -> None:
         store(hdr, H_STATE, CLOSED)
         for k in range(len(ctrl) // SLOT_WORDS):
             futex.wake(futex.word_address(ctrl, k * SLOT_WORDS), futex.WAKE_ALL)
-    unlink_made(made, pid)
+    close_fds(fds, pid)
 
 
 def ring(hdr, bell) -> None:
@@ -151,31 +192,73 @@ def _user(uid: int) -> str:
         return f"uid {uid}"
 
 
-def open_segment(base: str) -> mmap.mmap:
-    """An env's mapping of channel ``base``, once it is checked to be a
-    regular file of this user with mode 0600 (what a server makes)."""
+def _gone(addr: str, why: str) -> InferenceClosed:
+    return InferenceClosed(f"no inference channel at {addr}: {why}; its server closed or sealed it "
+                           "(a sealed channel takes no new envs), or died")
+
+
+def _process_uid(pid: int) -> int | None:
+    """The effective uid of process ``pid`` (/proc/<pid>/status, which anyone
+    may read; /proc/<pid> itself reads as root's while it is not dumpable)."""
     try:
-        shm = posix_ipc.SharedMemory(base)  # no O_CREAT: only an existing one
-    except posix_ipc.ExistentialError:
-        raise InferenceClosed(f"no inference channel {base}: its server closed or sealed it (a "
-                              "sealed channel takes no new envs), or it never existed") from None
-    except posix_ipc.PermissionsError:  # another user's, with no bits for us
+        with open(f"/proc/{pid}/status", "rb") as f:
+            for line in f:
+                if line.startswith(b"Uid:"):
+                    return int(line.split()[2])
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def _refused(addr: str, pid: int, owner: int | None) -> PermissionDenied:
+    me = _user(os.geteuid())
+    if owner is not None and owner != os.geteuid():
+        return PermissionDenied(
+            f"{addr} is a descriptor of process {pid} of {_user(owner)} and this process runs as {me}: "
+            "an inference channel is private to the user of its InferenceServer; run the env "
+            "processes as the learner's user (InferenceClient never uses another user's channel)")
+    return PermissionDenied(
+        f"{addr}: the kernel does not let {me} open the descriptors of process {pid} (it is not "
+        "dumpable: prctl(PR_SET_DUMPABLE, 0), or it changed its user); keep the learner dumpable, "
+        "or run the env processes as its user")
+
+
+def open_channel(addr: str) -> mmap.mmap:
+    """An env's mapping of the channel at ``addr``, once it is checked to be
+    one: a regular file whose header carries the address's token (checked
+    by reading, before anything is mapped), this user's, sealed against
+    shrinking and growing (only a memfd can be)."""
+    pid, n, token = check_address(addr)
+    path = f"/proc/{pid}/fd/{n}"
+    try:
+        st = os.stat(path)  # the target, unopened: a FIFO or a device is never opened
+        if not stat.S_ISREG(st.st_mode):
+            raise _gone(addr, "that descriptor holds no file now")
+        fd = os.open(path, os.O_RDWR | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
+    except FileNotFoundError:
+        raise _gone(addr, f"process {pid} has no descriptor {n}") from None
+    except PermissionError:
+        raise _refused(addr, pid, _process_uid(pid)) from None
+    try:
+        fst = os.fstat(fd)
+        if (fst.st_dev, fst.st_ino) != (st.st_dev, st.st_ino):
+            raise _gone(addr, "its descriptor changed while this env opened it")
+        h = os.pread(fd, HEADER_BYTES, 0)
+        if len(h) < HEADER_BYTES or int.from_bytes(h[H_TOKEN * 8:H_TOKEN * 8 + 8], "little") != token:
+            raise _gone(addr, f"descriptor {n} of process {pid} holds another object now (not its token)")
+        if fst.st_uid != os.geteuid():  # only root gets this far with another user's
+            raise _refused(addr, pid, fst.st_uid)
         try:
-            owner = _user(os.lstat(SHM_DIR + base).st_uid)
+            seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
         except OSError:
-            owner = "another user"
-        raise PermissionDenied(
-            f"{SHM_DIR}{base} belongs to {owner} and this process runs as {_user(os.geteuid())}: an "
-            "inference channel is private to the user of its InferenceServer; run the env processes "
-            "as the learner's user (InferenceClient never uses another user's channel)") from None
-    try:
-        st = os.fstat(shm.fd)
-        check_owned(SHM_DIR + base, st, 0o600)
-        if st.st_size < HEADER_BYTES:  # mmap refuses an empty file (a ValueError): say what it is
-            raise LayoutError(f"{base} is {st.st_size} bytes: not an inference channel")
-        return mmap.mmap(shm.fd, st.st_size)
+            seals = 0  # a file that cannot be sealed: no memfd
+        if seals & SEALS != SEALS:
+            raise LayoutError(f"{addr} is not sealed against shrinking and growing (seals {seals:#x}): "
+                              "not a channel an InferenceServer made, and its size could change under "
+                              "this env's mapping; refused")
+        return mmap.mmap(fd, fst.st_size)
     finally:
-        shm.close_fd()
+        os.close(fd)
 
 
 def _align(x: int, a: int = LINE) -> int:
@@ -223,14 +306,14 @@ def plan(request, response, slots) -> Layout:
                   resp_at + slots * resp_stride, req_offs, resp_offs)
 
 
-def write_header(buf, lay: Layout, pid: int, start: int) -> None:
-    """The creator's header (before any name is published: nobody reads it yet)."""
+def write_header(buf, lay: Layout, pid: int, start: int, token: int) -> None:
+    """The creator's header (before its address is published: no env reads it yet)."""
     h = np.ndarray((16,), np.uint64, buf)
     h[:] = 0
     h[[H_MAGIC, H_VERSION, H_PID, H_START, H_STATE, H_SLOTS, H_SIZE, H_SCHEMA, H_CTRL, H_REQ,
-       H_REQ_STRIDE, H_RESP, H_RESP_STRIDE]] = [
+       H_REQ_STRIDE, H_RESP, H_RESP_STRIDE, H_TOKEN]] = [
         MAGIC, VERSION, pid, start, OPEN, lay.slots, lay.size, len(lay.schema), lay.ctrl, lay.req,
-        lay.req_stride, lay.resp, lay.resp_stride]
+        lay.req_stride, lay.resp, lay.resp_stride, token]
     buf[HEADER_BYTES:HEADER_BYTES + len(lay.schema)] = lay.schema
 
 

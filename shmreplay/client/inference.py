@@ -33,6 +33,7 @@ import numpy as np
 from ..errors import CapacityError, InferenceClosed, ReplayError, ReplayTimeout
 from ..wire import atomics, futex
 from ..wire import inference as wi
+from ..wire import inference_fd as wfd
 from ..wire.inference import (ATTACHING, CHECK_S, DONE, H_SLEEPING, H_STATE, IDLE, OPEN, POSTED, SLOT_WORDS,
                               TAKEN, W_SLEEPS, check_values, word)
 from ..wire.segment import Segment
@@ -92,22 +93,22 @@ class InferenceServer(_Handle):
     def __init__(self, request, response, slots: int = 8, prefix: str | None = None,
                  spin_us: float = SPIN_US):
         self._lay = lay = wi.plan(request, response, slots)
-        label = wi.channel_label(prefix)
+        label = wfd.channel_label(prefix)
         self._pid, self._closed, self._sealed = os.getpid(), True, False
         self._fds: list = []  # the channel's descriptor while envs may attach: the address names it
         self._live: list = []  # once serving: its header and control words, to tell the envs at the end
         self._shut = weakref.finalize(self, wi.shut, self._fds, self._pid, self._live)
         try:
             # sealed (no size change, ever) and complete (header, schema) before its address exists
-            fd, mm = wi.create_channel(label, lay.size)
+            fd, mm = wfd.create_channel(label, lay.size)
             self._fds.append(fd)
-            token = wi.new_token()
+            token = wfd.new_token()
             wi.write_header(mm, lay, self._pid, wi.process_state(self._pid)[1], token)
             self._seg = Segment("memfd:" + label, mm, lay.size)
         except BaseException:
             self._shut()
             raise
-        self.address = wi.address(self._pid, fd, token)
+        self.address = wfd.address(self._pid, fd, token)
         self._header = wi.Header(self._seg.buf, lay)
         self._hdr, self._ctrl, self._reqv, self._respv = wi.views(self._seg.buf, lay)
         self._bell = futex.word_address(self._hdr, H_SLEEPING)
@@ -243,11 +244,11 @@ class InferenceClient(_Handle):
     bounds each call (None: no limit)."""
 
     def __init__(self, address: str, timeout: float | None = 30.0, spin_us: float = SPIN_US):
-        wi.check_address(address)
+        wfd.check_address(address)
         _deadline(timeout)
         self.address, self.timeout, self._pid, self._closed = address, timeout, os.getpid(), True
         self._lock, self._stale = threading.Lock(), False
-        buf = wi.open_channel(address)
+        buf = wfd.open_channel(address)
         lay, self._server, self._server_start = wi.read_layout(buf, address)
         self._words, _, req, resp = wi.views(buf, lay)  # the header and the control lines
         self._lay, self.slots = lay, lay.slots

@@ -29,7 +29,7 @@ import shmreplay
 from inferencekit import (FORK, PREFIX, env_main, policy, raw_ctrl, raw_segment, reachable, serve, serve_env, server,
                           state, token_of)
 from people import ADMIN, MEMBER, STRANGER, as_user, needs_root, users  # noqa: F401 (a fixture)
-from shmreplay.wire import inference as wi
+from shmreplay.wire import inference_fd as wfd
 from waiting import HANG_S, reap, wait_for
 
 TOKEN = "5badc0de5badc0de"
@@ -170,7 +170,7 @@ def test_names_earlier_versions_used_take_nothing_from_the_channel(request, monk
     served, and the squatter's objects are left as they were, since the
     channel has no name at all.  (Version 1 failed every start with
     ``ForeignObject``: "exists already"; version 2 refused its own name.)"""
-    monkeypatch.setattr(wi, "new_token", lambda: int(TOKEN, 16))
+    monkeypatch.setattr(wfd, "new_token", lambda: int(TOKEN, 16))
     base = f"{PREFIX}.{TOKEN}"
     planted = [e.format(base=base) for e in DERIVED]
     try:

@@ -122,6 +122,11 @@ def _refused(addr: str, pid: int, owner: int | None) -> PermissionDenied:
             f"{addr} is a descriptor of process {pid} of {_user(owner)} and this process runs as {me}: "
             "an inference channel is private to the user of its InferenceServer; run the env "
             "processes as the learner's user (InferenceClient never uses another user's channel)")
+    if owner is None:  # its status unreadable too (/proc mounted hidepid=1)
+        return PermissionDenied(
+            f"{addr}: the kernel does not let {me} open the descriptors of process {pid} (another "
+            "user's, or not dumpable); run the env processes as the learner's user, and keep the "
+            "learner dumpable")
     return PermissionDenied(
         f"{addr}: the kernel does not let {me} open the descriptors of process {pid} (it is not "
         "dumpable: prctl(PR_SET_DUMPABLE, 0), or it changed its user); keep the learner dumpable, "

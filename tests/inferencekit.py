@@ -10,12 +10,11 @@ import multiprocessing
 import os
 
 import numpy as np
-import posix_ipc
 
 import shmreplay
 from shmreplay.wire import atomics
 from shmreplay.wire import inference as wi
-from waiting import HANG_S
+from waiting import HANG_S, reap
 
 PREFIX = f"shmreplay.test{os.getpid()}.inf"
 REQUEST = {"obs": ("float32", (4,)), "reward": ("float32", ()), "done": ("bool", ())}
@@ -28,20 +27,24 @@ def server(slots=4, **kw) -> shmreplay.InferenceServer:
     return shmreplay.InferenceServer(REQUEST, RESPONSE, slots=slots, prefix=PREFIX, **kw)
 
 
-def names_of(address: str) -> set[str]:
-    """What of channel ``address`` is in /dev/shm: its segment, and anything
-    named after it (an earlier version's semaphores ``sem.<name>.*``)."""
-    base = address[1:]
-    return {n for n in os.listdir("/dev/shm") if n == base or n.startswith(f"sem.{base}.")
-            or n.startswith(f"{base}.")}
-
-
-def remove_channel(address: str) -> None:
-    """After a failed assert or a killed server: its segment, if left."""
+def reachable(address: str) -> bool:
+    """Does the address's descriptor still name a memfd (the server has not
+    closed, sealed or lost it)?  The kernel's own link, read as any process
+    of the user can."""
     try:
-        os.unlink(f"/dev/shm{address}")
+        return os.readlink(address.split("#")[0]).startswith("/memfd:")
     except FileNotFoundError:
-        pass
+        return False
+
+
+def shm_names(*marks: str) -> set[str]:
+    """The /dev/shm entries whose names hold any of ``marks`` (this run's
+    PREFIX, a channel's token): a channel makes none."""
+    return {n for n in os.listdir("/dev/shm") if any(m in n for m in marks)}
+
+
+def token_of(address: str) -> str:
+    return address.split("#")[1]
 
 
 def policy(obs: np.ndarray) -> np.ndarray:
@@ -69,6 +72,18 @@ def env_main(address: str, env_id: int, steps: int) -> None:
             assert int(out["action"]) == env_id * 100_000 + s, (env_id, s, out)
 
 
+def serve_env(srv, env_id: int, steps: int) -> None:
+    """One forked env process (``env_main``) served to its end; it must exit 0."""
+    env = FORK.Process(target=env_main, args=(srv.address, env_id, steps))
+    try:
+        env.start()
+        serve(srv, steps)
+        env.join(HANG_S)
+        assert env.exitcode == 0
+    finally:
+        reap([env])
+
+
 def env_until_told(address: str, go, steps: int, hold=None) -> None:
     """Attach, wait for ``go``, then ``steps`` calls (each answer checked);
     then, given ``hold``, stay attached until it is set (or the test kills it)."""
@@ -81,14 +96,20 @@ def env_until_told(address: str, go, steps: int, hold=None) -> None:
             hold.wait(HANG_S * 10)
 
 
+def raw_segment(address: str) -> mmap.mmap:
+    """The whole channel, mapped as any process of the user can: through
+    the server's descriptor, with no check."""
+    fd = os.open(address.split("#")[0], os.O_RDWR)
+    try:
+        return mmap.mmap(fd, os.fstat(fd).st_size)
+    finally:
+        os.close(fd)
+
+
 def raw_views(address: str):
     """(header and control words, control words) of the channel, mapped as
     any process of the user can."""
-    shm = posix_ipc.SharedMemory(address)
-    try:
-        buf = mmap.mmap(shm.fd, shm.size)
-    finally:
-        shm.close_fd()
+    buf = raw_segment(address)
     lay, _, _ = wi.read_layout(buf, address)
     return wi.views(buf, lay)[:2]
 

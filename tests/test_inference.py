@@ -16,13 +16,14 @@ import numpy as np
 import pytest
 
 import shmreplay
-from inferencekit import FORK, PREFIX, REQUEST, RESPONSE, env_main, env_until_told, names_of, policy, serve, server
+from inferencekit import (FORK, PREFIX, REQUEST, RESPONSE, env_main, env_until_told, policy, reachable, serve,
+                          serve_env, server, shm_names, token_of)
 from waiting import HANG_S, reap
 
 
 def test_many_envs_forked_and_spawned_each_get_their_own_answers():
     with server(slots=6) as srv:
-        assert names_of(srv.address) == {srv.address[1:]}  # one name: no semaphores
+        assert reachable(srv.address)
         steps = 150
         procs = [FORK.Process(target=env_main, args=(srv.address, i, steps)) for i in range(4)]
         procs.append(multiprocessing.get_context("spawn").Process(
@@ -42,7 +43,7 @@ def test_many_envs_forked_and_spawned_each_get_their_own_answers():
         with pytest.raises(shmreplay.ReplayTimeout):
             srv.receive(timeout=0.05)
         assert srv.stats()["attached"] == 0
-    assert names_of(srv.address) == set()
+    assert not reachable(srv.address)
 
 
 def test_one_request_in_flight_per_env_and_a_full_channel_says_so():
@@ -82,7 +83,7 @@ def test_one_request_in_flight_per_env_and_a_full_channel_says_so():
             reap([env])
 
 
-def test_seal_unlinks_every_name_and_attached_envs_go_on():
+def test_seal_closes_the_descriptor_and_attached_envs_go_on():
     with server(slots=2) as srv:
         go = FORK.Event()
         envs = [FORK.Process(target=env_until_told, args=(srv.address, go, 30)) for _ in range(2)]
@@ -91,7 +92,7 @@ def test_seal_unlinks_every_name_and_attached_envs_go_on():
                 p.start()
             srv.wait_attached(2, timeout=HANG_S)
             srv.seal()
-            assert names_of(srv.address) == set() and srv.stats()["sealed"]
+            assert not reachable(srv.address) and srv.stats()["sealed"]
             go.set()
             serve(srv, 60)
             for p in envs:
@@ -186,29 +187,42 @@ def test_bad_input_gets_errors_that_say_what_to_do():
         t.join(HANG_S)
 
 
-def test_a_failed_start_unlinks_what_it_made(monkeypatch):
-    """A start that fails once its segment exists (here: writing the header)
-    leaves nothing in /dev/shm."""
+def test_a_failed_start_closes_what_it_made(monkeypatch):
+    """A start that fails once its memfd exists (here: writing the header)
+    leaves no descriptor open, and nothing in /dev/shm."""
     from shmreplay.wire import inference as wi
 
     def failing(*args):
         raise OSError("injected: the header write failed")
 
     monkeypatch.setattr(wi, "write_header", failing)
-    before = {n for n in os.listdir("/dev/shm") if PREFIX in n}
+    fds = set(os.listdir("/proc/self/fd"))
     with pytest.raises(OSError, match="injected"):
         server(slots=8)
-    assert {n for n in os.listdir("/dev/shm") if PREFIX in n} == before
+    assert set(os.listdir("/proc/self/fd")) <= fds and shm_names(PREFIX) == set()
 
 
-def test_a_server_dropped_without_close_unlinks_its_names():
+def test_a_server_dropped_without_close_closes_its_descriptor():
     import gc
     srv = server(slots=3)
     address = srv.address
-    assert len(names_of(address)) == 1
+    assert reachable(address)
     del srv
     gc.collect()
-    assert names_of(address) == set()
+    assert not reachable(address)
+
+
+def test_a_channel_has_no_name_in_dev_shm():
+    """"The channel then has no name in /dev/shm at all": while a server
+    serves an env, no /dev/shm entry holds its label or its token, and the
+    object its address names lives on another filesystem than /dev/shm
+    (the kernel's internal one for memfds)."""
+    with server(slots=2) as srv:
+        serve_env(srv, 1, 5)
+        assert shm_names(PREFIX, token_of(srv.address)) == set()
+        target = os.stat(srv.address.split("#")[0])
+        assert target.st_dev != os.stat("/dev/shm").st_dev, "the channel is a /dev/shm file"
+        assert os.readlink(srv.address.split("#")[0]) == f"/memfd:{PREFIX} (deleted)"
 
 
 def _signal_then_call(address: str, parent: int, signals: int) -> None:

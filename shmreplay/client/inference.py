@@ -33,6 +33,7 @@ import numpy as np
 from ..errors import CapacityError, InferenceClosed, ReplayError, ReplayTimeout
 from ..wire import atomics, futex
 from ..wire import inference as wi
+from ..wire import inference_fd as wfd
 from ..wire.inference import (ATTACHING, CHECK_S, DONE, H_SLEEPING, H_STATE, IDLE, OPEN, POSTED, SLOT_WORDS,
                               TAKEN, W_SLEEPS, check_values, word)
 from ..wire.segment import Segment
@@ -84,25 +85,30 @@ class _Handle:
 class InferenceServer(_Handle):
     """The learner's side.  ``request``/``response``: fields in any form
     ``Client.create_table`` takes; ``slots``: how many envs may attach;
-    ``prefix``: the start of every name it makes (default
-    ``shmreplay.inf.<pid>``; a random token follows)."""
+    ``prefix``: the channel's label in /proc/<pid>/maps and fd links
+    (default ``shmreplay.inf``; nobody can open it by that).  Its
+    ``address`` names this process's descriptor of the channel
+    (``/proc/<pid>/fd/<fd>#<token>``)."""
 
     def __init__(self, request, response, slots: int = 8, prefix: str | None = None,
                  spin_us: float = SPIN_US):
         self._lay = lay = wi.plan(request, response, slots)
-        self.address = base = wi.channel_name(prefix)
+        label = wfd.channel_label(prefix)
         self._pid, self._closed, self._sealed = os.getpid(), True, False
-        self._made: list = []
+        self._fds: list = []  # the channel's descriptor while envs may attach: the address names it
         self._live: list = []  # once serving: its header and control words, to tell the envs at the end
-        self._shut = weakref.finalize(self, wi.shut, self._made, self._pid, self._live)
+        self._shut = weakref.finalize(self, wi.shut, self._fds, self._pid, self._live)
         try:
-            # O_CREX, mode 0600, complete (header, schema) before an env can use it
-            self._seg = Segment.create(base, lay.size)
-            self._made.append(base)
-            wi.write_header(self._seg.buf, lay, self._pid, wi.process_state(self._pid)[1])
+            # sealed (no size change, ever) and complete (header, schema) before its address exists
+            fd, mm = wfd.create_channel(label, lay.size)
+            self._fds.append(fd)
+            token = wfd.new_token()
+            wi.write_header(mm, lay, self._pid, wi.process_state(self._pid)[1], token)
+            self._seg = Segment("memfd:" + label, mm, lay.size)
         except BaseException:
             self._shut()
             raise
+        self.address = wfd.address(self._pid, fd, token)
         self._header = wi.Header(self._seg.buf, lay)
         self._hdr, self._ctrl, self._reqv, self._respv = wi.views(self._seg.buf, lay)
         self._bell = futex.word_address(self._hdr, H_SLEEPING)
@@ -207,15 +213,18 @@ class InferenceServer(_Handle):
                 "sealed": self._sealed, "closed": self._closed}
 
     def seal(self) -> None:
-        """Unlink the channel's name now: attached envs go on working, no
-        new env can attach, and a learner that crashes leaves nothing behind."""
+        """Close this process's descriptor of the channel now: attached envs
+        go on working (their mappings keep it), no new env can attach (the
+        address names nothing, or another object, which an env refuses).
+        Nothing is left behind either way: the channel has no name."""
         self._usable()
-        wi.unlink_made(self._made, self._pid)
+        wi.close_fds(self._fds, self._pid)
         self._sealed = True
 
     def close(self) -> None:
         """Tell every env the channel is closed (their calls raise
-        InferenceClosed) and unlink its name.  Idempotent."""
+        InferenceClosed) and close its descriptor; the memory goes with the
+        last mapping.  Idempotent."""
         if self._closed:
             return
         self._closed = True
@@ -235,12 +244,12 @@ class InferenceClient(_Handle):
     bounds each call (None: no limit)."""
 
     def __init__(self, address: str, timeout: float | None = 30.0, spin_us: float = SPIN_US):
-        base = wi.check_address(address)
+        wfd.check_address(address)
         _deadline(timeout)
-        self.address, self.timeout, self._pid, self._closed = base, timeout, os.getpid(), True
+        self.address, self.timeout, self._pid, self._closed = address, timeout, os.getpid(), True
         self._lock, self._stale = threading.Lock(), False
-        buf = wi.open_segment(base)
-        lay, self._server, self._server_start = wi.read_layout(buf, base)
+        buf = wfd.open_channel(address)
+        lay, self._server, self._server_start = wi.read_layout(buf, address)
         self._words, _, req, resp = wi.views(buf, lay)  # the header and the control lines
         self._lay, self.slots = lay, lay.slots
         self._check_server()
@@ -249,7 +258,7 @@ class InferenceClient(_Handle):
             if atomics.cas(self._words, lay.ctrl // 8 + k * SLOT_WORDS, 0, word(me, ATTACHING)) == 0:
                 break
         else:
-            raise CapacityError(f"inference channel {base} is full: all slots={lay.slots} are held "
+            raise CapacityError(f"inference channel {address} is full: all slots={lay.slots} are held "
                                 "by attached envs; make the InferenceServer with more slots, or "
                                 "close an env (InferenceClient.close()) first")
         self.slot, self._at = k, lay.ctrl // 8 + k * SLOT_WORDS
@@ -260,7 +269,7 @@ class InferenceClient(_Handle):
         self._resp = {name: v[k, ...] for name, v in resp.items()}
         atomics.store(self._words, self._at + wi.W_START, wi.process_state(me)[1])
         if atomics.cas(self._words, self._at, word(me, ATTACHING), word(me, IDLE)) != word(me, ATTACHING):
-            raise InferenceClosed(f"slot {k} of {base} was taken back while this env attached "
+            raise InferenceClosed(f"slot {k} of {address} was taken back while this env attached "
                                   "(it stalled past the server's grace?): attach again")
         wi.ring(self._words, self._bell)
         self._spin = max(1, int(spin_us * 1e-6 * atomics.loads_per_second()))

@@ -1,18 +1,18 @@
-"""The inference channel's bytes: one segment, its name, its slot words and bells.
+"""The inference channel's bytes: its layout, its slot words and bells.
 
 An inference channel (``client/inference.py``; docs/protocol.md,
-"Inference channel") is one POSIX shared-memory segment, made by the
-learner process (the server) with O_CREX and mode 0600 under
-``/<prefix>.<token>`` (``channel_name``; the token is 16 random hex
-digits), complete before anything else can see it.  That name is its
-address, and the only name it has: the bells are words of the segment
-(``wire/futex.py``), so there is no other name anyone could take first.
+"Inference channel") is one sealed memfd that the learner process (the
+server) makes, reached through its descriptor (``wire/inference_fd.py``:
+making it, its address, an env's opening of it).  Its address's token is
+header word 13, so an env tells it from whatever that descriptor number
+holds later.  The bells are words of the channel (``wire/futex.py``).
 
 The segment (every offset a multiple of 64, ``Layout``)::
 
     0      header, 16 x uint64: MAGIC, VERSION, server pid, server start
            time, OPEN/CLOSED, slots, segment size, schema length, the
-           offsets and strides of the three areas below; word 15 the
+           offsets and strides of the three areas below; word 13 the
+           address's token, word 14 zero; word 15 the
            doorbell: 1 while the server sleeps on it (an env that posts
            swaps it to 0 and wakes the server)
     128    schema: JSON {"request": [[name, dtype, shape], ...], "response": [...]}
@@ -39,29 +39,22 @@ bells; the atomics over the words (``cas``, ``pause``, loads, stores) are
 from __future__ import annotations
 
 import json
-import mmap
 import os
-import pwd
-import re
-import secrets
 from dataclasses import dataclass
 
 import numpy as np
-import posix_ipc
 
-from ..errors import FieldError, InferenceClosed, LayoutError, PermissionDenied
+from ..errors import FieldError, LayoutError
 from ..fields import Field, cannot_store, parse_fields, unconvertible
 from . import futex
 from .atomics import cas, store
-from .names import SHM_DIR
-from .segment import check_owned, unlink_quiet
 
 MAGIC = int.from_bytes(b"SHMRINF\x01", "little")
-VERSION = 2  # 2: the bells are futex words of the segment (1 had named semaphores)
+VERSION = 3  # 3: a sealed memfd reached through the server's descriptor (2: a /dev/shm name; 1 had semaphores)
 HEADER_BYTES, LINE = 128, 64
 # header words
 H_MAGIC, H_VERSION, H_PID, H_START, H_STATE, H_SLOTS, H_SIZE, H_SCHEMA = range(8)
-H_CTRL, H_REQ, H_REQ_STRIDE, H_RESP, H_RESP_STRIDE = range(8, 13)
+H_CTRL, H_REQ, H_REQ_STRIDE, H_RESP, H_RESP_STRIDE, H_TOKEN = range(8, 14)
 H_SLEEPING = 15  # the doorbell: the server sets it (then looks once more) before it sleeps on it
 OPEN, CLOSED = 1, 2
 # a slot's control line: its state word (its reply bell), its env's start time, its env sleeps
@@ -72,9 +65,6 @@ CODES = frozenset((ATTACHING, IDLE, POSTED, TAKEN, DONE))
 CHECK_S = 0.05     # the longest sleep between two looks at whether the other side lives
 PID_MAX = 1 << 22  # the kernel's largest pid_max
 MAX_SLOTS = 1024
-MAX_PREFIX = 200   # the segment's name is <prefix>.<token>: within NAME_MAX
-_PREFIX = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*")
-_ADDRESS = re.compile(r"/[A-Za-z0-9_][A-Za-z0-9_.-]*\.[0-9a-f]{16}")
 
 
 def word(pid: int, code: int) -> int:
@@ -88,44 +78,24 @@ def parse(w: int) -> tuple[int, int] | None:
     return (pid, code) if 0 < pid < PID_MAX and code in CODES else None
 
 
-def default_prefix() -> str:
-    """``shmreplay.inf.<pid>``: ``shmreplay cleanup`` reads the pid from such a
-    name (``wire/names.py`` ``pid_in_name``) and removes what a dead learner left."""
-    return f"shmreplay.inf.{os.getpid()}"
-
-
-def channel_name(prefix: str | None) -> str:
-    """A new channel's segment name: ``/<prefix>.<16 random hex digits>``."""
-    prefix = default_prefix() if prefix is None else prefix
-    if not isinstance(prefix, str) or len(prefix) > MAX_PREFIX or not _PREFIX.fullmatch(prefix):
-        raise ValueError(f"prefix {prefix!r}: use at most {MAX_PREFIX} letters, digits, '_', '.' "
-                         "or '-' (no '/'), e.g. 'shmreplay.inf.myrun'")
-    return f"/{prefix}.{secrets.token_hex(8)}"
-
-
-def check_address(address) -> str:
-    if not isinstance(address, str) or len(address) > MAX_PREFIX + 18 or not _ADDRESS.fullmatch(address):
-        raise ValueError(f"{address!r} is not an inference channel's address: pass the "
-                         "InferenceServer's .address (a str such as '/shmreplay.inf.123.<token>')")
-    return address
-
-
-def unlink_made(made: list, pid: int) -> None:
-    """Unlink the segment named in ``made`` (what a server created: never
-    another's) and forget it; only in process ``pid`` (a forked child's
-    exit must not unlink its parent's channel)."""
+def close_fds(fds: list, pid: int) -> None:
+    """Close the descriptors in ``fds`` (a server's channel: its address
+    names nothing from then on) and forget them; only in process ``pid``
+    (a forked child's copies are its own, and go with it)."""
     if os.getpid() != pid:
         return
-    for name in made:
-        unlink_quiet(name)
-    made.clear()
+    while fds:
+        try:
+            os.close(fds.pop())
+        except OSError:  # EBADF: closed behind its back (a closerange); nothing left to close
+            pass
 
 
-def shut(made: list, pid: int, live: list) -> None:
+def shut(fds: list, pid: int, live: list) -> None:
     """A server's end (close, its object collected, or the interpreter's
     exit): mark the channel closed, wake every env (``live``: the header
-    and control words, once serving), unlink its name.  Only in process
-    ``pid``: a forked child's exit ends nothing of its parent's."""
+    and control words, once serving), close its descriptor.  Only in
+    process ``pid``: a forked child's exit ends nothing of its parent's."""
     if os.getpid() != pid:
         return
     if live:
@@ -133,7 +103,7 @@ def shut(made: list, pid: int, live: list) -> None:
         store(hdr, H_STATE, CLOSED)
         for k in range(len(ctrl) // SLOT_WORDS):
             futex.wake(futex.word_address(ctrl, k * SLOT_WORDS), futex.WAKE_ALL)
-    unlink_made(made, pid)
+    close_fds(fds, pid)
 
 
 def ring(hdr, bell) -> None:
@@ -142,40 +112,6 @@ def ring(hdr, bell) -> None:
     ``bell``: ``futex.word_address(hdr, H_SLEEPING)``."""
     if cas(hdr, H_SLEEPING, 1, 0) == 1:
         futex.wake(bell)
-
-
-def _user(uid: int) -> str:
-    try:
-        return f"{pwd.getpwuid(uid).pw_name} (uid {uid})"
-    except KeyError:
-        return f"uid {uid}"
-
-
-def open_segment(base: str) -> mmap.mmap:
-    """An env's mapping of channel ``base``, once it is checked to be a
-    regular file of this user with mode 0600 (what a server makes)."""
-    try:
-        shm = posix_ipc.SharedMemory(base)  # no O_CREAT: only an existing one
-    except posix_ipc.ExistentialError:
-        raise InferenceClosed(f"no inference channel {base}: its server closed or sealed it (a "
-                              "sealed channel takes no new envs), or it never existed") from None
-    except posix_ipc.PermissionsError:  # another user's, with no bits for us
-        try:
-            owner = _user(os.lstat(SHM_DIR + base).st_uid)
-        except OSError:
-            owner = "another user"
-        raise PermissionDenied(
-            f"{SHM_DIR}{base} belongs to {owner} and this process runs as {_user(os.geteuid())}: an "
-            "inference channel is private to the user of its InferenceServer; run the env processes "
-            "as the learner's user (InferenceClient never uses another user's channel)") from None
-    try:
-        st = os.fstat(shm.fd)
-        check_owned(SHM_DIR + base, st, 0o600)
-        if st.st_size < HEADER_BYTES:  # mmap refuses an empty file (a ValueError): say what it is
-            raise LayoutError(f"{base} is {st.st_size} bytes: not an inference channel")
-        return mmap.mmap(shm.fd, st.st_size)
-    finally:
-        shm.close_fd()
 
 
 def _align(x: int, a: int = LINE) -> int:
@@ -223,14 +159,14 @@ def plan(request, response, slots) -> Layout:
                   resp_at + slots * resp_stride, req_offs, resp_offs)
 
 
-def write_header(buf, lay: Layout, pid: int, start: int) -> None:
-    """The creator's header (before any name is published: nobody reads it yet)."""
+def write_header(buf, lay: Layout, pid: int, start: int, token: int) -> None:
+    """The creator's header (before its address is published: no env reads it yet)."""
     h = np.ndarray((16,), np.uint64, buf)
     h[:] = 0
     h[[H_MAGIC, H_VERSION, H_PID, H_START, H_STATE, H_SLOTS, H_SIZE, H_SCHEMA, H_CTRL, H_REQ,
-       H_REQ_STRIDE, H_RESP, H_RESP_STRIDE]] = [
+       H_REQ_STRIDE, H_RESP, H_RESP_STRIDE, H_TOKEN]] = [
         MAGIC, VERSION, pid, start, OPEN, lay.slots, lay.size, len(lay.schema), lay.ctrl, lay.req,
-        lay.req_stride, lay.resp, lay.resp_stride]
+        lay.req_stride, lay.resp, lay.resp_stride, token]
     buf[HEADER_BYTES:HEADER_BYTES + len(lay.schema)] = lay.schema
 
 

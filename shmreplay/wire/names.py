@@ -181,7 +181,9 @@ def is_table(name: str) -> bool:
 
 
 def pid_in_name(name: str) -> int:
-    """The daemon pid in a channel's or doorbell's /dev/shm entry (0: none)."""
+    """The creator's pid in an older build's channel, doorbell or inference
+    segment (``shmreplay.inf.<pid>.<token>``, version 2) /dev/shm entry
+    (0: none): nothing this build makes is named so."""
     base = name[4:] if name.startswith("sem.") else name
     try:
         return int(base.split(".")[2])

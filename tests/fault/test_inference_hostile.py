@@ -15,15 +15,15 @@ assertion depends on timing: hang guards only.
 
 from __future__ import annotations
 
-import mmap
+import errno
+import fcntl
 import os
 import time
 
 import numpy as np
-import posix_ipc
 
 import shmreplay
-from inferencekit import FORK, env_main, names_of, raw_ctrl, remove_channel, serve, server, state
+from inferencekit import FORK, env_main, raw_ctrl, raw_segment, reachable, serve, server, state
 from shmreplay.wire import atomics, futex
 from shmreplay.wire import inference as wi
 from waiting import HANG_S, reap, wait_for
@@ -38,7 +38,8 @@ def safe_policy(obs: np.ndarray) -> np.ndarray:
 
 def learner(conn, slots: int) -> None:
     """A learner process: serves until the test says, then sends its stats
-    and the names its channel left; any error ends it with exit 1."""
+    and whether its address still names the channel once closed; any
+    error ends it with exit 1."""
     with server(slots=slots) as srv:
         conn.send(srv.address)
         while not conn.poll(0):
@@ -49,7 +50,7 @@ def learner(conn, slots: int) -> None:
             srv.respond(b.slots, action=safe_policy(b.data["obs"]))
         conn.recv()
         stats = srv.stats()
-    conn.send((stats, sorted(names_of(srv.address))))
+    conn.send((stats, reachable(srv.address)))
 
 
 class Learner:
@@ -70,47 +71,25 @@ class Learner:
         assert self.conn.poll(HANG_S), "the learner did not answer"
         stats, left = self.conn.recv()
         self.proc.join(HANG_S)
-        assert self.proc.exitcode == 0 and left == [], (self.proc.exitcode, left)
+        assert self.proc.exitcode == 0 and not left, (self.proc.exitcode, left)
         return stats
 
     def close(self) -> None:
         reap([self.proc])
-        remove_channel(self.address)
-
-
-def raw_segment(address: str) -> mmap.mmap:
-    """The whole segment, mapped for writing as any process of the user can."""
-    shm = posix_ipc.SharedMemory(address)
-    try:
-        return mmap.mmap(shm.fd, os.fstat(shm.fd).st_size)
-    finally:
-        shm.close_fd()
 
 
 def poison_bells(address: str, slot: int) -> list[str]:
     """The report's attack: 0xff over the doorbell and over slot ``slot``'s
-    reply bell, wherever the channel keeps them: the semaphores
-    ``sem.<name>.d`` and ``sem.<name>.r<i>`` an earlier version made, and
-    the words the doc gives now (header word 15; the slot's state word and
-    the words after it, 16 bytes).  What it wrote."""
-    wrote = []
-    for entry in (f"sem.{address[1:]}.d", f"sem.{address[1:]}.r{slot}"):
-        try:
-            fd = os.open(f"/dev/shm/{entry}", os.O_RDWR)
-        except FileNotFoundError:
-            continue
-        try:
-            os.pwrite(fd, b"\xff" * os.fstat(fd).st_size, 0)
-            wrote.append(entry)
-        finally:
-            os.close(fd)
+    reply bell: the words the doc gives (header word 15; the slot's state
+    word and the words after it, 16 bytes; version 1's were semaphores
+    ``sem.<name>.d`` and ``.r<i>``).  What it wrote."""
     buf = raw_segment(address)
     lay, _, _ = wi.read_layout(buf, address)
     bell = wi.H_SLEEPING * 8
     line = lay.ctrl + slot * wi.LINE
     buf[bell:bell + 8] = b"\xff" * 8
     buf[line:line + 16] = b"\xff" * 16
-    return wrote + ["doorbell word", f"slot {slot}'s words"]
+    return ["doorbell word", f"slot {slot}'s words"]
 
 
 def poisoner(address: str) -> None:
@@ -334,3 +313,60 @@ def test_random_scribble_by_a_rogue_env_crashes_and_wedges_nobody():
     finally:
         reap([*honest, *([rogue] if rogue else [])])
         lrn.close()
+
+
+F_SEAL_FUTURE_WRITE = 0x10  # linux/fcntl.h (5.1); Python's fcntl lacks it
+
+
+def resize(address: str) -> dict:
+    """What a process of the learner's user gets when it opens the channel
+    through the learner's descriptor and tries to change its size (grow
+    it, reserve past its end, shrink it to nothing) or its seals (a write
+    seal would keep new envs from mapping it for writing): each call's
+    errno, 0 if it did it."""
+    fd = os.open(address.split("#")[0], os.O_RDWR)
+    size = os.fstat(fd).st_size
+    tries = {"grow": lambda: os.ftruncate(fd, size + 4096),
+             "reserve past its end": lambda: os.posix_fallocate(fd, size, 4096),
+             "add a seal": lambda: fcntl.fcntl(fd, fcntl.F_ADD_SEALS, F_SEAL_FUTURE_WRITE),
+             "shrink": lambda: os.ftruncate(fd, 0)}  # last: what it leaves is the attack
+    got = {}
+    try:
+        for what, call in tries.items():
+            try:
+                call()
+                got[what] = 0
+            except OSError as exc:
+                got[what] = exc.errno
+    finally:
+        os.close(fd)
+    return got
+
+
+def test_a_process_of_the_learners_user_cannot_resize_the_channel():
+    """docs/reliability.md, section 9 (the residual of version 2): a process
+    of the learner's own user opens the channel (the learner's descriptor,
+    as an env does) and truncates it, grows it, reserves past its end, or
+    adds a seal.  The channel is sealed (``F_SEAL_SHRINK | F_SEAL_GROW |
+    F_SEAL_SEAL``) before it is mapped: each gets EPERM, and the learner
+    and the honest envs, one attached before and one after, are served on.
+    Without the seals (checked by removing them once) every call succeeds,
+    the learner dies of SIGBUS at its next look (exit -7) and both envs
+    fail (exit 1); the assert shows the exits."""
+    lrn = Learner(slots=2)
+    envs = [FORK.Process(target=env_main, args=(lrn.address, i + 1, 20)) for i in range(2)]
+    try:
+        envs[0].start()
+        got = resize(lrn.address)
+        envs[1].start()
+        for p in envs:
+            p.join(HANG_S)
+        fates = (lrn.proc.exitcode, [p.exitcode for p in envs])
+        assert got == dict.fromkeys(got, errno.EPERM), (got, "learner, envs: exit", fates)
+        assert fates == (None, [0, 0]), fates
+        stats = lrn.end()
+        assert (stats["served"], stats["garbage"]) == (40, 0), stats
+    finally:
+        reap([*envs])
+        lrn.close()
+

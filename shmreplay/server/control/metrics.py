@@ -250,6 +250,9 @@ class MetricsServer:
         # the same package the daemon runs, wherever it was imported from
         top = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
         env = dict(os.environ, PYTHONPATH=os.pathsep.join([top] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
+        # importing the package loads numpy, whose BLAS would start a pool of
+        # a thread per core that the scrape process never uses
+        env.update(OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
         try:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "shmreplay.server.control.scrapes", json.dumps(spec)],

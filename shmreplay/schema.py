@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -23,7 +23,7 @@ REMOVERS = ("fifo", "lifo", "uniform")
 # keys of the wire/TOML form, in order; the first three are required
 SPEC_KEYS = ("name", "capacity", "fields", "sampler", "alpha", "remover", "max_times_sampled",
              "min_size_to_sample", "samples_per_insert", "error_buffer", "storage_dir", "writers",
-             "writer_uid")
+             "writer_uid", "creator_uid")
 # who may write a table's items: "any" client the daemon lets in, or only its
 # "creator" (and the daemon's admins), which the daemon enforces and records
 # as ``writer_uid`` (docs/reliability.md, section 10)
@@ -56,6 +56,12 @@ class TableSpec:
     # commit or update priorities, and the rows are group read-only
     writers: str = "any"
     writer_uid: int | None = None
+    # who created it, when that was a user other than root and the daemon's
+    # own (the kernel's word, filled in by the daemon): kept with the table
+    # so its creator's limits and storage share still count it after a
+    # restart (server/control/quotas.py).  Not part of what the table is:
+    # equal definitions of two creators compare equal
+    creator_uid: int | None = field(default=None, compare=False)
 
     @property
     def writer_only(self) -> bool:
@@ -111,6 +117,7 @@ class TableSpec:
             **({} if self.storage_dir is None else {"storage_dir": self.storage_dir}),
             # likewise only when set: a table any client writes reads as before
             **({} if self.writers == "any" else {"writers": self.writers, "writer_uid": self.writer_uid}),
+            **({} if self.creator_uid is None else {"creator_uid": self.creator_uid}),
         }
 
 
@@ -147,7 +154,8 @@ def _number(name, key, value, integer=False) -> float:
 
 def make_spec(name, capacity, fields, sampler="prioritized", alpha=0.6, remover="fifo",
               max_times_sampled=0, min_size_to_sample=1, samples_per_insert=None,
-              error_buffer=None, storage_dir=None, writers="any", writer_uid=None) -> TableSpec:
+              error_buffer=None, storage_dir=None, writers="any", writer_uid=None,
+              creator_uid=None) -> TableSpec:
     """Validate every part of a table definition; raise SchemaError naming the problem.
 
     Configurations the rate limiter could deadlock on are refused here, at
@@ -192,7 +200,7 @@ def make_spec(name, capacity, fields, sampler="prioritized", alpha=0.6, remover=
         raise SchemaError(f"table {name!r}: {exc}") from None
     spec = TableSpec(str(name), int(capacity), fields, str(sampler), alpha,
                      str(remover), mts, mss, spi, eb, _storage_dir(name, storage_dir),
-                     *_writers(name, writers, writer_uid))
+                     *_writers(name, writers, writer_uid), _uid(name, "creator_uid", creator_uid))
     _check_size(spec)
     _check_limits(spec)
     return spec
@@ -216,6 +224,13 @@ def _writers(name, writers, uid) -> tuple[str, int | None]:
         raise SchemaError(f"table {name!r}: writer_uid must be a uid (0..2**32-1) and goes with "
                           f"writers=\"creator\" only, got {brief(uid)}")
     return writers, None if uid is None else int(uid)
+
+
+def _uid(name, key, uid) -> int | None:
+    if uid is not None and (isinstance(uid, bool) or not isinstance(uid, (int, np.integer))
+                            or not 0 <= uid < 2**32):
+        raise SchemaError(f"table {name!r}: {key} must be a uid (0..2**32-1), got {brief(uid)}")
+    return None if uid is None else int(uid)
 
 
 def _check_size(spec: TableSpec) -> None:

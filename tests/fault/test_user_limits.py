@@ -87,6 +87,29 @@ def test_a_members_tables_stop_at_its_limit_and_the_owner_can_always_create(shar
 
 
 @needs_root
+def test_a_members_tables_count_against_its_limit_after_a_restart(shared, users):
+    """A table another user made stays its creator's across a SIGKILL and
+    the adoption after it (``creator_uid`` in its definition): the member,
+    at its limit of 2 before, is still at it after; the owner's table
+    stays the owner's.  (Before: every adopted table was booked to the
+    daemon's user, and each restart gave the member a fresh limit.)"""
+    d = shared(max_tables_per_user=2)
+    made, why = as_user(users[MEMBER], create, d.socket, ["m1", "m2", "m3"])
+    assert made == ["m1", "m2"] and "max_tables_per_user 2" in why, why
+    with d.connect() as c:
+        c.create_table("own", capacity=8, fields=SMALL)
+    d.crash()
+    d.start()
+    made, why = as_user(users[MEMBER], create, d.socket, ["m3"])
+    assert made == [] and f"user {users[MEMBER][0]} holds 2 tables" in str(why), why
+    with d.connect() as c:
+        assert sorted(c.list_tables()) == ["m1", "m2", "own"]
+        creators = c.stats()["creators"]
+        assert creators[str(users[MEMBER][0])]["tables"] == 2 and creators["0"]["tables"] == 1
+        assert c.table("m1").spec.creator_uid == users[MEMBER][0] and c.table("own").spec.creator_uid is None
+
+
+@needs_root
 def test_a_members_file_tables_stop_at_its_quota_and_the_refusal_names_it(shared, users):
     """file_quota_bytes_per_user: the second 2 MiB table of a member with a
     3 MiB quota is refused before anything is made; the owner is exempt;

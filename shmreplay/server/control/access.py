@@ -85,12 +85,15 @@ def may_administer(cfg: DaemonConfig, peer: Peer) -> bool:
 def writer_of(spec: TableSpec, peer: Peer | None, cfg: DaemonConfig | None = None,
               have: TableSpec | None = None) -> TableSpec:
     """``spec`` as ``peer`` (None: the daemon) asks to create it, with its
+    creator (``creator_uid``, when not root or the daemon's user) and its
     writer recorded: the kernel's word on the creator, whatever the client
     sent.  ``have``: the table of that name already served, whose writer an
     admin's ``exist_ok`` create keeps (an admin may write it too)."""
+    uid = os.geteuid() if peer is None else peer.uid
+    # the creator, kept with the table when it is another user (quotas.py)
+    spec = dataclasses.replace(spec, creator_uid=None if is_owner(uid) else uid)
     if not spec.writer_only:
         return spec
-    uid = os.geteuid() if peer is None else peer.uid
     if have is not None and have.writer_only and (peer is None or may_administer(cfg, peer)):
         return dataclasses.replace(spec, writer_uid=have.writer_uid)
     return dataclasses.replace(spec, writer_uid=uid)

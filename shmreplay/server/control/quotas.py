@@ -5,8 +5,8 @@ The book keeps, for every table the daemon serves or is creating, the uid
 that created it (the kernel's word on the connection: ``access.Peer``)
 and its rows file's bytes if it is file-backed.  Tables the config
 declares, and tables adopted or restored at start (whose creator this
-daemon did not see), are the daemon's own user's, except a table only its
-creator writes (``writers="creator"``), whose definition names it.
+daemon did not see), are the daemon's own user's, except a table another
+user created: its definition names its creator (``creator_uid``).
 
 A ``create_table`` of anyone but root and the daemon's user is refused
 (``CapacityError`` naming the limit, before anything is made) when:
@@ -81,10 +81,11 @@ class TableBook:
     def keep(self, spec) -> None:
         """A table brought up without a claim (the config's, adopted,
         restored): the daemon's own user's, unless its definition names its
-        creator (``writers="creator"``: ``writer_uid``, the kernel's word at
-        its create), whose table it stays, counted against its limits and
-        share as at the create (never refused here: it exists already)."""
-        uid = spec.writer_uid if spec.writer_uid is not None else os.geteuid()
+        creator (``creator_uid``, or ``writer_uid`` of a board made before
+        creators were kept: the kernel's word at its create), whose table
+        it stays, counted against its limits and share as at the create
+        (never refused here: it exists already)."""
+        uid = next((u for u in (spec.creator_uid, spec.writer_uid) if u is not None), os.geteuid())
         fs = None
         if spec.file_backed and not is_owner(uid):
             try:

@@ -17,6 +17,12 @@ import shmreplay
 
 from faults import HANG_S
 from people import ADMIN, GROUP, MEMBER, as_user, needs_root, shared_start, users  # noqa: F401 (fixtures)
+from shmreplay.priorities import first_invalid_priority
+
+# as_user's children (other users) update priorities; they may not read the
+# numba cache of a checkout in a closed folder (a fresh clone under
+# mktemp -d, 0700), so the kernel is compiled here, before they fork
+first_invalid_priority(np.ones(1))
 
 pytestmark = needs_root
 

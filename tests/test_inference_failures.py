@@ -257,3 +257,121 @@ def test_an_env_dying_while_a_batch_fills_is_dropped_from_it():
             assert new.exitcode == 0
         finally:
             reap([env, *([new] if new else [])])
+
+
+def attach_to_the_freed_slot(address: str, slot: int) -> None:
+    """Once the server freed ``slot`` (its env died), attach to it (the
+    first free slot) and call once."""
+    ctrl = raw_ctrl(address)
+    wait_for(lambda: state(ctrl, slot) == (0, 0), "the dead env's slot freed")
+    with shmreplay.InferenceClient(address, timeout=HANG_S) as ch:
+        assert ch.slot == slot
+        out = ch.call(obs=[7, 1, 0, 0], reward=0.0, done=False)
+        assert int(out["action"]) == 7 * 100_000 + 1, out
+
+
+def attach_once_taken(address: str, slot: int, hold) -> None:
+    """Attach once the server took the request in ``slot``; stay until ``hold``."""
+    ctrl = raw_ctrl(address)
+    wait_for(lambda: state(ctrl, slot)[1] == wi.TAKEN, "the new env's request taken")
+    with shmreplay.InferenceClient(address, timeout=HANG_S):
+        hold.wait(HANG_S * 10)
+
+
+def test_a_new_envs_request_in_a_lost_slot_is_served_not_dropped():
+    """An env dies while the learner waits for envs to attach; a new env
+    takes its freed slot and posts, and wait_attached takes that request
+    (then a third env attaches and the wait ends).  The receive that tells
+    the loss must not drop the new env's request as the dead env's: it is
+    returned by the next receive and answered.  (Before: dropped, the new
+    env's word TAKEN for good, its call never answered.)"""
+    with server(slots=2) as srv:
+        go, hold = FORK.Event(), FORK.Event()
+        dead = FORK.Process(target=env_until_told, args=(srv.address, go, 0, hold))
+        new = FORK.Process(target=attach_to_the_freed_slot, args=(srv.address, 0))
+        third = FORK.Process(target=attach_once_taken, args=(srv.address, 0, hold))
+        try:
+            dead.start()
+            assert srv.wait_attached(1, timeout=HANG_S) == 1
+            dead.kill()
+            dead.join(HANG_S)
+            new.start()
+            third.start()
+            # slot 0 lost, the new env's request in it taken, the third env in slot 1
+            assert srv.wait_attached(2, timeout=HANG_S) == 2
+            told = srv.receive(timeout=0)
+            assert told.lost.tolist() == [0] and len(told) == 0
+            b = srv.receive(timeout=0)  # taken already: no wait
+            assert b.slots.tolist() == [0] and b.lost.tolist() == []
+            srv.respond(b.slots, action=policy(b.data["obs"]))
+            new.join(HANG_S)
+            assert new.exitcode == 0
+            assert (srv.stats()["lost"], srv.stats()["served"]) == (1, 1)
+        finally:
+            hold.set()
+            reap([dead, new, third])
+
+
+def test_wait_attached_sleeps_again_once_an_env_was_lost():
+    """A loss found during wait_attached is kept for the next receive; the
+    wait goes on sleeping on the doorbell (stats()["sleeps"] counts each
+    sleep) instead of looking again at once.  (Before: no sleep from the
+    loss on, one core busy until enough envs attached.)"""
+    import threading
+    with server(slots=2) as srv:
+        go, hold = FORK.Event(), FORK.Event()
+        dead = FORK.Process(target=env_until_told, args=(srv.address, go, 0, hold))
+        later = [FORK.Process(target=env_until_told, args=(srv.address, go, 0, hold)) for _ in range(2)]
+        waited = []
+        waiter = threading.Thread(target=lambda: waited.append(srv.wait_attached(2, timeout=HANG_S)))
+        try:
+            dead.start()
+            srv.wait_attached(1, timeout=HANG_S)
+            dead.kill()
+            dead.join(HANG_S)
+            waiter.start()
+            wait_for(lambda: srv.stats()["lost"] == 1, "the dead env found by wait_attached")
+            seen = srv.stats()["sleeps"]
+            wait_for(lambda: srv.stats()["sleeps"] >= seen + 3, "wait_attached sleeping after the loss")
+            for p in later:
+                p.start()
+            waiter.join(HANG_S)
+            assert waited == [2]
+            assert srv.receive(timeout=0).lost.tolist() == [0]
+        finally:
+            hold.set()
+            reap([dead, *later])
+            if waiter.ident:
+                waiter.join(HANG_S)
+
+
+def channel_maps(address: str) -> int:
+    """This process's mappings of the channel at ``address`` (by its inode;
+    earlier tests' channels may be unmapped meanwhile)."""
+    ino = str(os.stat(address.split("#")[0]).st_ino)
+    with open("/proc/self/maps") as f:
+        return sum(PREFIX in line and line.split()[4] == ino for line in f)
+
+
+@pytest.mark.parametrize("why", ["full", "closed", "layout"])
+def test_a_failed_attach_leaves_no_mapping(why):
+    """An env that tries again and again to attach, keeping each error
+    (a retry loop that reports the last), holds no mapping of the channel
+    for any: each failure unmaps it before raising.  (Before: one mapping
+    per try, alive as long as its traceback.)"""
+    expected = {"full": shmreplay.CapacityError, "closed": shmreplay.InferenceClosed,
+                "layout": shmreplay.LayoutError}[why]
+    with server(slots=1) as srv:
+        hdr = raw_header(srv.address)
+        with shmreplay.InferenceClient(srv.address, timeout=HANG_S):  # the channel's one slot
+            if why == "closed":  # the server's word, as any process of the user can write it
+                atomics.store(hdr, wi.H_STATE, wi.CLOSED)
+            elif why == "layout":
+                atomics.store(hdr, wi.H_VERSION, 0)
+            before = channel_maps(srv.address)
+            errors = []
+            for _ in range(5):
+                with pytest.raises(expected) as e:
+                    shmreplay.InferenceClient(srv.address, timeout=HANG_S)
+                errors.append(e.value)
+            assert channel_maps(srv.address) == before, errors[-1]

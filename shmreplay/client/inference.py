@@ -25,6 +25,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+import traceback
 import weakref
 from dataclasses import dataclass
 
@@ -115,7 +116,8 @@ class InferenceServer(_Handle):
         self._replies = [futex.word_address(self._ctrl, k * SLOT_WORDS) for k in range(lay.slots)]
         self._waiter = futex.Waiter()
         self._books = SlotBooks(self._ctrl, lay.slots, self._header.mend)
-        self._held: list[int] = []
+        self._held: list[int] = []  # requests taken and not yet returned by a receive
+        self._sleeps = 0  # waits on the doorbell (stats: a server that never sleeps spins)
         self._spin_passes = int(spin_us * 1e-6 * atomics.loads_per_second() / lay.slots)
         self._live += [self._hdr, self._ctrl]
         self._closed = False
@@ -129,9 +131,13 @@ class InferenceServer(_Handle):
             return []
         atomics.store(self._hdr, H_SLEEPING, 1)
         try:
+            lost = len(self._books.lost)
             took = self._books.take(1)
-            if not took and not self._books.lost:
+            # a loss found by this look ends the sleep (receive reports it); one found before
+            # does not: wait_attached leaves lost for receive, and would spin on it
+            if not took and len(self._books.lost) == lost:
                 # woken by an env's ring (it swapped the word to 0), a signal, or the timeout
+                self._sleeps += 1
                 self._waiter.wait(self._bell, 1, t)
         finally:
             atomics.store(self._hdr, H_SLEEPING, 0)
@@ -170,7 +176,7 @@ class InferenceServer(_Handle):
             spun = not spun
         lost = self._books.take_lost()
         if lost.size and taken:  # a request of an env found dead since: nobody to answer
-            taken = self._books.forget(taken, lost)
+            taken, self._held = self._books.forget(taken, lost)
         slots = np.array(taken, np.int64)
         data = {name: v[slots] for name, v in self._reqv.items()}
         return InferenceBatch(slots, data, lost)
@@ -190,7 +196,8 @@ class InferenceServer(_Handle):
 
     def wait_attached(self, n: int, timeout: float | None = None) -> int:
         """Wait until at least ``n`` envs are attached; their number.
-        Requests posted meanwhile are kept for the next receive."""
+        Requests posted meanwhile are kept for the next receive, and so
+        are envs found dead (its ``lost``): the wait goes on sleeping."""
         self._usable()
         if not 0 <= n <= self._lay.slots:
             raise ValueError(f"n={n!r}: at most slots={self._lay.slots} envs can attach")
@@ -210,7 +217,7 @@ class InferenceServer(_Handle):
 
     def stats(self) -> dict:
         return {"slots": self._lay.slots, "attached": self.attached, **self._books.counts,
-                "sealed": self._sealed, "closed": self._closed}
+                "sleeps": self._sleeps, "sealed": self._sealed, "closed": self._closed}
 
     def seal(self) -> None:
         """Close this process's descriptor of the channel now: attached envs
@@ -249,29 +256,40 @@ class InferenceClient(_Handle):
         self.address, self.timeout, self._pid, self._closed = address, timeout, os.getpid(), True
         self._lock, self._stale = threading.Lock(), False
         buf = wfd.open_channel(address)
-        lay, self._server, self._server_start = wi.read_layout(buf, address)
-        self._words, _, req, resp = wi.views(buf, lay)  # the header and the control lines
-        self._lay, self.slots = lay, lay.slots
-        self._check_server()
-        me = self._pid
-        for k in range(lay.slots):
-            if atomics.cas(self._words, lay.ctrl // 8 + k * SLOT_WORDS, 0, word(me, ATTACHING)) == 0:
-                break
-        else:
-            raise CapacityError(f"inference channel {address} is full: all slots={lay.slots} are held "
-                                "by attached envs; make the InferenceServer with more slots, or "
-                                "close an env (InferenceClient.close()) first")
-        self.slot, self._at = k, lay.ctrl // 8 + k * SLOT_WORDS
-        self._reply = futex.word_address(self._words, self._at)  # its state word is its reply bell
-        self._bell = futex.word_address(self._words, H_SLEEPING)
-        self._waiter = futex.Waiter()
-        self._req = {name: v[k, ...] for name, v in req.items()}
-        self._resp = {name: v[k, ...] for name, v in resp.items()}
-        atomics.store(self._words, self._at + wi.W_START, wi.process_state(me)[1])
-        if atomics.cas(self._words, self._at, word(me, ATTACHING), word(me, IDLE)) != word(me, ATTACHING):
-            raise InferenceClosed(f"slot {k} of {address} was taken back while this env attached "
-                                  "(it stalled past the server's grace?): attach again")
-        wi.ring(self._words, self._bell)
+        req = resp = None
+        try:
+            lay, self._server, self._server_start = wi.read_layout(buf, address)
+            self._words, _, req, resp = wi.views(buf, lay)  # the header and the control lines
+            self._lay, self.slots = lay, lay.slots
+            self._check_server()
+            me = self._pid
+            for k in range(lay.slots):
+                if atomics.cas(self._words, lay.ctrl // 8 + k * SLOT_WORDS, 0, word(me, ATTACHING)) == 0:
+                    break
+            else:
+                raise CapacityError(f"inference channel {address} is full: all slots={lay.slots} are held "
+                                    "by attached envs; make the InferenceServer with more slots, or "
+                                    "close an env (InferenceClient.close()) first")
+            self.slot, self._at = k, lay.ctrl // 8 + k * SLOT_WORDS
+            self._reply = futex.word_address(self._words, self._at)  # its state word is its reply bell
+            self._bell = futex.word_address(self._words, H_SLEEPING)
+            self._waiter = futex.Waiter()
+            self._req = {name: v[k, ...] for name, v in req.items()}
+            self._resp = {name: v[k, ...] for name, v in resp.items()}
+            atomics.store(self._words, self._at + wi.W_START, wi.process_state(me)[1])
+            if atomics.cas(self._words, self._at, word(me, ATTACHING), word(me, IDLE)) != word(me, ATTACHING):
+                raise InferenceClosed(f"slot {k} of {address} was taken back while this env attached "
+                                      "(it stalled past the server's grace?): attach again")
+            wi.ring(self._words, self._bell)
+        except BaseException as exc:
+            # unmapped now, not when the traceback goes: an env that retries a full channel
+            # keeping its errors would hold a mapping per try.  Every view of it first (here
+            # and in the frames the traceback keeps): numpy does not pin an mmap's buffer, so
+            # a view left would point at unmapped memory
+            self._words = self._req = self._resp = req = resp = _ = None
+            traceback.clear_frames(exc.__traceback__)
+            buf.close()
+            raise
         self._spin = max(1, int(spin_us * 1e-6 * atomics.loads_per_second()))
         self._closed = False
 

@@ -260,14 +260,28 @@ class SlotBooks:
         self.counts["served"] += n
         return woken[:m]
 
-    def forget(self, taken: list[int], lost: np.ndarray) -> list[int]:
-        """``taken`` less the slots in ``lost``, whose requests need no answer."""
-        gone = set(lost.tolist())
-        for k in gone.intersection(taken):
-            self.pending[k] = 0
-            self.requiet(k)
-        return [k for k in taken if k not in gone]
+    def forget(self, taken: list[int], lost: np.ndarray) -> tuple[list[int], list[int]]:
+        """Split ``taken`` against ``lost`` (slots whose env was found dead):
+        (the requests to return now, those held back for the next receive).
+        A request taken from the env that died reads 2 in ``pending`` (its
+        env left since): nobody to answer, dropped.  One that reads 1 is a
+        new env's, which attached to the freed slot and posted before the
+        loss was told (``wait_attached`` keeps requests across it; a slot
+        at 2 takes none): held back, so that no batch has a slot in both
+        ``slots`` and ``lost``, and the learner hears of the loss first."""
+        gone, now, held = set(lost.tolist()), [], []
+        for k in taken:
+            if k not in gone:
+                now.append(k)
+            elif self.pending[k] == 1:
+                held.append(k)
+            else:
+                self.pending[k] = 0
+                self.requiet(k)
+        return now, held
 
     def take_lost(self) -> np.ndarray:
-        lost, self.lost = np.array(self.lost, np.int64), []
+        """The slots lost since the last call, each once (a slot can be lost
+        twice in one wait: its env, then a new env of it)."""
+        lost, self.lost = np.array(list(dict.fromkeys(self.lost)), np.int64), []
         return lost

@@ -22,6 +22,7 @@ their hot paths pay nothing for it.
 from __future__ import annotations
 
 import dataclasses
+import os
 import weakref
 
 import numpy as np
@@ -49,7 +50,7 @@ class Table:
         self._client = client
         self._session = session
         self._begin = session.begin  # bound once: the prologue of every data call
-        self.spec = spec_from_wire(desc["spec"])
+        self.spec = _spec_of(desc)
         self.name = self.spec.name
         self._fields = self.spec.fields
         self._names = frozenset(f.name for f in self._fields)
@@ -79,13 +80,8 @@ class Table:
     # ---- called by the session (connection gone, back) and the client's flush ----
     def rebind(self, desc: dict) -> None:
         """After a reconnect: the daemon's table of this name, every lease void."""
-        spec = spec_from_wire(desc["spec"])
-        if spec != self.spec:
-            # the same table whose rows a restore moved (disk <-> /dev/shm)
-            if dataclasses.replace(spec, storage_dir=self.spec.storage_dir) != self.spec:
-                raise ReplayError(f"table {self.name!r} came back with another definition")
-            self.spec = spec
-        self._bind(desc)
+        self.spec = _spec_of(desc, self.spec)
+        self._bind(desc)  # TableMap.attach takes rows_fd: closed on every path
 
     def retire(self) -> None:
         """After a reconnect no table has this name: id 0, so every later call raises UnknownTable."""
@@ -336,6 +332,31 @@ def widened_lease_size(spec, default: int, slots, max_batch: int) -> int:
     if default == 0 or spec.rate_limited:
         return default
     return max(default, min(slots, LEASE_MAX, spec.capacity // 32, max_batch))
+
+
+def _drop_rows_fd(desc: dict) -> None:
+    """Close the writable rows descriptor the daemon passed with ``desc``
+    (``link.py``), when the table is not mapped after all."""
+    fd = desc.pop("rows_fd", None)
+    if fd is not None:
+        os.close(fd)
+
+
+def _spec_of(desc: dict, was=None):
+    """The table's definition in ``desc``; ``was``: the one it had before a
+    reconnect, which it must still be (but for where its rows live: a
+    restore may move them, disk <-> /dev/shm).  If it (or the table's id)
+    does not read, or is another, the rows descriptor passed with it is
+    closed: nothing else would."""
+    try:
+        int(desc["id"])  # read by _bind, before TableMap.attach takes the descriptor
+        spec = spec_from_wire(desc["spec"])
+        if was is not None and dataclasses.replace(spec, storage_dir=was.storage_dir) != was:
+            raise ReplayError(f"table {was.name!r} came back with another definition")
+        return spec
+    except BaseException:
+        _drop_rows_fd(desc)
+        raise
 
 
 def _reopen(client, name: str) -> Table:

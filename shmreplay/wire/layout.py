@@ -264,8 +264,9 @@ class TableMap:
             kind, where = rows_location(name, spec)
             path = where if kind is not Segment else SHM_DIR + where
             read_only = rows_fd is None and spec.writer_only and not os.access(path, os.W_OK)
-            rows_fd, fd = None, rows_fd
-            rows = kind.attach(where, map_size=TableLayout(spec).rows_size, read_only=read_only, fd=fd)
+            map_size = TableLayout(spec).rows_size
+            rows_fd, fd = None, rows_fd  # kind.attach's from here: it closes it on every path
+            rows = kind.attach(where, map_size=map_size, read_only=read_only, fd=fd)
         except BaseException:
             if rows_fd is not None:
                 os.close(rows_fd)

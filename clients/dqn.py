@@ -163,7 +163,7 @@ def learner_flags(ap) -> None:
 
 
 # ---- progress ----
-COLUMNS = ["seconds", "env_steps", "inserts", "batches", "episodes", "recent_return"]  # README, "Examples"
+COLUMNS = ["seconds", "env_steps", "inserts", "batches", "episodes", "recent_return"]  # docs/guide.md, "Example programs"
 
 
 class Progress:

@@ -33,6 +33,15 @@ def test_the_docs_have_python_snippets():
     assert len(snippets()) >= 8
 
 
+def test_the_readme_and_the_guide_have_their_snippets():
+    """The front door's examples (an actor, a learner, torch) and the
+    guide's (a table's life, torch, weights to actors, a file-backed table)
+    are among those run: a file left out of snippets() fails here."""
+    files = [p.id.rsplit(":", 1)[0] for p in snippets()]
+    assert files.count("README.md") >= 3, files
+    assert files.count(os.path.join("docs", "guide.md")) >= 4, files
+
+
 @pytest.mark.parametrize("code", snippets())
 def test_snippet_runs(code, tmp_path):
     # a snippet that starts a local Ray puts its session under RAY_TMPDIR:

@@ -28,7 +28,7 @@ from conftest import shm_entries
 from pagecache import unsynced
 
 FIELDS = {"obs": ("uint8", (3000,)), "id": ("int64", ())}  # a row spans a page boundary
-# the sync headroom of a 64-item table (server/tables/barrier.py; README, "Tables
+# the sync headroom of a 64-item table (server/tables/barrier.py; docs/guide.md, "Tables
 # larger than RAM"): 1 % of 64 is 0, at least 64 makes 64, at most a quarter makes 16
 HEADROOM = 16
 

@@ -16,8 +16,8 @@ pytest.importorskip("gymnasium")
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BATCHES = 20
-NOT_REACHED = 3  # README, "Examples": stopped before --target-return (1 is an error: an uncaught exception)
-COLUMNS = ["seconds", "env_steps", "inserts", "batches", "episodes", "recent_return"]  # README, "Examples"
+NOT_REACHED = 3  # docs/guide.md, "Example programs": stopped before --target-return (1 is an error: an uncaught exception)
+COLUMNS = ["seconds", "env_steps", "inserts", "batches", "episodes", "recent_return"]  # docs/guide.md, "Example programs"
 LINE = re.compile(r"^\[\s*[\d.]+s\] env steps/s ", re.M)  # a progress line
 
 

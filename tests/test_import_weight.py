@@ -1,5 +1,5 @@
-"""Issue 33, item 5: "``import shmreplay`` never imports torch" (README.md,
-"Torch learners, weights to actors, a daemon of the program's own";
+"""Issue 33, item 5: "``import shmreplay`` never imports torch" (docs/guide.md,
+"Torch";
 shmreplay/torch.py: "imported only when used").
 
 Checked where it matters, in a fresh interpreter that has torch installed

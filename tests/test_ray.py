@@ -313,7 +313,7 @@ def test_apex_dqn_runs_its_actors_on_the_remote_node(cluster, tmp_path):
                         "--max-batches", "5", "--batch", "32", "--max-minutes", "8", "--target-return", "1e9",
                         "--min-size", "100", "--out", str(tmp_path), "--instance", name],
                        capture_output=True, text=True, timeout=600, env=env, cwd=tmp_path)
-    assert p.returncode == 3, p.stdout[-3000:] + p.stderr[-3000:]  # 3: stopped before the target (README)
+    assert p.returncode == 3, p.stdout[-3000:] + p.stderr[-3000:]  # 3: stopped before the target (docs/guide.md, "Example programs")
     done = re.search(r"([\d,]+) env steps, ([\d,]+) batches", p.stdout)
     assert done and int(done.group(1).replace(",", "")) > 0 and done.group(2) == "5", p.stdout[-2000:]
     assert list(csv.DictReader(open(tmp_path / "apex_dqn.csv")))

@@ -1,6 +1,6 @@
 """Issue 33, item 2: ``shmreplay.Server``'s daemon does not outlive its
-program.  README.md ("Torch learners, weights to actors, a daemon of the
-program's own": "it gets SIGTERM if the program dies") and
+program.  docs/guide.md ("A daemon of the program's own: shmreplay.Server": "it
+gets SIGTERM if the program dies") and
 client/private_daemon.py ("a program killed with SIGKILL leaves no daemon
 running behind it ... the daemon's own SIGTERM path removes them").
 

@@ -1,5 +1,5 @@
 """Issue 33, item 6: ``shmreplay.torch``'s pinned-memory path
-(``pin_memory=True``; README.md, "Torch learners...": "rows gathered
+(``pin_memory=True``; docs/guide.md, "Torch": "rows gathered
 straight into (pinned, with pin_memory=True) tensors: one host copy";
 shmreplay/torch.py's module docstring).
 

@@ -68,8 +68,8 @@ with shmreplay.Server(tables=[dict(name="t", capacity=64, fields={"x": ("float32
 
 def probe(socket_path: str, rows: str, owner: int) -> dict:
     """What this user can do to a Server's tables: open its rows segment,
-    write a float into it, connect (trusting a daemon of ``owner``, as the
-    README tells a group's members to)."""
+    write a float into it, connect (trusting a daemon of ``owner``, as
+    docs/guide.md, "A daemon of the program's own", tells a group's members to)."""
     os.environ["SHMREPLAY_DAEMON_USER"] = str(owner)  # a forked child's own environment
     out = {}
     try:

@@ -7,10 +7,20 @@
         batch = t.sample(256, beta=0.4)
         t.update_priorities(batch.keys, new_priorities)
 
-The package has three wings: ``client/`` (what actors and learners import),
-``server/`` (the daemon) and ``wire/`` (every byte format both agree on),
-plus shared pure logic at the root (errors, schema, rate-limiter
-predicates, priority checks).  docs/layout.md, "Where things are", maps it.
+The replay store has three wings: ``client/`` (what actors and learners
+import), ``server/`` (the daemon) and ``wire/`` (every byte format both
+agree on).  A fourth, ``inference/``, is the SEED inference channel: env
+processes and a learner over shared memory, no daemon.
+
+Shared pure logic sits at the root: ``errors.py`` (every exception),
+``schema.py`` (table definitions and their checks), ``fields.py`` (the
+forms a table's fields take), ``ratelimiter.py`` (the rate limiter's
+predicates), ``priorities.py`` (priority checks), ``numbaconf.py`` (numba
+flags), ``version.py``.  Tools over the client: ``cli.py`` (the
+``shmreplay`` command) with ``statusview.py`` (its status screen),
+``torch.py`` (``shmreplay.torch``: batches as tensors), ``ray/``
+(``shmreplay.ray``: actors anywhere on a Ray cluster) and ``bench/`` (the
+benchmark cells).  docs/layout.md, "Where things are", maps it.
 """
 
 from .errors import (
@@ -29,8 +39,7 @@ _LAZY = {
     "connect": "client", "Client": "client", "Server": "client", "ServerFailed": "client",
     "ParameterBoard": "client", "Table": "client", "SampleBatch": "client",
     "SequenceWriter": "client", "NStepWriter": "client",
-    "InferenceServer": "client.inference", "InferenceClient": "client.inference",
-    "InferenceBatch": "client.inference",
+    "InferenceServer": "inference", "InferenceClient": "inference", "InferenceBatch": "inference",
 }
 
 

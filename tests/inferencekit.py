@@ -12,8 +12,8 @@ import os
 import numpy as np
 
 import shmreplay
+from shmreplay.inference import layout as wi
 from shmreplay.wire import atomics
-from shmreplay.wire import inference as wi
 from waiting import HANG_S, reap
 
 PREFIX = f"shmreplay.test{os.getpid()}.inf"

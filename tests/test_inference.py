@@ -190,7 +190,7 @@ def test_bad_input_gets_errors_that_say_what_to_do():
 def test_a_failed_start_closes_what_it_made(monkeypatch):
     """A start that fails once its memfd exists (here: writing the header)
     leaves no descriptor open, and nothing in /dev/shm."""
-    from shmreplay.wire import inference as wi
+    from shmreplay.inference import layout as wi
 
     def failing(*args):
         raise OSError("injected: the header write failed")

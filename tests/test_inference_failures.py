@@ -14,8 +14,9 @@ import pytest
 import shmreplay
 from inferencekit import (FORK, PREFIX, env_main, env_until_told, policy, raw_ctrl, raw_header, reachable, serve,
                           server, shm_names, state, token_of)
-from shmreplay.wire import atomics, futex
-from shmreplay.wire import inference as wi
+from shmreplay.inference import futex
+from shmreplay.inference import layout as wi
+from shmreplay.wire import atomics
 from waiting import HANG_S, reap, wait_for
 
 

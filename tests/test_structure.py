@@ -1,7 +1,8 @@
-"""The package's shape, checked from its source: the three wings and their
-import rules, the server wing's four rooms and theirs, no import cycles, no
-module reading another object's private attributes, and no file or class
-grown past a size a reader can hold in mind.
+"""The package's shape, checked from its source: the four wings and their
+import rules, the server wing's four rooms and theirs, every package's
+``__init__`` naming all its modules, no import cycles, no module reading
+another object's private attributes, and no file or class grown past a
+size a reader can hold in mind.
 
 Edges are the import statements written in each module, those inside
 functions included; ``from pkg import name`` counts as an import of the
@@ -76,18 +77,26 @@ def closure(graph, start: str) -> set[str]:
     return seen
 
 
+# the replay store's three wings, and the inference channel's: a product of
+# its own beside the store (no daemon), which may use the wire's segments and
+# atomics and the root, and which neither the client nor the server uses
+WINGS = ("client", "server", "wire", "inference")
+
+
 def wing(name: str) -> str | None:
     parts = name.split(".")
-    return parts[1] if len(parts) > 1 and parts[1] in ("client", "server", "wire") else None
+    return parts[1] if len(parts) > 1 and parts[1] in WINGS else None
 
 
-def test_the_three_wings_exist(graph):
-    for w in ("client", "server", "wire"):
+def test_the_four_wings_exist(graph):
+    for w in WINGS:
         assert f"{PKG}.{w}" in graph and sum(wing(m) == w for m in graph) >= 4
 
 
-@pytest.mark.parametrize("source, forbidden", [("client", {"server"}), ("server", {"client"}),
-                                               ("wire", {"client", "server"})])
+@pytest.mark.parametrize("source, forbidden", [("client", {"server", "inference"}),
+                                               ("server", {"client", "inference"}),
+                                               ("wire", {"client", "server", "inference"}),
+                                               ("inference", {"client", "server"})])
 def test_wings_import_only_what_they_may(graph, source, forbidden):
     bad = {}
     for m in graph:
@@ -135,7 +144,41 @@ def test_the_shared_root_modules_import_no_wing_but_wire(graph):
     tools = {f"{PKG}.cli", f"{PKG}.bench", f"{PKG}.torch", f"{PKG}.ray"}
     for m, deps in graph.items():
         if m.count(".") == 1 and wing(m) is None and not any(m.startswith(t) for t in tools):
-            assert not {d for d in closure(graph, m) if wing(d) in ("client", "server")}, m
+            assert not {d for d in closure(graph, m) if wing(d) in ("client", "server", "inference")}, m
+
+
+def package_docstrings() -> dict[str, tuple[str, list[str]]]:
+    """package folder -> (its ``__init__``'s docstring, the names of its
+    modules: ``name.py`` for a file, ``name/`` for a sub-package)."""
+    out = {}
+    for dirpath, dirs, files in os.walk(ROOT):
+        if "__init__.py" not in files:
+            continue
+        doc = ast.get_docstring(ast.parse(open(os.path.join(dirpath, "__init__.py")).read())) or ""
+        names = [f for f in files if f.endswith(".py") and f != "__init__.py"]
+        names += [d + "/" for d in dirs if os.path.exists(os.path.join(dirpath, d, "__init__.py"))]
+        out[os.path.relpath(dirpath, os.path.dirname(ROOT))] = (doc, sorted(names))
+    return out
+
+
+def unnamed(doc: str, names: list[str]) -> list[str]:
+    """The module names ``doc`` does not mention (``layout.py`` is not
+    mentioned by ``rowlayout.py`` nor by ``wire/layout.py``)."""
+    return [n for n in names if not re.search(r"(?<![\w./])" + re.escape(n) + r"(?![\w])", doc)]
+
+
+def test_every_package_init_names_all_its_modules():
+    """A reader opening a folder's ``__init__`` learns what each file in it
+    is for: its docstring names every module and sub-package there."""
+    bad = {pkg: missing for pkg, (doc, names) in package_docstrings().items()
+           if (missing := unnamed(doc, names))}
+    assert not bad, f"__init__ docstrings that do not name these modules: {bad}"
+
+
+def test_the_docstring_checker_sees_an_unnamed_module():
+    doc = "``layout.py`` (bytes), ``tables/`` (tables) and wire/names.py"
+    assert unnamed(doc, ["layout.py", "rowlayout.py", "names.py", "tables/", "disk/"]) == [
+        "rowlayout.py", "names.py", "disk/"]
 
 
 def test_no_import_cycles(graph):

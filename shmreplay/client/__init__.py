@@ -4,14 +4,14 @@
 (the connection's life across forks and daemon restarts: opening,
 reconnecting, the "may be lost" notice), ``link.py`` (control socket),
 ``pipe.py`` (command channel), ``table.py`` (the table handle),
-``lease.py`` (slot leases for every writer), ``draws.py`` (SAMPLE and the
+``rows.py`` (checking the rows a caller hands in), ``lease.py`` (slot leases for every writer), ``draws.py`` (SAMPLE and the
 one draw-gather-redraw loop), ``gather.py`` (rows out of the segment:
 functions over arrays), ``iterator.py`` (prefetching learner loop),
 ``writers.py`` (sequence and n-step writers), ``retry.py`` (the calls that
 run again after a reconnect), ``private_daemon.py`` (``Server``: a daemon
 of one program's own), ``parameters.py`` (``ParameterBoard``: model
 parameters from a learner to its actors).  Imports ``wire`` and the shared root
-modules, never ``server``.
+modules, never ``server`` or ``inference``.
 """
 
 # loaded on first use (PEP 562), as the package's own names: the command

@@ -97,6 +97,13 @@ drop tables), and leave the ingest unnamed, in the job's own namespace.
 
 Who calls it: ``start_ingest`` a driver or actor on the replay node;
 ``RemoteWriter`` one thread of a producer (it is not thread-safe).
+
+Its modules: ``ingest.py`` (the ingest actor) with ``coalesce.py`` (small
+chunks held and inserted together) and ``dues.py`` (what the ingest owes
+each producer); ``writer.py`` (``RemoteWriter``) with ``packing.py`` (a
+small chunk's wire form) and ``steps.py`` (the n-step and sequence
+writers, remote); ``relay.py`` (a ``ParameterBoard`` read on the replay
+node for remote actors).
 """
 
 from .ingest import LEASE_KEEP_S, start_ingest

@@ -17,7 +17,7 @@ The rooms, from the ground up (each one's ``__init__`` says what it owns):
 
 Imports run down only: ``control`` may use every other room; ``engine``
 and ``disk`` only ``tables``; ``tables`` none.  Every room may use
-``wire`` and the shared root modules, never ``client``.
+``wire`` and the shared root modules, never ``client`` or ``inference``.
 ``tests/test_structure.py`` checks these rules.
 """
 

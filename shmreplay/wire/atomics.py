@@ -95,7 +95,7 @@ def _cas(typingctx, arr, idx, expected, new):
 def cas(words, i, expected, new):
     """Atomically: if ``words[i] == expected`` set it to ``new``; returns
     the value found (``expected`` when it succeeded).  seq_cst.  (The
-    inference channel's slot words: wire/inference.py.)"""
+    inference channel's slot words: inference/layout.py.)"""
     return _cas(words, i, np.uint64(expected), np.uint64(new))
 
 

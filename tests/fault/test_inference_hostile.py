@@ -24,8 +24,9 @@ import numpy as np
 
 import shmreplay
 from inferencekit import FORK, env_main, raw_ctrl, raw_segment, reachable, serve, server, state
-from shmreplay.wire import atomics, futex
-from shmreplay.wire import inference as wi
+from shmreplay.inference import futex
+from shmreplay.inference import layout as wi
+from shmreplay.wire import atomics
 from waiting import HANG_S, reap, wait_for
 
 

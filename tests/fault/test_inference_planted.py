@@ -29,7 +29,7 @@ import shmreplay
 from inferencekit import (FORK, PREFIX, env_main, policy, raw_ctrl, raw_segment, reachable, serve, serve_env, server,
                           state, token_of)
 from people import ADMIN, MEMBER, STRANGER, as_user, needs_root, users  # noqa: F401 (a fixture)
-from shmreplay.wire import inference_fd as wfd
+from shmreplay.inference import memfd as wfd
 from waiting import HANG_S, reap, wait_for
 
 TOKEN = "5badc0de5badc0de"
@@ -294,7 +294,7 @@ def write_header(buf, word: int, value: int) -> int:
 
 def test_an_env_refuses_a_segment_whose_header_is_wrong():
     """Each wrong thing in a real server's header gets ``LayoutError`` saying
-    what is wrong (wire/inference.py ``read_layout``); the server, whose
+    what is wrong (inference/layout.py ``read_layout``); the server, whose
     header it was, serves on.  (The segment's size cannot be wrong: it is
     sealed, fault/test_inference_hostile.py.)"""
     bad_magic = int.from_bytes(b"NOTMINE!", "little")

@@ -3,7 +3,9 @@
 ``safedir.py`` (every directory the daemon writes in: checked component
 by component, made with its mode and group, walked and pruned without
 following a link), ``durable.py`` (a durable file-backed table's metadata
-file: one sync's steps, reading it back after a reboot), ``checkpoint.py``
+file: one sync's steps, reading it back after a reboot) with
+``metafile.py`` (that file's bytes: two copies written in place in turn),
+``checkpoint.py``
 (a table's checkpoint directory: write, prune) with ``ckread.py`` (list,
 load, restore) and ``rowread.py`` (rows read with ``pread``, never through
 a mapping a client can truncate), ``storage.py`` (which ``storage_dir`` is

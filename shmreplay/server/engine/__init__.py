@@ -2,7 +2,8 @@
 
 ``engine.py`` (``Engine``: the loop, one handler per record op, every
 reply built and sent there, the entry points the control plane submits),
-``parking.py`` (RESERVEs and SAMPLEs waiting for a table's limits),
+``commands.py`` (each record of a client's ring applied to its table, its
+reply built), ``parking.py`` (RESERVEs and SAMPLEs waiting for a table's limits),
 ``outbox.py`` (an attached client: its channel and the replies waiting
 for room in its ring), ``idle.py`` (spin, then sleep on the doorbells),
 ``calls.py`` (calls handed in by the control plane).

@@ -1,6 +1,6 @@
 """Sleeping on, and waking, a 32-bit word in shared memory: the raw futex syscall.
 
-The inference channel's bells (``wire/inference.py``) are words of its
+The inference channel's bells (``layout.py``) are words of its
 segment, not semaphores.  A glibc semaphore keeps its own bookkeeping in
 the bytes it shares (its count, its waiters, and whether it is private),
 and aborts the process (``The futex facility returned an unexpected error

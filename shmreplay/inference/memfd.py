@@ -1,6 +1,6 @@
 """The inference channel's memfd: making it, its address, and an env's opening of it.
 
-A channel (``wire/inference.py`` has its bytes) is one memfd the learner
+A channel (``layout.py`` has its bytes) is one memfd the learner
 process (the server) makes (``create_channel``): mode 0600, its pages
 reserved, sealed against shrinking and growing (``F_SEAL_SHRINK |
 F_SEAL_GROW | F_SEAL_SEAL``) before it is mapped, so no process, the
@@ -29,8 +29,8 @@ import secrets
 import stat
 
 from ..errors import InferenceClosed, LayoutError, PermissionDenied, ShmFull
-from .inference import HEADER_BYTES, H_TOKEN
-from .segment import prefault
+from ..wire.segment import prefault
+from .layout import HEADER_BYTES, H_TOKEN
 
 MAX_PREFIX = 200   # a memfd's name: at most 249 bytes
 DEFAULT_LABEL = "shmreplay.inf"

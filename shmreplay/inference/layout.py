@@ -1,11 +1,11 @@
 """The inference channel's bytes: its layout, its slot words and bells.
 
-An inference channel (``client/inference.py``; docs/protocol.md,
+An inference channel (``server.py`` and ``env.py``; docs/protocol.md,
 "Inference channel") is one sealed memfd that the learner process (the
-server) makes, reached through its descriptor (``wire/inference_fd.py``:
+server) makes, reached through its descriptor (``memfd.py``:
 making it, its address, an env's opening of it).  Its address's token is
 header word 13, so an env tells it from whatever that descriptor number
-holds later.  The bells are words of the channel (``wire/futex.py``).
+holds later.  The bells are words of the channel (``futex.py``).
 
 The segment (every offset a multiple of 64, ``Layout``)::
 
@@ -46,8 +46,8 @@ import numpy as np
 
 from ..errors import FieldError, LayoutError
 from ..fields import Field, cannot_store, parse_fields, unconvertible
+from ..wire.atomics import cas, store
 from . import futex
-from .atomics import cas, store
 
 MAGIC = int.from_bytes(b"SHMRINF\x01", "little")
 VERSION = 3  # 3: a sealed memfd reached through the server's descriptor (2: a /dev/shm name; 1 had semaphores)

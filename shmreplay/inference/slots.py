@@ -1,6 +1,6 @@
 """An InferenceServer's books of its slots, and its reading of their state words.
 
-Every state word of an inference channel (``wire/inference.py``) may have
+Every state word of an inference channel (``layout.py``) may have
 been written by any process of the user, so the server decides from these
 books alone: which env (pid and start time) holds each slot, and whether
 a request of it was taken and not yet answered (``pending``).  A word is
@@ -29,8 +29,7 @@ At least every ``CHECK_S`` while the server serves or waits,
 zombies and reports them as lost once, and ``mend`` (the server's
 ``Header``) writes back its header where anyone changed it.  Every word
 goes to a kernel as a uint64, so no value a process can write overflows
-a call.  Used by
-``client/inference.py`` only, on the server's thread.
+a call.  Used by ``server.py`` only, on the server's thread.
 """
 
 from __future__ import annotations
@@ -43,8 +42,8 @@ import numpy as np
 from ..errors import FieldError, ReplayError
 from ..numbaconf import JIT
 from ..wire import atomics
-from ..wire import inference as wi
-from ..wire.inference import ATTACHING, DONE, IDLE, POSTED, SLOT_WORDS, TAKEN, W_SLEEPS
+from . import layout as wi
+from .layout import ATTACHING, DONE, IDLE, POSTED, SLOT_WORDS, TAKEN, W_SLEEPS
 
 ATTACH_GRACE_S = 1.0  # an attach takes microseconds: a slot left mid-attach longer is freed
 _U8, _IDLE, _DONE, _POSTED, _TAKEN, _ONE, _ZERO = (np.uint64(x) for x in (8, IDLE, DONE, POSTED, TAKEN, 1, 0))

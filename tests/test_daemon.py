@@ -2,8 +2,10 @@
 shutdown as a client sees them (none there, stopping), idle cost, timeouts
 when it hangs, a second daemon refused, systemd, fork and spawn."""
 
+import dataclasses
 import multiprocessing as mp
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -12,9 +14,10 @@ import time
 import pytest
 
 import shmreplay
-from conftest import SMALL_FIELDS, shm_entries, write_config
+from conftest import ROOT, SMALL_FIELDS, shm_entries, write_config
 from items import TABLE, good_row, ids, insert_ids
 from waiting import HANG_S, all_threads_stopped, thread_states, wait_for
+from shmreplay.server.control.config import DAEMON_KEYS, DaemonConfig, load_config, parse_config
 from shmreplay.wire.names import lock_path
 
 
@@ -154,6 +157,21 @@ def test_every_wait_has_a_timeout(start_daemon):
     finally:
         os.kill(d.pid, signal.SIGCONT)
     c.close()
+
+
+def test_the_bundled_config_documents_every_key_and_its_default():
+    """daemon/shmreplayd.toml says "the values below are the defaults unless
+    noted": each [daemon] value it sets must be the one a config without it
+    gets, and every key must appear there (set, or commented out where it
+    has no value by default)."""
+    path = os.path.join(ROOT, "daemon", "shmreplayd.toml")
+    with open(path) as f:
+        text = f.read()
+    undocumented = sorted(k for k in DAEMON_KEYS if not re.search(rf"^#? ?{k} = ", text, re.M))
+    assert not undocumented, f"{path} does not mention {undocumented}"
+    bundled = dataclasses.replace(load_config(path), tables=[])  # its demo table is no default
+    fields = dataclasses.asdict  # a failure names the field that differs
+    assert fields(bundled) == fields(parse_config({})) == fields(DaemonConfig())
 
 
 def test_bad_config_exits_with_a_message(tmp_path):

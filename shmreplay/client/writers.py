@@ -20,6 +20,7 @@ rule as ``Table``: one thread per writer.
 from __future__ import annotations
 
 import collections
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -41,6 +42,23 @@ def _as_step(table, field, value, shape) -> np.ndarray:
     if a.dtype != dtype and not np.can_cast(a.dtype, dtype, "same_kind"):
         raise FieldError(f"table {table.name!r}, field {field!r}: {cannot_store(a.dtype, dtype)}")
     return a
+
+
+@dataclass(slots=True)
+class OpenItem:
+    """An item a writer has begun in a slot of its lease and not committed:
+    where the slot came from (``rid``, ``pos``: what the lease commits or
+    hands back) and how many steps it holds so far."""
+    rid: int
+    pos: int
+    slot: int
+    steps: int = 0
+
+
+@dataclass(slots=True)
+class OpenTransition(OpenItem):
+    """An n-step transition begun: also its discounted reward so far."""
+    ret: float = 0.0
 
 
 def _roles(table, roles, given) -> dict:
@@ -95,7 +113,7 @@ class SequenceWriter:
         self.length_field, self.priority_fn = length_field, priority_fn
         self.timeout = timeout
         self.lease = table.lease()
-        self.open: collections.deque = collections.deque()  # [rid, pos, slot, steps written]
+        self.open: collections.deque[OpenItem] = collections.deque()
         self.t = 0  # steps of the current episode so far
 
     def append(self, **step) -> None:
@@ -123,18 +141,18 @@ class SequenceWriter:
             rid, pos, slot = self.lease.take(deadline_of(self.timeout))
             for name in self.seq_fields:
                 views[name][slot] = arrays[name]
-            self.open.append([rid, pos, slot, 0])
+            self.open.append(OpenItem(rid, pos, slot))
         for item in self.open:
-            slot, i = item[2], item[3]
+            slot, i = item.slot, item.steps
             for name in self.time_fields:
                 views[name][slot, i] = arrays[name]
-            item[3] = i + 1
-        while self.open and self.open[0][3] == self.length:
+            item.steps = i + 1
+        while self.open and self.open[0].steps == self.length:
             self._commit(self.open.popleft())
         self.t += 1  # last: a call run again after a reconnect counts its step once
 
-    def _commit(self, item) -> None:
-        rid, pos, slot, n = item
+    def _commit(self, item: OpenItem) -> None:
+        slot, n = item.slot, item.steps
         views = self.lease.views
         if n < self.length:
             for name in self.time_fields:
@@ -143,7 +161,7 @@ class SequenceWriter:
         prio = None
         if self.priority_fn is not None:
             prio = self.priority_fn({f: views[f][slot] for f in views})
-        self.lease.commit(rid, pos, prio)
+        self.lease.commit(item.rid, item.pos, prio)
 
     def end_episode(self) -> None:
         """Pad and commit every open sequence; the next step starts an episode."""
@@ -226,7 +244,7 @@ class NStepWriter:
         self.table, self.n, self.gamma, self.priority_fn = table, n, float(gamma), priority_fn
         self.timeout = timeout
         self.lease = table.lease()
-        self.open: collections.deque = collections.deque()  # [rid, pos, slot, return, steps]
+        self.open: collections.deque[OpenTransition] = collections.deque()
 
     def append(self, obs, action, reward, next_obs, terminated: bool = False,
                truncated: bool = False, **extras) -> None:
@@ -254,27 +272,28 @@ class NStepWriter:
         role = self.role
         for k in (role["obs"], role["action"], *self.extras):
             views[k][slot] = arrays[k]
-        self.open.append([rid, pos, slot, 0.0, 0])
+        self.open.append(OpenTransition(rid, pos, slot))
+        gamma = self.gamma
         for item in self.open:
-            item[3] += self.gamma ** item[4] * r
-            item[4] += 1
+            item.ret += gamma ** item.steps * r
+            item.steps += 1
         if terminated or truncated:
             while self.open:
                 self._commit(self.open.popleft(), arrays[role["next_obs"]], bool(terminated))
             return
-        if self.open[0][4] == self.n:
+        if self.open[0].steps == self.n:
             self._commit(self.open.popleft(), arrays[role["next_obs"]], False)
 
-    def _commit(self, item, next_obs, terminated: bool) -> None:
-        rid, pos, slot, ret, m = item
+    def _commit(self, item: OpenTransition, next_obs, terminated: bool) -> None:
+        slot = item.slot
         v, role = self.lease.views, self.role
-        v[role["reward"]][slot] = ret
-        v[role["discount"]][slot] = 0.0 if terminated else self.gamma ** m
+        v[role["reward"]][slot] = item.ret
+        v[role["discount"]][slot] = 0.0 if terminated else self.gamma ** item.steps
         v[role["next_obs"]][slot] = next_obs
         prio = None
         if self.priority_fn is not None:
             prio = self.priority_fn({f: v[f][slot] for f in v})
-        self.lease.commit(rid, pos, prio)
+        self.lease.commit(item.rid, item.pos, prio)
 
     def close(self, timeout: float | None = None) -> None:
         """Drop unfinished transitions (their slots go back) and unused slots.
@@ -284,7 +303,7 @@ class NStepWriter:
         waits for the rate limiter; ``timeout`` (default: the client's)
         bounds the wait for a reservation reply already on its way."""
         # open items are the newest taken, so nothing committed follows them
-        abandoned = [] if self.lease.renewed else [item[:3] for item in self.open]
+        abandoned = [] if self.lease.renewed else [(o.rid, o.pos, o.slot) for o in self.open]
         self.open.clear()
         self.lease.release(abandoned, timeout)
 

@@ -8,12 +8,28 @@ Who calls it: one thread of a producer.
 from __future__ import annotations
 
 import collections
+from dataclasses import dataclass
 
 import numpy as np
 import ray
 
 from ..errors import ReplayError
 from .writer import RemoteWriter
+
+
+@dataclass(slots=True)
+class PendingItem:
+    """An item begun in the producer and not sent yet: its row so far and
+    how many steps it holds."""
+    row: dict
+    steps: int = 0
+
+
+@dataclass(slots=True)
+class PendingTransition(PendingItem):
+    """An n-step transition begun (``row``: its first step's values): also
+    its discounted reward so far."""
+    ret: float = 0.0
 
 
 class RemoteNStepWriter:
@@ -33,7 +49,7 @@ class RemoteNStepWriter:
         self.role = {r: str((fields or {}).get(r, r)) for r in self.ROLES}
         self.n, self.gamma, self.priority_fn = n, float(gamma), priority_fn
         self.writer = RemoteWriter(ingest, chunk, in_flight, hold=hold)
-        self.open: collections.deque = collections.deque()  # [first step's values, return, steps]
+        self.open: collections.deque[PendingTransition] = collections.deque()
 
     def append(self, obs, action, reward, next_obs, terminated: bool = False, truncated: bool = False,
                **extras) -> None:
@@ -43,22 +59,22 @@ class RemoteNStepWriter:
         role = self.role
         # copies: the step's values stay open for n steps, and the caller may
         # reuse its buffers meanwhile (an env's observation array)
-        self.open.append([{role["obs"]: np.array(obs), role["action"]: np.array(action),
-                           **{k: np.array(v) for k, v in extras.items()}}, 0.0, 0])
+        self.open.append(PendingTransition({role["obs"]: np.array(obs), role["action"]: np.array(action),
+                                            **{k: np.array(v) for k, v in extras.items()}}))
+        gamma = self.gamma
         for item in self.open:
-            item[1] += self.gamma ** item[2] * r
-            item[2] += 1
+            item.ret += gamma ** item.steps * r
+            item.steps += 1
         if terminated or truncated:
             while self.open:
                 self._emit(self.open.popleft(), next_obs, bool(terminated))
-        elif self.open[0][2] == self.n:
+        elif self.open[0].steps == self.n:
             self._emit(self.open.popleft(), next_obs, False)
 
-    def _emit(self, item, next_obs, terminated: bool) -> None:
-        values, ret, m = item
+    def _emit(self, item: PendingTransition, next_obs, terminated: bool) -> None:
         role = self.role
-        row = {**values, role["reward"]: np.float32(ret),
-               role["discount"]: np.float32(0.0 if terminated else self.gamma ** m),
+        row = {**item.row, role["reward"]: np.float32(item.ret),
+               role["discount"]: np.float32(0.0 if terminated else self.gamma ** item.steps),
                role["next_obs"]: np.array(next_obs)}
         prio = None if self.priority_fn is None else self.priority_fn(row)
         self.writer.insert(priority=prio, **row)
@@ -93,7 +109,7 @@ class RemoteSequenceWriter:
         self.length, self.period, self.length_field = length, period, length_field
         self.priority_fn = priority_fn
         self.writer = RemoteWriter(ingest, chunk, in_flight, hold=hold)
-        self.open: collections.deque = collections.deque()  # [row arrays, steps written]
+        self.open: collections.deque[PendingItem] = collections.deque()
         self.t = 0
 
     def append(self, **step) -> None:
@@ -104,19 +120,19 @@ class RemoteSequenceWriter:
             for k in self.spec:
                 if k not in self.time_fields:
                     row[k][...] = step[k]
-            self.open.append([row, 0])
+            self.open.append(PendingItem(row))
         for item in self.open:
-            row, i = item
+            row, i = item.row, item.steps
             for k in self.time_fields:
                 row[k][i] = step[k]
-            item[1] = i + 1
-        while self.open and self.open[0][1] == self.length:
+            item.steps = i + 1
+        while self.open and self.open[0].steps == self.length:
             self._emit(self.open.popleft())
         self.t += 1
 
-    def _emit(self, item) -> None:
-        row, n = item
-        row[self.length_field] = np.int64(n)
+    def _emit(self, item: PendingItem) -> None:
+        row = item.row
+        row[self.length_field] = np.int64(item.steps)
         prio = None if self.priority_fn is None else self.priority_fn(row)
         self.writer.insert(priority=prio, **row)
 

@@ -292,12 +292,6 @@ def put_flush(ring, seq: int) -> bool:
     return _put(ring, (), FLUSH, 0, seq)
 
 
-def put_raw(ring, seq: int, op: int, table: int, a0: int = 0, a1: int = 0, a2: int = 0,
-            f0: float = 0.0, parts: tuple = ()) -> bool:
-    """Any record at all, as a misbehaving client could write it (fuzz tests)."""
-    return _put(ring, tuple(parts), op, table, seq, a0, a1, a2, f0)
-
-
 # ---- replies: the engine builds them, the client reads them ----
 class Reply(NamedTuple):
     """A reply waiting in the engine's outbox for room in the client's ring."""

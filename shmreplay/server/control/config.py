@@ -26,22 +26,13 @@ from ..disk.prefetch import METHODS as PREFETCH_METHODS
 from ..tables.ledger import SlotLimits
 
 _INSTANCE = re.compile(r"^[A-Za-z0-9_-]{1,32}$")
-DAEMON_KEYS = {"socket", "instance", "segment_mode", "spin_us", "learner_spin_us", "idle_timeout_s",
-               "log_level", "seed",
-               "retain_tables", "checkpoint_dir", "checkpoint_interval_s",
-               "checkpoint_keep", "checkpoint_buffer_mb", "group", "allowed_users", "allowed_groups", "admin_group",
-               "max_clients", "max_tables", "hold_timeout_s", "reservation_timeout_s", "max_clients_per_user",
-               "handshake_timeout_s", "storage_dir", "storage_dirs", "durable_file_tables",
-               "sync_interval_s", "prefetch_threads", "prefetch_queue", "prefetch_method",
-               "metrics_address", "metrics_port", "metrics_socket", "metrics_tcp_tables"}
-# per-user limits (server/control/quotas.py, gate.py, descriptors.py)
-DAEMON_KEYS |= {"max_tables_per_user", "reserved_tables", "file_quota_bytes_per_user",
-                "max_lingering_refusals", "max_lingering_refusals_per_user", "refusal_linger_s",
-                "reserved_descriptors", "reserved_clients"}
 
 
 @dataclass
 class DaemonConfig:
+    """Every [daemon] key, its default the field's: ``parse_config`` starts from
+    ``DaemonConfig()`` and reads each key over it.  A key named otherwise in
+    the file than here (a name there, an id here) says so in ``metadata``."""
     socket: str = ""
     instance: str = "default"
     segment_mode: int = 0o660
@@ -64,10 +55,10 @@ class DaemonConfig:
     checkpoint_buffer_mb: float = 1024.0  # rows gathered ahead of the disk (disk/checkpoint.py)
     # access control: the socket and every segment are owned by ``gid`` with
     # segment_mode; connections are checked with SO_PEERCRED (server.py)
-    gid: int = -1                     # -1: the daemon's own group (chown's "unchanged")
-    allowed_uids: set = field(default_factory=set)
-    allowed_gids: set = field(default_factory=set)
-    admin_gid: int | None = None
+    gid: int = field(default=-1, metadata={"key": "group"})  # -1: the daemon's own group (chown's "unchanged")
+    allowed_uids: set = field(default_factory=set, metadata={"key": "allowed_users"})
+    allowed_gids: set = field(default_factory=set, metadata={"key": "allowed_groups"})
+    admin_gid: int | None = field(default=None, metadata={"key": "admin_group"})
     max_clients: int = 256
     max_clients_per_user: int = 128   # one user cannot take every connection
     handshake_timeout_s: float = 10.0  # a connection that sends no hello by then is closed
@@ -100,7 +91,7 @@ class DaemonConfig:
     refusal_linger_s: float = 10.0
     reserved_descriptors: int = 64
     reserved_clients: int = 16        # other users together: at most max_clients - this (max_clients // 16)
-    tables: list[TableSpec] = field(default_factory=list)
+    tables: list[TableSpec] = field(default_factory=list, metadata={"key": None})  # [[tables]], not [daemon]
 
     def slot_limits(self) -> SlotLimits:
         """How long a table's slots may stay out of use (holds, reservations)."""
@@ -126,6 +117,9 @@ class DaemonConfig:
                               "(--socket, socket in [daemon], or $SHMREPLAY_SOCKET)")
         return path
 
+
+# the [daemon] keys, as the file names them
+DAEMON_KEYS = frozenset(f.metadata.get("key", f.name) for f in dataclasses.fields(DaemonConfig)) - {None}
 
 
 def check_instance(name: str) -> str:
@@ -154,9 +148,9 @@ def parse_config(doc: dict, where: str = "config") -> DaemonConfig:
     if unknown:
         raise SchemaError(f"{where}: unknown [daemon] keys {sorted(unknown)}")
     cfg = DaemonConfig()
-    cfg.socket = str(d.get("socket", ""))
+    cfg.socket = str(d.get("socket", cfg.socket))
     cfg.instance = check_instance(str(d.get("instance", cfg.instance)))
-    mode = d.get("segment_mode", "0660")
+    mode = d.get("segment_mode", cfg.segment_mode)
     try:
         cfg.segment_mode = int(mode, 8) if isinstance(mode, str) else int(mode)
     except ValueError as exc:
@@ -180,42 +174,42 @@ def parse_config(doc: dict, where: str = "config") -> DaemonConfig:
             raise SchemaError(f"{where}: metrics_port must be an int in 0..65535 (0: any free port), "
                               f"got {port!r}")
         cfg.metrics_port = port
-    cfg.metrics_socket = _metrics_socket(d, where)
-    cfg.metrics_tcp_tables = _bool(d, "metrics_tcp_tables", True, where)
+    cfg.metrics_socket = _metrics_socket(d, cfg.metrics_socket, where)
+    cfg.metrics_tcp_tables = _bool(d, "metrics_tcp_tables", cfg.metrics_tcp_tables, where)
     cfg.log_level = str(d.get("log_level", cfg.log_level))
     if "seed" in d:
         if not isinstance(d["seed"], int) or d["seed"] < 0:
             raise SchemaError(f"{where}: seed must be an int >= 0, got {d['seed']!r}")
         cfg.seed = d["seed"]
-    cfg.retain_tables = _bool(d, "retain_tables", False, where)
+    cfg.retain_tables = _bool(d, "retain_tables", cfg.retain_tables, where)
     # 0 would free held slots before any learner could copy their rows
-    cfg.hold_timeout_s = _number(d, "hold_timeout_s", 5.0, where, lo=0.001)
-    cfg.reservation_timeout_s = _number(d, "reservation_timeout_s", 60.0, where, lo=0.001)
-    cfg.checkpoint_dir = str(d.get("checkpoint_dir", ""))
+    cfg.hold_timeout_s = _number(d, "hold_timeout_s", cfg.hold_timeout_s, where, lo=0.001)
+    cfg.reservation_timeout_s = _number(d, "reservation_timeout_s", cfg.reservation_timeout_s, where, lo=0.001)
+    cfg.checkpoint_dir = str(d.get("checkpoint_dir", cfg.checkpoint_dir))
     if cfg.checkpoint_dir and not os.path.isabs(cfg.checkpoint_dir):
         raise SchemaError(f"{where}: checkpoint_dir must be an absolute path, got {cfg.checkpoint_dir!r}")
-    cfg.checkpoint_interval_s = _number(d, "checkpoint_interval_s", 0.0, where)
+    cfg.checkpoint_interval_s = _number(d, "checkpoint_interval_s", cfg.checkpoint_interval_s, where)
     if cfg.checkpoint_interval_s and not cfg.checkpoint_dir:
         raise SchemaError(f"{where}: checkpoint_interval_s needs checkpoint_dir")
-    cfg.checkpoint_keep = int(_number(d, "checkpoint_keep", 2, where, lo=1))
-    cfg.checkpoint_buffer_mb = _number(d, "checkpoint_buffer_mb", 1024.0, where)
-    cfg.max_clients = int(_number(d, "max_clients", 256, where, lo=1))
-    cfg.max_clients_per_user = int(_number(d, "max_clients_per_user", 128, where, lo=1))
-    cfg.handshake_timeout_s = _number(d, "handshake_timeout_s", 10.0, where, lo=0.01)
-    cfg.max_tables = int(_number(d, "max_tables", 64, where, lo=1))
+    cfg.checkpoint_keep = int(_number(d, "checkpoint_keep", cfg.checkpoint_keep, where, lo=1))
+    cfg.checkpoint_buffer_mb = _number(d, "checkpoint_buffer_mb", cfg.checkpoint_buffer_mb, where)
+    cfg.max_clients = int(_number(d, "max_clients", cfg.max_clients, where, lo=1))
+    cfg.max_clients_per_user = int(_number(d, "max_clients_per_user", cfg.max_clients_per_user, where, lo=1))
+    cfg.handshake_timeout_s = _number(d, "handshake_timeout_s", cfg.handshake_timeout_s, where, lo=0.01)
+    cfg.max_tables = int(_number(d, "max_tables", cfg.max_tables, where, lo=1))
     if d.get("group", ""):
         cfg.gid = group_id(d["group"], where)
     cfg.allowed_uids = {user_id(u, where) for u in _list(d, "allowed_users", where)}
     cfg.allowed_gids = {group_id(g, where) for g in _list(d, "allowed_groups", where)}
     if d.get("admin_group", ""):
         cfg.admin_gid = group_id(d["admin_group"], where)
-    cfg.storage_dir = _abs_dir(d.get("storage_dir", ""), "storage_dir", where)
+    cfg.storage_dir = _abs_dir(d.get("storage_dir", cfg.storage_dir), "storage_dir", where)
     cfg.storage_dirs = {_abs_dir(p, "storage_dirs", where) for p in _list(d, "storage_dirs", where)}
     cfg.storage_dirs |= {cfg.storage_dir} - {""}
-    cfg.durable_file_tables = _bool(d, "durable_file_tables", True, where)
-    cfg.sync_interval_s = _number(d, "sync_interval_s", 10.0, where)
-    cfg.prefetch_threads = int(_number(d, "prefetch_threads", 16, where))
-    cfg.prefetch_queue = int(_number(d, "prefetch_queue", 4096, where, lo=1))
+    cfg.durable_file_tables = _bool(d, "durable_file_tables", cfg.durable_file_tables, where)
+    cfg.sync_interval_s = _number(d, "sync_interval_s", cfg.sync_interval_s, where)
+    cfg.prefetch_threads = int(_number(d, "prefetch_threads", cfg.prefetch_threads, where))
+    cfg.prefetch_queue = int(_number(d, "prefetch_queue", cfg.prefetch_queue, where, lo=1))
     cfg.prefetch_method = str(d.get("prefetch_method", cfg.prefetch_method))
     if cfg.prefetch_method not in PREFETCH_METHODS:
         raise SchemaError(f"{where}: prefetch_method must be one of {', '.join(PREFETCH_METHODS)}, "
@@ -239,7 +233,7 @@ def parse_config(doc: dict, where: str = "config") -> DaemonConfig:
 
 
 def _user_limits(cfg: DaemonConfig, d: dict, where: str) -> None:
-    cfg.max_tables_per_user = int(_number(d, "max_tables_per_user", 16, where, lo=1))
+    cfg.max_tables_per_user = int(_number(d, "max_tables_per_user", cfg.max_tables_per_user, where, lo=1))
     # default: a sixteenth of max_tables (4 of the default 64), at least one
     cfg.reserved_tables = int(_number(d, "reserved_tables", max(1, cfg.max_tables // 16), where, lo=1))
     if cfg.reserved_tables > cfg.max_tables:  # 1 or more: the daemon's user can always create one
@@ -247,10 +241,10 @@ def _user_limits(cfg: DaemonConfig, d: dict, where: str) -> None:
                           f"({cfg.max_tables}); it is the part of max_tables kept for the daemon's user")
     if "file_quota_bytes_per_user" in d:  # unset: the default share (quotas.py)
         cfg.file_quota_bytes_per_user = int(_number(d, "file_quota_bytes_per_user", 0, where))
-    cfg.max_lingering_refusals = int(_number(d, "max_lingering_refusals", 16, where))
-    cfg.max_lingering_refusals_per_user = int(_number(d, "max_lingering_refusals_per_user", 4, where))
-    cfg.refusal_linger_s = _number(d, "refusal_linger_s", 10.0, where)
-    cfg.reserved_descriptors = int(_number(d, "reserved_descriptors", 64, where))
+    cfg.max_lingering_refusals = int(_number(d, "max_lingering_refusals", cfg.max_lingering_refusals, where))
+    cfg.max_lingering_refusals_per_user = int(_number(d, "max_lingering_refusals_per_user", cfg.max_lingering_refusals_per_user, where))
+    cfg.refusal_linger_s = _number(d, "refusal_linger_s", cfg.refusal_linger_s, where)
+    cfg.reserved_descriptors = int(_number(d, "reserved_descriptors", cfg.reserved_descriptors, where))
     cfg.reserved_clients = int(_number(d, "reserved_clients", max(1, cfg.max_clients // 16), where, lo=1))
     if cfg.reserved_clients > cfg.max_clients:  # 1 or more: root and the daemon's user can always connect
         raise SchemaError(f"{where}: reserved_clients ({cfg.reserved_clients}) may not exceed max_clients "
@@ -303,8 +297,8 @@ def group_id(g, where: str = "config") -> int:
         raise SchemaError(f"{where}: no group {g!r} on this machine") from None
 
 
-def _metrics_socket(d: dict, where: str) -> str:
-    path = d.get("metrics_socket", "")
+def _metrics_socket(d: dict, default: str, where: str) -> str:
+    path = d.get("metrics_socket", default)
     if not isinstance(path, str) or (path and not os.path.isabs(path)):
         raise SchemaError(f"{where}: metrics_socket must be an absolute path, the Unix socket to serve "
                           f"metrics on (e.g. \"/run/shmreplay/main.metrics.sock\"), got {path!r}")

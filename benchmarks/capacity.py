@@ -34,9 +34,7 @@ import sys
 import tempfile
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from shmreplay.bench import disk, runner, seedrow  # noqa: E402
+from shmreplay.bench import disk, runner, seedrow
 
 W = disk.DQN
 BATCH = 256

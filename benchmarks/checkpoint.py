@@ -26,9 +26,7 @@ import time
 
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-import shmreplay  # noqa: E402
+import shmreplay
 
 
 def worker(sock, kind, stop, out, rate):

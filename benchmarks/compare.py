@@ -32,15 +32,14 @@ import tarfile
 import tempfile
 import time
 
-HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, HERE)
+from shmreplay.bench import runner
 
-from shmreplay.bench import runner  # noqa: E402
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # this checkout: the "after" side
 METRICS = ("items_per_s", "batches_per_s", "inserts_per_s", "median_us")  # median_us: lower is better
 
 
 def export(rev: str, into: str) -> str:
-    tar = subprocess.run(["git", "-C", HERE, "archive", rev], check=True, capture_output=True).stdout
+    tar = subprocess.run(["git", "-C", ROOT, "archive", rev], check=True, capture_output=True).stdout
     with tarfile.open(fileobj=io.BytesIO(tar)) as t:
         t.extractall(into, filter="data")
     return into
@@ -72,13 +71,13 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     runs: dict = {}
     with tempfile.TemporaryDirectory(prefix="shmreplay-before-") as tmp:
-        trees = {"before": export(a.before, tmp), "after": HERE}
+        trees = {"before": export(a.before, tmp), "after": ROOT}
         bench = os.path.join(tmp, "shmreplay", "bench")
         shutil.rmtree(bench, ignore_errors=True)
-        shutil.copytree(os.path.join(HERE, "shmreplay", "bench"), bench,
+        shutil.copytree(os.path.join(ROOT, "shmreplay", "bench"), bench,
                         ignore=shutil.ignore_patterns("__pycache__"))
         if a.peer:
-            trees[a.peer] = HERE
+            trees[a.peer] = ROOT
         for rep in range(a.repeats):
             for w in a.workloads.split(","):
                 for cell in a.cells.split(","):
@@ -108,7 +107,7 @@ def main(argv=None) -> int:
                     mp_ = statistics.median(p)
                     line += f" {mp_:,.0f} | {mf / mp_:.2f} |"
                 print(line)
-    out = os.path.join(HERE, "benchmarks", "results", time.strftime("compare-%Y%m%d-%H%M%S.json"))
+    out = os.path.join(ROOT, "benchmarks", "results", time.strftime("compare-%Y%m%d-%H%M%S.json"))
     os.makedirs(os.path.dirname(out), exist_ok=True)
     with open(out, "w") as f:
         json.dump({"before": a.before, "peer": a.peer, "capacity": a.capacity, "runs": [{"workload": w, "cell": c, **sides}

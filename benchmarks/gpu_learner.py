@@ -30,16 +30,13 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing as mp
-import os
 import sys
 import time
 
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-import shmreplay  # noqa: E402
-from shmreplay.bench.workloads import WORKLOADS  # noqa: E402
+import shmreplay
+from shmreplay.bench.workloads import WORKLOADS
 
 W = WORKLOADS["dqn-atari"]
 CAPACITY = 20_000

@@ -24,12 +24,10 @@ import time
 
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from shmreplay.bench.workloads import WORKLOADS  # noqa: E402
-from shmreplay.schema import make_spec  # noqa: E402
-from shmreplay.server.tables import sumtree  # noqa: E402
-from shmreplay.wire.layout import TableMap  # noqa: E402
+from shmreplay.bench.workloads import WORKLOADS
+from shmreplay.schema import make_spec
+from shmreplay.server.tables import sumtree
+from shmreplay.wire.layout import TableMap
 
 
 def main(argv=None) -> int:

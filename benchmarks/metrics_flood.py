@@ -28,10 +28,8 @@ import urllib.request
 
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-import shmreplay  # noqa: E402
-from shmreplay.bench.workloads import WORKLOADS  # noqa: E402
+import shmreplay
+from shmreplay.bench.workloads import WORKLOADS
 
 W = WORKLOADS["sac-mujoco"]
 

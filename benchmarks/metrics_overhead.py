@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import multiprocessing as mp
-import os
 import statistics
 import sys
 import time
@@ -22,10 +21,8 @@ import urllib.request
 
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-import shmreplay  # noqa: E402
-from shmreplay.bench.workloads import WORKLOADS  # noqa: E402
+import shmreplay
+from shmreplay.bench.workloads import WORKLOADS
 
 W = WORKLOADS["sac-mujoco"]
 

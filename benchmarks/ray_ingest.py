@@ -35,12 +35,10 @@ import statistics
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-import shmreplay  # noqa: E402
-from shmreplay.bench.peers import process_cpu_seconds as cpu_seconds  # noqa: E402
-from shmreplay.bench.raycluster import LocalCluster, token_auth  # noqa: E402
-from shmreplay.bench.workloads import WORKLOADS  # noqa: E402
+import shmreplay
+from shmreplay.bench.peers import process_cpu_seconds as cpu_seconds
+from shmreplay.bench.raycluster import LocalCluster, token_auth
+from shmreplay.bench.workloads import WORKLOADS
 
 token_auth()  # before anything imports ray: the cluster listens on every interface
 
@@ -150,8 +148,9 @@ def main(argv=None) -> int:
     results = []
     try:
         cluster.start()
+        # the workers import the shmreplay this driver measures (an editable checkout or an installed copy)
         head = cluster.connect(runtime_env={"env_vars": {
-            "PYTHONPATH": os.path.dirname(os.path.dirname(os.path.abspath(__file__)))}})
+            "PYTHONPATH": os.path.dirname(os.path.dirname(os.path.abspath(shmreplay.__file__)))}})
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
         sink = Sink.options(scheduling_strategy=NodeAffinitySchedulingStrategy(head, soft=False)).remote()
         for wl in a.workloads:

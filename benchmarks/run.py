@@ -17,10 +17,8 @@ import argparse
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from shmreplay.bench import runner  # noqa: E402
-from shmreplay.bench.workloads import WORKLOADS  # noqa: E402
+from shmreplay.bench import runner
+from shmreplay.bench.workloads import WORKLOADS
 
 TARGETS = """targets (issue 3): single-client cells >= 2x best peer; multiprocess cells >= 3x;
 dqn-atari and r2d2-seq gather >= 70% of numpy's gather ceiling; sample round trip median

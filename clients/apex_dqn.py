@@ -38,12 +38,9 @@ import time
 
 import numpy as np
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-if HERE not in sys.path:
-    sys.path.insert(0, HERE)
+import shmreplay
 
-import dqn  # noqa: E402
-import shmreplay  # noqa: E402
+import dqn  # clients/dqn.py, found because a script's own folder is first on sys.path
 
 GREEDY_EPS = 0.01
 
@@ -218,8 +215,9 @@ class RayCrew:
         import ray
         import shmreplay.ray as sray
         self.ray = ray
-        ray.init(address=args.ray, runtime_env={"working_dir": HERE}, logging_level="ERROR",
-                 log_to_driver=False)
+        # the workers import dqn (the actors' code refers to it) from a copy of its folder
+        ray.init(address=args.ray, runtime_env={"working_dir": os.path.dirname(os.path.abspath(dqn.__file__))},
+                 logging_level="ERROR", log_to_driver=False)
         self.ingest = sray.start_ingest(server.socket, "replay")
         self.relay = sray.start_parameter_relay(server.socket, "policy", like)
         opts = dict(num_cpus=1, max_concurrency=2)

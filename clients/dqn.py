@@ -2,8 +2,10 @@
 learner step, the Ape-X epsilon ladder, and the progress report (one line
 a second, a CSV and a PNG learning curve at the end).
 
-Not a program: ``apex_dqn.py`` and ``seed_learner.py`` import it (run them
-from anywhere: their own folder is on ``sys.path``).  Needs the examples
+Not a program: ``apex_dqn.py`` and ``seed_learner.py`` import it as a plain
+module (``import dqn``): Python puts a script's own folder first on
+``sys.path``, so they run from any directory; their Ray workers get this
+folder as their working directory.  Needs the examples
 extra: ``pip install "shmreplay[examples]"`` (torch, gymnasium,
 matplotlib); Atari ids also need ``shmreplay[atari]``.
 """

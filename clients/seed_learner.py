@@ -33,19 +33,15 @@ from __future__ import annotations
 
 import argparse
 import multiprocessing as mp
-import os
 import sys
 import threading
 import time
 
 import numpy as np
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-if HERE not in sys.path:
-    sys.path.insert(0, HERE)
+import shmreplay
 
-import dqn  # noqa: E402
-import shmreplay  # noqa: E402
+import dqn  # clients/dqn.py, found because a script's own folder is first on sys.path
 
 GREEDY_EPS = 0.01
 

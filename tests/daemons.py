@@ -23,6 +23,7 @@ import zygote
 from shmreplay.wire.names import lock_path
 
 _counter = itertools.count()
+CHECKOUT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DAEMON_COMMAND = [sys.executable, "-m", "shmreplay.server.daemon"]
 _zygote: zygote.Zygote | None = None
 
@@ -51,6 +52,16 @@ def nested_env(**extra: str) -> dict[str, str]:
            if not (k.startswith("PYTEST_XDIST_") or k in ("PYTEST_CURRENT_TEST", "PYTEST_ADDOPTS"))}
     env.update(extra)
     return env
+
+
+def checkout_env(**extra: str) -> dict[str, str]:
+    """The environment for a program a test runs (clients/, a benchmark cell, a doc snippet):
+    this one's, with this checkout first on ``PYTHONPATH``, plus ``extra``.
+    The programs import the installed package, as a user's do; run from
+    the suite they must import the code under test, whatever directory
+    they start in and whatever copy is installed."""
+    path = os.environ.get("PYTHONPATH")
+    return {**os.environ, "PYTHONPATH": os.pathsep.join([CHECKOUT] + ([path] if path else [])), **extra}
 
 
 def shm_entries(marker: str = "shmreplay.test") -> set[str]:

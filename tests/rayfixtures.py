@@ -22,6 +22,7 @@ import time
 
 import pytest
 
+from daemons import CHECKOUT
 from shmreplay.bench.raycluster import START_S, LocalCluster, listening
 from waiting import processes, wait_for
 
@@ -37,9 +38,12 @@ HOLD_MAX = 10.0
 @pytest.fixture(scope="module")
 def cluster():
     """The head node's id; workers import the test helpers from this
-    folder (rayproducer.py)."""
+    folder (rayproducer.py) and shmreplay from this checkout (not an
+    installed copy: the code under test, also for clients/apex_dqn.py's
+    actors)."""
     absent = [p for p in RAY_DEFAULTS if not os.path.exists(p)]
-    c = LocalCluster(remote_cpus=3, object_store_bytes=100_000_000, pythonpath=HERE)
+    c = LocalCluster(remote_cpus=3, object_store_bytes=100_000_000,
+                     pythonpath=os.pathsep.join([HERE, CHECKOUT]))
     try:
         c.start()
         yield c.connect()

@@ -8,6 +8,8 @@ import sys
 
 import pytest
 
+from daemons import checkout_env
+
 
 @pytest.mark.parametrize("cell, keys", [
     ("insert64", {"items_per_s", "MB_per_s"}),
@@ -15,7 +17,8 @@ import pytest
 ])
 def test_a_cell_runs_in_its_own_process_and_reports_json(cell, keys):
     out = subprocess.run([sys.executable, "-m", "shmreplay.bench.cells", cell, "shmreplay",
-                          "sac-mujoco", "--seconds", "0.2"], capture_output=True, text=True, timeout=300)
+                          "sac-mujoco", "--seconds", "0.2"], env=checkout_env(), capture_output=True, text=True,
+                         timeout=300)
     assert out.returncode == 0, out.stderr
     res = json.loads(out.stdout.strip().splitlines()[-1])
     assert keys <= res.keys() and all(res[k] > 0 for k in keys)

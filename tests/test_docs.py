@@ -13,6 +13,8 @@ import tempfile
 
 import pytest
 
+from daemons import checkout_env
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FENCE = re.compile(r"^```python\n(.*?)^```", re.S | re.M)
 
@@ -50,8 +52,7 @@ def test_snippet_runs(code, tmp_path):
     # Ray's token authentication comes with the environment (conftest.py:
     # token_auth): a local cluster a snippet starts demands it, and no token
     # file is kept in ~/.ray
-    env = {**os.environ, "PYTHONPATH": os.path.join(ROOT, "clients"), "RAY_TMPDIR": ray_tmp,
-           "RAY_USAGE_STATS_ENABLED": "0"}
+    env = checkout_env(RAY_TMPDIR=ray_tmp, RAY_USAGE_STATS_ENABLED="0")
     env.pop("SHMREPLAY_SOCKET", None)
     p = subprocess.Popen([sys.executable, "-c", code], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
                          stderr=subprocess.STDOUT, text=True)

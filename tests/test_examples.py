@@ -11,6 +11,8 @@ import sys
 
 import pytest
 
+from daemons import checkout_env
+
 pytest.importorskip("torch")
 pytest.importorskip("gymnasium")
 
@@ -30,7 +32,7 @@ def run(program, tmp_path, name, *args):
     cmd = [sys.executable, os.path.join(ROOT, "clients", program), "--max-batches", str(BATCHES),
            "--max-minutes", "8", "--target-return", "1e9", "--min-size", "200", "--out", str(tmp_path),
            "--instance", f"test{os.getpid()}{name}", *args]
-    p = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    p = subprocess.run(cmd, cwd=tmp_path, env=checkout_env(), capture_output=True, text=True, timeout=600)
     assert p.returncode == NOT_REACHED, p.stdout[-3000:] + p.stderr[-3000:]
     stem = os.path.splitext(program)[0]
     done = re.search(rf"^{stem}: stopped \(8 min or --max-batches\); recent return \S+ "

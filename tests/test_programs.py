@@ -14,6 +14,7 @@ import tempfile
 from shmreplay.wire.names import runtime_dir
 
 from conftest import remove_entries
+from daemons import checkout_env
 from waiting import processes, wait_for
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -58,7 +59,7 @@ def test_the_demo_runs_with_the_bundled_config_and_leaves_nothing():
     try:
         run = subprocess.run([sys.executable, os.path.join(ROOT, "clients", "demo.py"), "--seconds", "2",
                               "--actors", "1", "--instance", instance], cwd=ROOT, capture_output=True,
-                             text=True, timeout=300, env={**os.environ, "TMPDIR": tmp})
+                             text=True, timeout=300, env=checkout_env(TMPDIR=tmp))
         assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
         m = re.search(r"result: (\d+) items inserted by 1 actor\(s\).*learner ([\d.]+) batches/s", run.stdout)
         assert m and int(m.group(1)) > 0 and float(m.group(2)) > 0, run.stdout[-2000:]

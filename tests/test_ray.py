@@ -14,6 +14,7 @@ import pytest
 ray = pytest.importorskip("ray")
 import shmreplay  # noqa: E402
 import shmreplay.ray as sray  # noqa: E402
+from daemons import checkout_env  # noqa: E402
 from rayfixtures import HOLD_MAX, before_the_ingest_thread, cluster  # noqa: E402,F401 (a fixture)
 from rayproducer import BACK, FIELDS, GONE, LIVE, P, QUIET, Producer, rows  # noqa: E402
 from shmreplay.bench.raycluster import ENV  # noqa: E402
@@ -307,7 +308,7 @@ def test_apex_dqn_runs_its_actors_on_the_remote_node(cluster, tmp_path):
     import re
     address = ray.get_runtime_context().gcs_address
     name = f"test{os.getpid()}apexray"
-    env = dict(os.environ, **ENV)
+    env = checkout_env(**ENV)
     p = subprocess.run([sys.executable, os.path.join(os.path.dirname(HERE), "clients", "apex_dqn.py"),
                         "--ray", address, "--actor-resource", "remote_node", "--actors", "1", "--envs", "2",
                         "--max-batches", "5", "--batch", "32", "--max-minutes", "8", "--target-return", "1e9",

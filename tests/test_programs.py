@@ -2,6 +2,7 @@
 start's demo with the bundled config, which runs clients/actor.py and
 clients/learner.py) run, report throughput and leave nothing behind."""
 
+import ast
 import json
 import os
 import re
@@ -84,3 +85,38 @@ def test_the_bundled_config_loads_and_declares_the_demo_table():
     assert [t.name for t in cfg.tables] == ["demo"]
     assert cfg.hold_timeout_s > 0 and cfg.handshake_timeout_s > 0
     json.dumps(cfg.tables[0].to_wire())  # a spec the wire can carry
+
+
+def _path_edits(source: str) -> list[int]:
+    """Lines that change ``sys.path`` (a call on it, an assignment to it or
+    to a slice of it); a mention in a string or a comment is none."""
+    def is_path(node) -> bool:
+        return (isinstance(node, ast.Attribute) and node.attr == "path"
+                and isinstance(node.value, ast.Name) and node.value.id == "sys")
+    lines = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and is_path(node.func.value):
+            lines.append(node.lineno)
+        elif isinstance(node, (ast.Assign, ast.AugAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            if any(is_path(t) or (isinstance(t, ast.Subscript) and is_path(t.value)) for t in targets):
+                lines.append(node.lineno)
+    return lines
+
+
+def test_the_programs_and_benchmarks_import_the_installed_package_without_sys_path_edits():
+    """Issue 35, item 4: clients/ and benchmarks/ import the installed
+    shmreplay (the quick start installs it) and share code as plain
+    modules (a script's own folder is first on sys.path), so none edits
+    sys.path; the tests that run them put the checkout on PYTHONPATH
+    (daemons.checkout_env)."""
+    assert _path_edits("import sys\nsys.path[:0] = ['x']\nsys.path.insert(0, 'y')\n'sys.path.append'\n") == [2, 3]
+    edits = {}
+    for folder in ("clients", "benchmarks"):
+        for name in sorted(os.listdir(os.path.join(ROOT, folder))):
+            if name.endswith(".py"):
+                with open(os.path.join(ROOT, folder, name)) as f:
+                    found = _path_edits(f.read())
+                if found:
+                    edits[f"{folder}/{name}"] = found
+    assert edits == {}, f"sys.path edits (file: lines): {edits}"

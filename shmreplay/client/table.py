@@ -73,7 +73,7 @@ class Table:
         old, self._map = self._map, TableMap.attach(desc["segment"], self.spec, desc.get("rows_fd"))
         if old is not None:
             old.release()  # arrays handed out keep their mapping alive
-        views = self._map.fields
+        self._views = views = self._map.fields
         self._words = self._map.words
         self._draws.bind(self.id, views, self._map.gens)
         # leases are valid while the epoch stays (lease.py)

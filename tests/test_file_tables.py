@@ -57,7 +57,7 @@ def test_a_file_backed_table_keeps_its_rows_on_disk_and_serves_like_any_other(st
         # a single insert's leased slot handed back at flush was evicted when
         # leased; a durable table evicts up to its headroom ahead (barrier.py)
         # headroom: 1 % of 500 is 5, at least 64 makes 64, at most a quarter (125) keeps 64;
-        # lease (client/table.py lease_size): 500 // 256 is 1, at least 16 makes 16
+        # lease (client/leases.py lease_size): 500 // 256 is 1, at least 16 makes 16
         assert c.stats()["tables"]["f"]["sync_headroom"] == 64 and t.lease_size == 16
         room = 64 + 2 * 16
         assert 500 - room <= len(t) <= 500

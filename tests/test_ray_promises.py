@@ -80,7 +80,7 @@ def test_a_chunk_the_daemon_refused_for_a_void_lease_is_sent_again_and_stored_on
         cluster, start_daemon, hold_s):
     """docs/scaling.md (Failures: "a lease the daemon voided
     (``ReservationExpired``) is handled the same way": the chunk is sent
-    again) and ingest.py (LEASE_KEEP_S: a commit into a void lease is
+    again) and inserter.py (LEASE_KEEP_S: a commit into a void lease is
     refused, which the ingest survives).  The ingest keeps its slot lease
     between chunks; the daemon voids it once no commit touched it for
     ``reservation_timeout_s`` (docs/reliability.md).  A producer's chunk

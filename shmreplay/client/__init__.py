@@ -4,8 +4,9 @@
 (the connection's life across forks and daemon restarts: opening,
 reconnecting, the "may be lost" notice), ``link.py`` (control socket),
 ``pipe.py`` (command channel), ``table.py`` (the table handle),
-``rows.py`` (checking the rows a caller hands in), ``lease.py`` (slot leases for every writer), ``draws.py`` (SAMPLE and the
-one draw-gather-redraw loop), ``gather.py`` (rows out of the segment:
+``rows.py`` (checking the rows a caller hands in), ``lease.py`` (slot leases for every writer),
+``leases.py`` (a table handle's leases, and their size), ``draws.py`` (SAMPLE, the
+one draw-gather-redraw loop, a table handle's draw side), ``gather.py`` (rows out of the segment:
 functions over arrays), ``iterator.py`` (prefetching learner loop),
 ``writers.py`` (sequence and n-step writers), ``retry.py`` (the calls that
 run again after a reconnect), ``private_daemon.py`` (``Server``: a daemon

@@ -12,9 +12,13 @@ stays for what pins cannot cover (a client at its pin cap, a hold that
 expired while the learner was stopped).  ``Table.sample`` and ``Table.finish_sample`` call it, and so,
 through ``finish_sample``, do ``BatchIterator`` and ``Client.sample_many``.
 
-Functions over what they are handed (a ``CommandPipe``, the daemon's id for
-the table, its field views and stamps as mapped now): they keep nothing
-between calls.  Called on the thread that owns the pipe (the client's).
+The functions work over what they are handed (a ``CommandPipe``, the
+daemon's id for the table, its field views and stamps as mapped now) and
+keep nothing between calls.  ``TableDraws`` is a table handle's draw side:
+what it draws from (the table as mapped now, bound by the handle, again
+after every reconnect) and the holds of its ``sample_indices`` batches;
+its handle (``table.py``) makes it and is its only caller.  All of it runs
+on the thread that owns the pipe (the client's), one call at a time.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from ..errors import ReplayError, ReplayTimeout
 from ..wire import records as R
 from . import gather
 from .gather import SampleBatch, new_batch, take_rows
+from .pipe import deadline_of, in_slices
 
 
 def send_draw(pipe, table_id: int, k: int, beta: float, wait_s: float,
@@ -96,3 +101,72 @@ def draw_batch(pipe, table_id: int, views: dict, fields, gens: np.ndarray, ticke
     finally:
         for hid in holds:  # the rows are copied out: the slots may be reused
             pipe.send(R.put_release, table_id, hid)
+
+
+class TableDraws:
+    """A table handle's draw side: the table as mapped now (``bind``) and
+    the holds of its ``sample_indices`` batches.  Built from what it uses:
+    the client's ``session.Session`` (the command pipe now, ``max_batch``,
+    ``begin``, ``check_fork``) and the table's fields."""
+
+    def __init__(self, session, fields):
+        self._session = session
+        self._fields = fields
+        self._table_id = 0
+        self._views: dict = {}
+        self._gens = None
+        self._held: list[int] = []  # holds of sample_indices() batches
+
+    def bind(self, table_id: int, views: dict, gens: np.ndarray) -> None:
+        """The table as mapped now (called by its handle, again after a
+        reconnect): the daemon's id for it, its field views and stamps."""
+        self._table_id = table_id
+        self._views = views
+        self._gens = gens
+
+    def retire(self) -> None:
+        """No table has this name any more: id 0, so every later draw raises UnknownTable."""
+        self._table_id = 0
+
+    def forget(self) -> None:
+        """The connection the holds were taken on is gone (reconnect, fork)."""
+        self._held = []
+
+    def check(self, batch_size, beta) -> tuple[int, float]:
+        """A draw's size and beta, checked; then the prologue of a data call."""
+        n, beta = R.check_draw(batch_size, beta, "batch_size {n}", self._session.max_batch)
+        self._session.begin()
+        return n, beta
+
+    def indices(self, n: int, beta: float, timeout: float | None):
+        """``Table.sample_indices`` (checked): (keys, probabilities, weights),
+        the hold of the last draw kept until the next or ``release``."""
+        self.release()
+        b = new_batch((), n)
+        pipe = self._session.pipe
+        hid = in_slices(deadline_of(timeout), lambda w: receive_draw(
+            pipe, send_draw(pipe, self._table_id, n, beta, w), n, slice(None), b, w))
+        if hid:
+            self._held.append(hid)
+        return b.keys, b.probabilities, b.weights
+
+    def release(self) -> None:
+        """Hand back the slots ``indices`` held for reading."""
+        self._session.check_fork()  # a forked child holds none of its parent's holds
+        held, self._held = self._held, []
+        pipe = self._session.pipe
+        for hid in held:
+            pipe.send(R.put_release, self._table_id, hid)
+
+    def begin(self, n: int, beta: float, wait_s: float) -> int:
+        """``Table.begin_sample``: send a SAMPLE (n, beta checked) now; its ticket."""
+        pipe = self._session.pipe
+        seq = send_draw(pipe, self._table_id, n, beta, wait_s)
+        pipe.expect(seq)
+        return seq
+
+    def finish(self, ticket: int | None, n: int, beta: float, out: SampleBatch | None,
+               wait_s: float) -> SampleBatch:
+        """``Table.finish_sample``: the batch a ``begin`` ticket drew (None: draw now)."""
+        return draw_batch(self._session.pipe, self._table_id, self._views, self._fields, self._gens,
+                          ticket, n, beta, out, wait_s)

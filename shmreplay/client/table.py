@@ -10,8 +10,11 @@ A handle is made by its ``Client``, with the client's ``session.Session``,
 whose connection it uses (``pipe``, ``begin``...).  Besides its public API
 it answers the session (``forget_connection``, ``rebind``, ``retire``: the
 connection went, came back, or came back without this table) and the
-client's flush (``hand_back``).  It owns its table's mapping and binds its
-slot leases to it (``SlotLease.bind``), again after every reconnect.
+client's flush (``hand_back``).  It owns its table's mapping and binds
+its two sides to it, again after every reconnect: its draw side
+(``draws.TableDraws``: what ``sample`` and ``sample_indices`` draw from,
+and the holds of the latter) and its slot leases (``leases.TableLeases``:
+its own, which ``insert`` writes through, and its writers').
 
 Handles of a client made with ``reconnect=True`` are ``ReconnectingTable``:
 every call marked ``@retried`` runs again, once, after a reconnect, if the
@@ -23,7 +26,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import weakref
 
 import numpy as np
 
@@ -33,10 +35,11 @@ from ..priorities import as_priorities
 from ..schema import spec_from_wire
 from ..wire import records as R
 from ..wire.layout import TableMap
-from .draws import draw_batch, receive_draw, send_draw
-from .gather import SampleBatch, new_batch
+from .draws import TableDraws
+from .gather import SampleBatch
 from .iterator import BatchIterator
 from .lease import SlotLease
+from .leases import TableLeases
 from .pipe import deadline_of, in_slices
 from .retry import retried, with_retries
 from .rows import check_rows
@@ -44,7 +47,12 @@ from .rows import check_rows
 
 class Table:
     """A client's handle on one table; made by its ``Client`` (see the
-    module docstring for who may call what).  One thread at a time."""
+    module docstring for who may call what).  One thread at a time.
+
+    Composed of its draw side (``draws.TableDraws``: what it draws from,
+    the holds of ``sample_indices``) and its slot leases
+    (``leases.TableLeases``); it owns the table's mapping and binds both
+    to it."""
 
     def __init__(self, client, session, desc: dict):
         self._client = client
@@ -55,27 +63,22 @@ class Table:
         self._fields = self.spec.fields
         self._names = frozenset(f.name for f in self._fields)
         self._map = None
-        self._leases: weakref.WeakSet = weakref.WeakSet()
-        self._held: list[int] = []  # holds of sample_indices() batches
+        self._draws = TableDraws(session, self._fields)
+        self._leases = TableLeases(self.spec, session, self._priorities)
+        self._lease = self._leases.own  # bound once: inserts write through it
         self._bind(desc)
-        self.lease_size = lease_size(self.spec, session.max_batch)
-        self._lease = self.lease()
 
     def _bind(self, desc: dict) -> None:
         self.id = int(desc["id"])
         old, self._map = self._map, TableMap.attach(desc["segment"], self.spec, desc.get("rows_fd"))
         if old is not None:
             old.release()  # arrays handed out keep their mapping alive
-        self._views = self._map.fields
-        self._view_list = [self._views[f.name] for f in self._fields]
+        self._views = views = self._map.fields
         self._words = self._map.words
-        self._gens = self._map.gens
-        self._epoch = self._words.epoch  # leases are valid while this stays (lease.py)
-        for lease in list(self._leases):
-            self._bind_lease(lease)
-
-    def _bind_lease(self, lease: SlotLease) -> None:
-        lease.bind(self.id, self._views, self._view_list, self._words, self._epoch)
+        self._draws.bind(self.id, views, self._map.gens)
+        # leases are valid while the epoch stays (lease.py)
+        self._leases.bind(self.id, views, [views[f.name] for f in self._fields], self._words,
+                          self._words.epoch)
 
     # ---- called by the session (connection gone, back) and the client's flush ----
     def rebind(self, desc: dict) -> None:
@@ -86,14 +89,14 @@ class Table:
     def retire(self) -> None:
         """After a reconnect no table has this name: id 0, so every later call raises UnknownTable."""
         self.id = 0
-        for lease in list(self._leases):
-            self._bind_lease(lease)
+        self._draws.retire()
+        self._leases.retire()
 
     def forget_connection(self) -> bool:
         """The connection of this handle's leases and holds is gone (reconnect,
         fork); True if a writer had items open in a lease (possibly lost)."""
-        self._held = []
-        return any([lease.void() for lease in list(self._leases)])
+        self._draws.forget()
+        return self._leases.void()
 
     def hand_back(self) -> None:
         """The client's flush: hand back unused leased slots and ``sample_indices``' holds."""
@@ -104,10 +107,7 @@ class Table:
         """The daemon voided a reservation of this client (``ReservationExpired``):
         every lease of this table hands back what it can and starts anew, so
         no item goes into a void one; a writer's open items are gone."""
-        for lease in list(self._leases):
-            lease.release()
-            if lease is not self._lease:
-                lease.void()
+        self._leases.renew()
 
     def __reduce__(self):
         return (_reopen, (self._client, self.name))
@@ -116,6 +116,8 @@ class Table:
     # the segments as mapped now (anew at a reconnect): marks (``state``, ``gens``, ``seqno``; read only)
     # and rows, for a reader that copies rows and checks the stamps itself (``ParameterBoard``)
     mapped = property(lambda self: self._map)
+    lease_size = property(lambda self: self._leases.size,
+                          doc="Slots a writer reserves at a time (0: per call): ``leases.lease_size``.")
 
     def __len__(self) -> int:
         return self._words.size
@@ -183,15 +185,12 @@ class Table:
 
     def widen_lease(self, slots: int) -> int:
         """Reserve up to ``slots`` at a time from the next reservation on
-        (``widened_lease_size`` says how far); returns the lease size now."""
-        return self._lease.resize(widened_lease_size(self.spec, self.lease_size, slots, self._session.max_batch))
+        (``leases.widened_lease_size`` says how far); returns the lease size now."""
+        return self._leases.widen(slots)
 
     def lease(self) -> SlotLease:
         """A slot lease for a writer whose items stay open across calls (``writers.py``)."""
-        lease = SlotLease(self.lease_size, self.name, self._session, self._priorities)
-        self._bind_lease(lease)
-        self._leases.add(lease)
-        return lease
+        return self._leases.new()
 
     def flush(self) -> None:
         """Return when all my inserts (on any table of this client) are sampleable."""
@@ -212,11 +211,6 @@ class Table:
         each batch's wait for the limits; ``buffers``: ``BatchIterator``."""
         return BatchIterator(self, batch_size, beta, prefetch, timeout, buffers, check_reuse)
 
-    def _check_draw(self, batch_size, beta) -> tuple[int, float]:
-        n, beta = R.check_draw(batch_size, beta, "batch_size {n}", self._session.max_batch)
-        self._begin()
-        return n, beta
-
     @retried
     def sample_indices(self, batch_size: int, beta: float = 0.4, timeout: float | None = None):
         """Draw without gathering: (keys, probabilities, weights).  For a
@@ -226,23 +220,12 @@ class Table:
         time stay held for this learner until its next ``sample_indices``
         call on the table or ``release()``, and at most the daemon's
         ``hold_timeout_s``, so read them before that."""
-        n, beta = self._check_draw(batch_size, beta)
-        self.release()
-        b = new_batch((), n)
-        pipe = self._session.pipe
-        hid = in_slices(deadline_of(timeout), lambda w: receive_draw(
-            pipe, send_draw(pipe, self.id, n, beta, w), n, slice(None), b, w))
-        if hid:
-            self._held.append(hid)
-        return b.keys, b.probabilities, b.weights
+        n, beta = self._draws.check(batch_size, beta)
+        return self._draws.indices(n, beta, timeout)
 
     def release(self) -> None:
         """Hand back the slots ``sample_indices`` held for reading (see there)."""
-        self._session.check_fork()  # a forked child holds none of its parent's holds
-        held, self._held = self._held, []
-        pipe = self._session.pipe
-        for hid in held:
-            pipe.send(R.put_release, self.id, hid)
+        self._draws.release()
 
     @retried
     def sample(self, batch_size: int, beta: float = 0.4, out: SampleBatch | None = None,
@@ -250,25 +233,22 @@ class Table:
         """Draw ``batch_size`` items.  With ``out=`` (an earlier batch of the
         same size) the rows are gathered into its arrays instead of new ones.
         Waits up to ``timeout`` s (None: no limit) for the table's limits."""
-        n, beta = self._check_draw(batch_size, beta)
-        return in_slices(deadline_of(timeout), lambda w: self.finish_sample(None, n, beta, out, w))
+        draws = self._draws
+        n, beta = draws.check(batch_size, beta)
+        return in_slices(deadline_of(timeout), lambda w: draws.finish(None, n, beta, out, w))
 
     # ---- pipelined draws (BatchIterator, Client.sample_many) ----
     def begin_sample(self, n: int, beta: float, wait_s: float) -> int:
         """Send a SAMPLE now and collect it later with ``finish_sample``;
         returns its ticket.  The daemon may hold it ``wait_s`` for the limits."""
-        n, beta = self._check_draw(n, beta)
-        pipe = self._session.pipe
-        seq = send_draw(pipe, self.id, n, beta, wait_s)
-        pipe.expect(seq)
-        return seq
+        n, beta = self._draws.check(n, beta)
+        return self._draws.begin(n, beta, wait_s)
 
     def finish_sample(self, ticket: int | None, n: int, beta: float, out: SampleBatch | None,
                       wait_s: float) -> SampleBatch:
         """Gather the batch a ``begin_sample`` ticket drew (None: draw now):
         rows whose slot was overwritten during the gather are drawn again."""
-        return draw_batch(self._session.pipe, self.id, self._views, self._fields, self._gens,
-                          ticket, n, beta, out, wait_s)
+        return self._draws.finish(ticket, n, beta, out, wait_s)
 
     @retried
     def update_priorities(self, keys, priorities) -> None:
@@ -290,48 +270,6 @@ class Table:
 
 
 ReconnectingTable = with_retries(Table)
-
-
-# Below this capacity a writer reserves per call: a lease reserved ahead
-# evicts items early (the oldest, which the next inserts evict anyway), and
-# in a table of a few hundred items that is a visible share of it.
-LEASE_MIN_CAPACITY = 256
-LEASE_MIN, LEASE_MAX, QUEUE_LEASE_MAX = 16, 4096, 16
-
-
-def lease_size(spec, max_batch: int) -> int:
-    """Slots a writer reserves at a time (0: per call), and asks for again
-    at half time, so inserts need no round trip: capacity/256, at least 16
-    (a 1,000-item table: 16, where one round trip per call capped inserts
-    at a quarter of cpprb's rate), at most 4,096.  Two leases per writer
-    withhold at most ~1% of a large table from sampling, ~3% of a
-    1,000-item one.  A rate-limited table (a queue) leases at most 16 and a
-    64th of its capacity: its limiter counts a reserved slot as an insert,
-    so a lease takes that much of the limiter's room before the items are
-    written (it is handed back at ``flush()`` and when the writer closes)."""
-    cap = spec.capacity
-    if cap < LEASE_MIN_CAPACITY:
-        return 0
-    size = max(LEASE_MIN, cap // 256)
-    if spec.rate_limited:
-        size = min(size, QUEUE_LEASE_MAX, cap // 64)
-    return max(0, min(LEASE_MAX, size, max_batch))
-
-
-def widened_lease_size(spec, default: int, slots, max_batch: int) -> int:
-    """``Table.widen_lease``: the lease size for a writer that inserts large
-    batches back to back (the Ray ingest), which asks for ``slots``: with
-    the default lease (capacity/256) a 64-row batch into a 20,000-item
-    table needs a reservation, a daemon wake-up, nearly every call.  Never
-    below the default, at most a 32nd of the capacity (two leases withhold
-    at most ~6% of the table from sampling) and LEASE_MAX; a rate-limited
-    table or a tiny one keeps its lease (its limiter counts a reserved slot
-    as an insert)."""
-    if isinstance(slots, bool) or not isinstance(slots, int) or slots < 0:
-        raise ReplayError(f"widen_lease takes a number of slots >= 0, got {slots!r}")
-    if default == 0 or spec.rate_limited:
-        return default
-    return max(default, min(slots, LEASE_MAX, spec.capacity // 32, max_batch))
 
 
 def _drop_rows_fd(desc: dict) -> None:

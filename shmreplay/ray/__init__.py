@@ -98,15 +98,17 @@ drop tables), and leave the ingest unnamed, in the job's own namespace.
 Who calls it: ``start_ingest`` a driver or actor on the replay node;
 ``RemoteWriter`` one thread of a producer (it is not thread-safe).
 
-Its modules: ``ingest.py`` (the ingest actor) with ``coalesce.py`` (small
-chunks held and inserted together) and ``dues.py`` (what the ingest owes
-each producer); ``writer.py`` (``RemoteWriter``) with ``packing.py`` (a
+Its modules: ``ingest.py`` (the ingest actor) with ``inserter.py`` (its
+table side: the client, the chunks written into the table),
+``coalesce.py`` (small chunks held and inserted together) and ``dues.py``
+(what the ingest owes each producer); ``writer.py`` (``RemoteWriter``) with ``packing.py`` (a
 small chunk's wire form) and ``steps.py`` (the n-step and sequence
 writers, remote); ``relay.py`` (a ``ParameterBoard`` read on the replay
 node for remote actors).
 """
 
-from .ingest import LEASE_KEEP_S, start_ingest
+from .ingest import start_ingest
+from .inserter import LEASE_KEEP_S
 from .relay import start_parameter_relay
 from .steps import RemoteNStepWriter, RemoteSequenceWriter
 from .writer import ChunkRefused, RemoteWriter

@@ -22,6 +22,7 @@ import hashlib
 import re
 import secrets
 import time
+import uuid
 
 from ..errors import ReplayError
 
@@ -58,7 +59,12 @@ def shown_id(key: str) -> str:
 
 
 class Dues:
+    """The ingest's books of its producers: what it owes each (sequence
+    numbers unflushed, acked, lost), when each last called, and the
+    ingest's incarnation, which every answer carries."""
+
     def __init__(self, forget_s: float):
+        self.incarnation = uuid.uuid4().hex  # this ingest's, in every answer: a restart is a new one
         # producers by their secret key (check_key): never shown, see shown_id
         self.unflushed: dict[str, list[int]] = {}  # producer -> seqs accepted since the last flush
         self.acked: dict[str, list[int]] = {}      # producer -> seqs flushed, not yet told
@@ -98,10 +104,11 @@ class Dues:
             self.lost.setdefault(p, []).extend(seqs)
         self.unflushed.clear()
 
-    def answer(self, producer: str) -> tuple[list, list]:
-        """(acked, lost) for ``producer``, told now."""
+    def answer(self, producer: str, rows: int) -> list:
+        """What ``producer`` is told now of a call that took ``rows``:
+        [rows, acked, lost, incarnation] (a list: see ``Ingest.put``)."""
         self.seen[producer] = time.monotonic()
-        return self.acked.pop(producer, []), self.lost.pop(producer, [])
+        return [rows, self.acked.pop(producer, []), self.lost.pop(producer, []), self.incarnation]
 
     def _forget_silent(self) -> None:
         """Drop what is owed to producers silent for ``forget_s`` (a

@@ -15,20 +15,10 @@ import numpy as np
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from ..client.rows import check_rows
-from ..errors import DaemonUnavailable, ReplayError, ReservationExpired
-from ..priorities import as_priorities
-from .coalesce import CHUNK_BYTES, HOLD_S, Coalescer
+from ..errors import ReplayError, ReservationExpired
+from .coalesce import HOLD_S
 from .dues import Dues, check_call
-from .packing import layout_id, row_dtype, unpack
-
-# A slot lease the ingest has held this long is handed back (a flush that
-# keeps nothing) before its next insert: the daemon voids a reservation no
-# commit touched for reservation_timeout_s (60 s by default), which a lease
-# kept across flushes, or asked ahead, may be after an idle spell or under
-# slow steady traffic, and a commit into a void lease is refused
-# (ReservationExpired, which the ingest also survives: the chunks go again).
-LEASE_KEEP_S = 10.0
+from .inserter import ChunkInserter
 
 # What the ingest owes a producer (sequence numbers flushed or lost since
 # its last answer) is dropped once the producer has not called for this
@@ -48,34 +38,23 @@ class Ingest:
     is inserted at once.
     Each answer carries what is owed to its producer (dues.py) and this
     incarnation's id, so a producer sees that a restart lost what it had
-    not flushed."""
+    not flushed.
+
+    Composed of its books (``dues``: what it owes each producer, and its
+    incarnation) and its table side (``inserter``, inserter.py: the client,
+    the table, the held chunks, the lease); it runs the calls and decides
+    what a failed insert or flush costs whom."""
 
     def __init__(self, socket_path: str, table: str, timeout: float | None, flush_every: int = 16,
                  forget_s: float = FORGET_S, hold_s: float = HOLD_S):
-        import uuid
-
-        import shmreplay
-        self.client = shmreplay.connect(socket_path, reconnect=True)
-        self.client.lazy_commits = True  # bursts, a flush every few: commits need not wake the daemon
-        self.table = self.client.table(table)
-        self.timeout, self.flush_every = timeout, flush_every
-        self.incarnation = uuid.uuid4().hex
-        self.chunks = self.rows = self.flushes = self.inserts = self.packed = 0  # insert_batch calls; packed chunks
-        self.insert_s = self.flush_s = 0.0  # time spent inserting (limiter waits included) and flushing
+        self.inserter = ChunkInserter(socket_path, table, timeout, flush_every, hold_s)
+        self.flush_every, self.hold_s = flush_every, hold_s
         self.dues = Dues(forget_s)
-        self.leased_at = None                       # the first insert since the lease was handed back
-        self.lease_asked = 0  # slots per reservation asked of the table (Table.widen_lease)
-        self.order = [f.name for f in self.table.spec.fields]
-        self.row = row_dtype(self.fields())  # a packed chunk's rows (packing.py), and their id:
-        self.row_id = layout_id(self.row)
-        self.names = frozenset(self.order)
-        self.hold_s, self.coalescing = hold_s, hold_s > 0 and not self.table.spec.rate_limited  # _accept
-        self.held = Coalescer()                     # small chunks to insert as one batch
-        self.release_errors = 0                     # held inserts by the thread that failed (lost, re-sent)
+        self.release_errors = 0  # held inserts by the thread that failed (lost, re-sent)
         # Ray runs the calls one at a time; the lock keeps them apart from
         # _release_held's thread, set going by ``holding``
         self.lock, self.holding = threading.Lock(), threading.Event()
-        if self.coalescing:
+        if self.inserter.coalescing:
             threading.Thread(target=self._release_held, name="shmreplay-ingest-held", daemon=True).start()
 
     def insert(self, chunk: dict, priorities=None):
@@ -108,44 +87,45 @@ class Ingest:
         priorities, producer, seq, sync, layout = meta
         check_call(producer, seq)
         packed = isinstance(chunk, np.ndarray)  # by the writer
+        inserter = self.inserter
         with self.lock:
             if packed:
-                chunk = unpack(chunk, self.row, self.row_id, self.table.name, layout)
-                self.packed += 1
+                chunk = inserter.unpack(chunk, layout)
             self.dues.calling = producer
             self._renew_lease()
-            reconnects = self.client.reconnects
+            reconnects = inserter.reconnects
             n = self._accept(chunk, priorities, (producer, seq), packed)
             self.dues.accept(producer, seq)
             # a reconnect during the insert (the daemon restarted): flush now, so
             # the chunks unflushed before it are reported lost at once, not at
             # the next flush with every chunk inserted since
-            if sync or self.dues.waiting >= self.flush_every or self.client.reconnects != reconnects:
+            if sync or self.dues.waiting >= self.flush_every or inserter.reconnects != reconnects:
                 self._flush(producer, seq)
-            elif self.held.full:
+            elif inserter.held.full:
                 self._flush(producer, seq, vouch=False)
-            elif self.held.chunks and not self.holding.is_set():
+            elif inserter.held.chunks and not self.holding.is_set():
                 self.holding.set()
-            return self._answer(producer, n)
+            return self.dues.answer(producer, n)
 
     def _release_held(self) -> None:
         """A thread: inserts chunks held ``hold_s`` with no call to insert
         them (producers that went quiet), so a held row is sampleable within
         about 2 x ``hold_s`` plus the daemon's idle_timeout_s (lazy commits)."""
+        held = self.inserter.held
         while True:
             self.holding.wait()
             time.sleep(self.hold_s)
             with self.lock:
-                if self.held.chunks and time.monotonic() - self.held.since >= self.hold_s:
+                if held.chunks and time.monotonic() - held.since >= self.hold_s:
                     try:
                         self._flush(None, None, vouch=False)
                     except Exception:  # their producers are told they were lost, and send them again
                         self.release_errors += 1
-                if not self.held.chunks:
+                if not held.chunks:
                     self.holding.clear()
 
     def _renew_lease(self) -> None:
-        if self.leased_at is not None and time.monotonic() - self.leased_at > LEASE_KEEP_S:
+        if self.inserter.lease_stale():
             self._flush(None, None, keep_leases=False)  # before its lease goes stale (LEASE_KEEP_S)
 
     def _accept(self, chunk: dict, priorities, tag, unpacked: bool) -> int:
@@ -154,46 +134,19 @@ class Ingest:
         insert it now, after what is held (arrival order); its rows.  A
         rate-limited table's limiter admits each chunk as it comes.
         ``unpacked``: views of a packed chunk, the table's fields already."""
-        if tag is not None and self.coalescing:
-            arrays, n = (list(chunk.values()), len(next(iter(chunk.values())))) if unpacked else _table_arrays(
-                self.table.spec, self.names, chunk)
-            nbytes = sum(a.nbytes for a in arrays)
-            if nbytes <= CHUNK_BYTES:
-                if priorities is not None:
-                    priorities = as_priorities(priorities, n, f"a chunk for table {self.table.name!r}",
-                                               self.table.spec.alpha)
-                if n:
-                    self.held.add(dict(zip(self.order, arrays)), priorities, nbytes, tag)
-                return self._count(n)
-        if self.held.chunks:
+        inserter = self.inserter
+        if tag is not None:
+            n = inserter.hold(chunk, priorities, tag, unpacked)
+            if n is not None:
+                return n
+        if inserter.held.chunks:
             self._flush(None, None, vouch=False)
         try:
-            n = self._insert(chunk, priorities)
+            n = inserter.insert(chunk, priorities)
         except ReservationExpired:
             self._lose()  # this chunk's producer sends it again (the call raises)
             raise
-        return self._count(n)
-
-    def _count(self, n: int) -> int:
-        self.chunks += 1
-        self.rows += n
-        if n * self.flush_every > self.lease_asked:
-            # a lease of flush_every chunks: one reservation (a daemon
-            # wake-up) per flush, where a small table's default lease
-            # (capacity/256: 78 slots of a 20,000-item one) needed one for
-            # nearly every 64-row chunk
-            self.lease_asked = n * self.flush_every
-            self.table.widen_lease(self.lease_asked)
-        return n
-
-    def _insert(self, chunk: dict, priorities) -> int:
-        t0 = time.perf_counter()
-        if self.leased_at is None:
-            self.leased_at = time.monotonic()
-        self.table.insert_batch(chunk, priorities, timeout=self.timeout)
-        self.inserts += 1
-        self.insert_s += time.perf_counter() - t0
-        return len(next(iter(chunk.values())))
+        return inserter.count(n)
 
     def sync(self, producer: str):
         """Flush now, handing the slot lease back (a producer asks when it
@@ -202,11 +155,7 @@ class Ingest:
         with self.lock:
             self.dues.calling = producer
             self._flush(None, None, keep_leases=False)
-            return self._answer(producer, 0)
-
-    def _answer(self, producer: str, rows: int):
-        """What a producer is told: [rows, acked, lost, incarnation] (a list: see ``put``)."""
-        return [rows, *self.dues.answer(producer), self.incarnation]
+            return self.dues.answer(producer, 0)
 
     def _flush(self, producer, seq, keep_leases: bool = True, vouch: bool = True) -> None:
         """Insert what is held, then (``vouch``) flush: the daemon vouches
@@ -222,17 +171,14 @@ class Ingest:
             if vouch:
                 # keep the slot lease: the next chunk's insert then needs no
                 # reservation round trip (LEASE_KEEP_S bounds how long)
-                self.client.flush(keep_leases=keep_leases)
+                self.inserter.flush(keep_leases)
         except Exception:
             self.dues.withdraw(producer, seq)
             self._lose()
             raise
         if not vouch:
             return
-        if not keep_leases:
-            self.leased_at = None
-        self.flushes += 1
-        self.flush_s += time.perf_counter() - t0
+        self.inserter.flushed(t0, keep_leases)
         self.dues.vouch()
 
     def _insert_held(self) -> bool:
@@ -240,23 +186,13 @@ class Ingest:
         meanwhile (the daemon restarted): then what went in before is lost,
         and the batch that met the reconnect (retried whole into the new
         daemon) and those after it are kept for this flush."""
-        after = None  # tags of the chunks inserted after a reconnect
-        for batch, priorities, tags in self.held.take():
-            reconnects = self.client.reconnects
-            self._insert(batch, priorities)
-            if self.client.reconnects != reconnects:
-                after = []
-            if after is not None:
-                after += tags
+        after = self.inserter.insert_held()  # tags of the chunks inserted after a reconnect
         if after is None:
             return False
         for tag in after:
             self.dues.withdraw(*tag)
-        reconnects = self.client.reconnects
         try:
-            self.client.flush(keep_leases=True)  # the restart's notice: inserts before it may be lost
-        except DaemonUnavailable:
-            pass
+            again = self.inserter.notice_restart()  # inserts before it may be lost
         except Exception:
             for tag in after:  # lost with every other unflushed chunk (_flush)
                 self.dues.accept(*tag)
@@ -264,12 +200,12 @@ class Ingest:
         self._lose()
         for tag in after:
             self.dues.accept(*tag)
-        if self.client.reconnects != reconnects:
+        if again:
             self._lose()  # another restart during that flush: they went with the daemon they were in
         return True
 
     def _lose(self) -> None:
-        self.held.clear()
+        self.inserter.held.clear()
         self.dues.lose()
 
     def pid(self) -> int:
@@ -277,23 +213,13 @@ class Ingest:
 
     def stats(self) -> dict:
         with self.lock:
-            return {"chunks": self.chunks, "rows": self.rows, "flushes": self.flushes, "inserts": self.inserts,
-                    "packed": self.packed, "insert_s": self.insert_s, "flush_s": self.flush_s,
-                    "producers": len(self.dues.seen), "forgotten": self.dues.forgotten, "held": self.held.chunks,
+            return {**self.inserter.stats(), "producers": len(self.dues.seen), "forgotten": self.dues.forgotten,
                     "release_errors": self.release_errors, "producer_ids": self.dues.shown(),  # digests only
                     "node": ray.get_runtime_context().get_node_id()}
 
     def fields(self) -> dict:
         """The table's fields, name -> (dtype, shape): remote writers build rows to fit."""
-        return {f.name: (f.dtype.str, tuple(f.shape)) for f in self.table.spec.fields}
-
-
-def _table_arrays(spec, names: frozenset, chunk: dict) -> tuple[list, int]:
-    """A chunk's arrays in the table's field order and dtypes (casts that
-    check_rows allows: concatenated, int64 and uint64 would make float64),
-    and its rows."""
-    arrays, n = check_rows(spec, names, chunk, batch=True)
-    return [a if a.dtype == f.dtype else a.astype(f.dtype) for a, f in zip(arrays, spec.fields)], n
+        return self.inserter.fields()
 
 
 def start_ingest(socket_path: str, table: str, node_id: str | None = None, name: str | None = None,

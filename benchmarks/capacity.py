@@ -34,7 +34,8 @@ import sys
 import tempfile
 import time
 
-from shmreplay.bench import disk, runner, seedrow
+from harness import disk, seedrow
+from shmreplay.bench import runner
 
 W = disk.DQN
 BATCH = 256

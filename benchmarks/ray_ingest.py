@@ -37,7 +37,7 @@ import time
 
 import shmreplay
 from shmreplay.bench.peers import process_cpu_seconds as cpu_seconds
-from shmreplay.bench.raycluster import LocalCluster, token_auth
+from harness.raycluster import LocalCluster, token_auth
 from shmreplay.bench.workloads import WORKLOADS
 
 token_auth()  # before anything imports ray: the cluster listens on every interface

@@ -20,7 +20,7 @@ import sys
 import pytest
 from hypothesis import settings as hypothesis_settings
 
-from shmreplay.bench.raycluster import token_auth
+from benchmarks.harness.raycluster import token_auth
 from shmreplay.wire.names import runtime_dir
 from waiting import processes
 # the daemon helpers, here too for tests that import them from conftest

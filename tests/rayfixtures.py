@@ -1,5 +1,5 @@
 """What the Ray test modules share: the local two-node cluster (one per
-module, shmreplay/bench/raycluster.py: both nodes on 127.0.0.1, the head
+module, benchmarks/harness/raycluster.py: both nodes on 127.0.0.1, the head
 labelled ``replay_node``, the other ``remote_node``), and the window in
 which the counts of chunks an ingest holds (coalesce.py) prove something.
 
@@ -23,7 +23,7 @@ import time
 import pytest
 
 from daemons import CHECKOUT
-from shmreplay.bench.raycluster import START_S, LocalCluster, listening
+from benchmarks.harness.raycluster import START_S, LocalCluster, listening
 from waiting import processes, wait_for
 
 HERE = os.path.dirname(os.path.abspath(__file__))

@@ -1,6 +1,6 @@
 """Issue 25: remote producers on a real two-node Ray cluster (both nodes
-on 127.0.0.1, each with its own resource label: shmreplay/bench/
-raycluster.py) feed a table through an ingest actor pinned to the replay
+on 127.0.0.1, each with its own resource label: benchmarks/
+harness/raycluster.py) feed a table through an ingest actor pinned to the replay
 node.  The cluster is started once for this module and stopped at the end."""
 
 import os
@@ -17,7 +17,7 @@ import shmreplay.ray as sray  # noqa: E402
 from daemons import checkout_env  # noqa: E402
 from rayfixtures import HOLD_MAX, before_the_ingest_thread, cluster  # noqa: E402,F401 (a fixture)
 from rayproducer import BACK, FIELDS, GONE, LIVE, P, QUIET, Producer, rows  # noqa: E402
-from shmreplay.bench.raycluster import ENV  # noqa: E402
+from benchmarks.harness.raycluster import ENV  # noqa: E402
 from shmreplay.ray.packing import layout_id, row_dtype  # noqa: E402
 from waiting import HANG_S, wait_for  # noqa: E402
 

@@ -40,7 +40,7 @@ def token_auth() -> None:
         return
     if "ray" in sys.modules:
         raise RuntimeError("Ray was imported before its token authentication was set: call "
-                           "shmreplay.bench.raycluster.token_auth() before 'import ray'")
+                           "raycluster.token_auth() (benchmarks/harness) before 'import ray'")
     os.environ["RAY_AUTH_MODE"] = "token"
     os.environ["RAY_AUTH_TOKEN"] = secrets.token_hex(32)
 START_S = 120.0  # a hang guard for a node to come up on a loaded box

@@ -6,7 +6,7 @@ A table larger than RAM is simulated on a large box by a v1 memory cgroup
 (``MemoryCgroup``) that the reading processes join: the page cache they
 fill is charged to it, so a file several times its limit cannot end up
 cached (FACTS.md, "Disk and memory limits").  Each cell runs in a child
-process (``in_child``; TorchRL's as ``python -m shmreplay.bench.disk
+process (``in_child``; TorchRL's as ``python benchmarks/harness/disk.py
 torchrl ...``, so torch is never imported into the others), so no mapping
 of an earlier cell keeps pages resident.  Called from the benchmark's
 process, one cell at a time.
@@ -28,8 +28,8 @@ import time
 
 import numpy as np
 
-from .peers import BETA, DAEMON_NICE, nice
-from .workloads import WORKLOADS
+from shmreplay.bench.peers import BETA, DAEMON_NICE, nice
+from shmreplay.bench.workloads import WORKLOADS
 
 DQN = WORKLOADS["dqn-atari"]
 
@@ -246,7 +246,7 @@ def run_torchrl(rows: int, batches: int, batch: int, seconds: float, cold: bool,
                 cgroup: MemoryCgroup | None = None) -> dict:
     """The TorchRL cell in two child processes; {"error": ...} when it cannot run here."""
     d = tempfile.mkdtemp(prefix="torchrl-", dir=where)
-    base = [sys.executable, "-m", "shmreplay.bench.disk"]
+    base = [sys.executable, os.path.abspath(__file__)]  # run as a script: its imports are absolute
     try:
         res = {}
         for cmd in (["fill", d, str(rows), str(batch)],

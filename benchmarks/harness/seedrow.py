@@ -20,7 +20,7 @@ import time
 
 import numpy as np
 
-from .peers import ACTOR_NICE, nice
+from shmreplay.bench.peers import ACTOR_NICE, nice
 from .disk import BenchDaemon, learner, prefetch_stats
 
 FIELDS = {"obs": ("uint8", (8, 84, 84)), "next_obs": ("uint8", (8, 84, 84)), "action": ("int32", ()),

@@ -87,7 +87,7 @@ def main(argv=None) -> int:
                                           for k, v in r.items()), flush=True)
         return r
 
-    daemon = disk.BenchDaemon(work, store)
+    daemon = disk.BenchDaemon(store)
     try:
         path = os.path.join(work, "rows.bin")
         t0 = time.monotonic()

@@ -19,7 +19,6 @@ import json
 import multiprocessing as mp
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
@@ -67,24 +66,11 @@ def main() -> int:
     a = ap.parse_args()
     work = tempfile.mkdtemp(prefix="shmr-ckbench")
     ckdir = a.dir or os.path.join(work, "ck")
-    sock = os.path.join(work, "d.sock")
-    cfg = os.path.join(work, "d.toml")
-    with open(cfg, "w") as f:
-        f.write(f'[daemon]\nsocket = "{sock}"\ninstance = "ckbench{os.getpid()}"\n'
-                f'[[tables]]\nname = "ck"\ncapacity = {a.capacity}\nsampler = "prioritized"\n'
-                f'[tables.fields]\nx = {{ dtype = "uint8", shape = [{a.row_bytes}] }}\n')
-    daemon = subprocess.Popen([sys.executable, "-m", "shmreplay.server.daemon", "--config", cfg],
-                              stderr=subprocess.DEVNULL)
+    server = shmreplay.Server(instance=f"ckbench{os.getpid()}", tables=[dict(
+        name="ck", capacity=a.capacity, sampler="prioritized", fields={"x": ("uint8", (a.row_bytes,))})])
+    sock = server.socket
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                c = shmreplay.connect(sock, timeout=60)
-                break
-            except shmreplay.DaemonUnavailable:
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.1)
+        c = server.connect(timeout=60)
         t = c.table("ck")
         chunk = np.zeros((65536, a.row_bytes), np.uint8)
         for lo in range(0, a.capacity, 65536):
@@ -127,8 +113,7 @@ def main() -> int:
         print(json.dumps(result, indent=1))
         c.close()
     finally:
-        daemon.terminate()
-        daemon.wait(60)
+        server.stop()
         shutil.rmtree(work, ignore_errors=True)
     return 0
 

@@ -3,6 +3,7 @@ not tests).  One tiny cell per kind, shmreplay only (cpprb is not a test
 dependency)."""
 
 import json
+import os
 import subprocess
 import sys
 
@@ -107,3 +108,46 @@ def test_a_peer_without_its_venv_is_reported_with_the_reason_and_the_table_says_
     assert "| sac-mujoco | mp2 | batches_per_s | 900 |  | not run |  | n/a |" in text
     assert "torchrl: not run: no python at /nonexistent/peers/python" in text
     assert "n/a: flashbax: no multi-process mode" in text
+
+
+def _nices(pid: int) -> set[int]:
+    """The nice value of every thread of process ``pid`` (/proc/PID/task/*/stat)."""
+    out = set()
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        with open(f"/proc/{pid}/task/{tid}/stat") as f:
+            out.add(int(f.read().rsplit(")", 1)[1].split()[16]))
+    return out
+
+
+def test_the_capacity_daemon_keeps_its_table_across_restarts_and_runs_at_the_daemon_nice(tmp_path):
+    """benchmarks/capacity.py's daemon (a shmreplay.Server): a file-backed
+    table filled once is kept through a stop and served again under other prefetch
+    settings, every thread of it at the deployed daemon's nice (set before
+    it starts, so also the threads it made first).  The end is
+    capacity.py's: a start that retains nothing adopts the table, drops
+    it, and stops leaving nothing in /dev/shm (Server.stop checks)."""
+    from benchmarks.harness import disk
+    store = str(tmp_path / "tables")
+    os.makedirs(store, mode=0o750)
+    daemon = disk.BenchDaemon(store)
+    want = -5 if os.geteuid() == 0 else os.getpriority(os.PRIO_PROCESS, 0)  # only root may lower it
+    try:
+        daemon.start(threads=2)
+        assert _nices(daemon.server.pid) == {want}
+        with daemon.connect() as c:
+            c.create_table("cap", capacity=64, fields=disk.DQN.fields, storage_dir=store)
+        assert disk.fill(daemon.socket, "cap", 40, chunk=16) >= 0
+        daemon.stop()  # a clean stop keeps the table's segment for the next start (retain_tables)
+        assert [n for n in os.listdir("/dev/shm") if n.startswith(f"shmreplay.{daemon.instance}.t.cap.")]
+        daemon.start(1, "fadvise")
+        assert _nices(daemon.server.pid) == {want}
+        with daemon.connect() as c:
+            assert len(c.table("cap")) == 40
+    finally:
+        daemon.stop()
+        daemon.start(0, retain=False)
+        with daemon.connect() as c:
+            for name in c.list_tables():
+                c.drop_table(name)
+        daemon.stop()
+    assert not [n for n in os.listdir("/dev/shm") if daemon.instance in n]

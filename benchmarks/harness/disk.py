@@ -264,49 +264,48 @@ def run_torchrl(rows: int, batches: int, batch: int, seconds: float, cold: bool,
 # ---------------------------------------------------------------- shmreplay
 
 class BenchDaemon:
-    """A private shmreplayd with file-backed tables kept across restarts
-    (``retain_tables``), so one table is served under several prefetch
-    settings.  ``restart`` and ``stop`` from the benchmark's thread."""
+    """A private shmreplayd (``shmreplay.Server``) with file-backed tables in
+    ``store`` kept across restarts (``retain_tables``, one instance name), so
+    one table is served under several prefetch settings; at DAEMON_NICE and
+    in ``cgroup`` from its first page on.  ``restart`` and ``stop`` from the
+    benchmark's thread; ``socket`` is the running daemon's."""
 
-    def __init__(self, work: str, store: str):
-        self.work, self.store = work, store
-        self.socket = os.path.join(work, "d.sock")
+    def __init__(self, store: str):
+        self.store = store
         self.instance = f"capbench{os.getpid()}"
-        self.proc = None
+        self.server = None
+        self.retain = True
+
+    @property
+    def socket(self) -> str:
+        return self.server.socket
 
     def start(self, threads: int = 16, method: str = "pread", retain: bool = True,
               cgroup: MemoryCgroup | None = None) -> None:
-        cfg = os.path.join(self.work, "d.toml")
-        with open(cfg, "w") as f:
-            f.write(f'[daemon]\nsocket = "{self.socket}"\ninstance = "{self.instance}"\n'
-                    f'storage_dirs = ["{self.store}"]\nretain_tables = {str(retain).lower()}\n'
-                    f'prefetch_threads = {threads}\nprefetch_method = "{method}"\nlog_level = "warning"\n')
+        import shmreplay
+
         def setup():
             nice(DAEMON_NICE)
             if cgroup is not None:
                 cgroup.join()
-        self.proc = subprocess.Popen([sys.executable, "-m", "shmreplay.server.daemon", "--config", cfg],
-                                     preexec_fn=setup)
-        import shmreplay
-        deadline = time.monotonic() + 300
-        while True:
-            try:
-                shmreplay.connect(self.socket, timeout=60).close()
-                return
-            except shmreplay.DaemonUnavailable:
-                if self.proc.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError("shmreplayd did not come up")
-                time.sleep(0.05)
+        self.retain = retain
+        self.server = shmreplay.Server(instance=self.instance, timeout=300, preexec=setup,
+                                       storage_dirs=[self.store], retain_tables=retain,
+                                       prefetch_threads=threads, prefetch_method=method, log_level="warning")
 
     def connect(self):
         import shmreplay
         return shmreplay.connect(self.socket, timeout=120)
 
     def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            self.proc.wait(300)
-        self.proc = None
+        """Stop the daemon; it must exit 0, and, unless it retains its
+        tables (which stay in /dev/shm for the next start by design), leave
+        nothing of its instance in /dev/shm (``Server.stop`` checks)."""
+        if self.server is not None:
+            code = self.server.stop(check=not self.retain)
+            if code != 0:
+                raise RuntimeError(f"shmreplayd exited with code {code}")
+        self.server = None
 
     def restart(self, threads: int, method: str = "pread", cgroup: MemoryCgroup | None = None) -> None:
         self.stop()

@@ -19,10 +19,6 @@ import importlib
 import multiprocessing as mp
 import os
 import queue
-import signal
-import subprocess
-import sys
-import tempfile
 import time
 
 import numpy as np
@@ -80,36 +76,20 @@ def process_cpu_seconds(pid: int) -> float:
 
 
 class Daemon:
-    """A private shmreplayd for one cell (started and stopped by the cell)."""
+    """A private shmreplayd for one cell (``shmreplay.Server``, started and
+    stopped by the cell), at DAEMON_NICE from its first thread on."""
 
     def __init__(self):
-        self.dir = tempfile.mkdtemp(prefix="shmreplay-bench-")
-        self.socket = os.path.join(self.dir, "d.sock")
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "shmreplay.server.daemon", "--socket", self.socket,
-             "--instance", f"bench{os.getpid()}", "--log-level", "warning"],
-            preexec_fn=lambda: nice(DAEMON_NICE))
         import shmreplay
-        for _ in range(1200):
-            try:
-                shmreplay.connect(self.socket, timeout=10).close()
-                return
-            except shmreplay.DaemonUnavailable:
-                if self.proc.poll() is not None:
-                    raise RuntimeError("shmreplayd failed to start")
-                time.sleep(0.05)
-        raise RuntimeError("shmreplayd did not come up")
+        self.server = shmreplay.Server(instance=f"bench{os.getpid()}", log_level="warning",
+                                       preexec=lambda: nice(DAEMON_NICE))
+        self.socket = self.server.socket
 
     def cpu_seconds(self) -> float:
-        return process_cpu_seconds(self.proc.pid)
+        return process_cpu_seconds(self.server.pid)
 
     def stop(self) -> None:
-        self.proc.send_signal(signal.SIGTERM)
-        self.proc.wait(120)
-        try:
-            os.rmdir(self.dir)
-        except OSError:
-            pass
+        self.server.stop()
 
 
 class ShmreplayPeer:

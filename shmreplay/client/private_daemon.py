@@ -39,6 +39,7 @@ is picklable into child processes, which connect by the same socket).
 from __future__ import annotations
 
 import ctypes
+import functools
 import grp
 import itertools
 import json
@@ -71,11 +72,13 @@ class ServerFailed(ReplayError):
     """The private daemon did not start, or did not stop cleanly."""
 
 
-def _die_with_parent() -> None:  # runs in the child between fork and exec
+def _die_with_parent(preexec=None) -> None:  # runs in the child between fork and exec
     try:
         ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
     except (OSError, AttributeError):
         pass  # not Linux: the daemon outlives a killed parent, as a Popen would
+    if preexec is not None:
+        preexec()
 
 
 def _group_id(group) -> int:
@@ -135,7 +138,7 @@ class Server:
 
     def __init__(self, tables=(), config: str | None = None, instance: str | None = None,
                  timeout: float = START_TIMEOUT_S, python: str | None = None, group=None,
-                 **daemon_options):
+                 preexec=None, **daemon_options):
         """``tables``: dicts of ``Client.create_table``'s arguments (name,
         capacity, fields, sampler, ...), or ``("queue", dict)`` pairs for
         ``create_queue``.  ``config``: a shmreplayd TOML file (its socket
@@ -145,7 +148,10 @@ class Server:
         ``local<pid>x<n>``).  ``python``: the interpreter to run the daemon
         with (default this one).  ``group``: a group name or gid whose
         members may connect and map the tables (default: none, this user
-        only; see the module docstring)."""
+        only; see the module docstring).  ``preexec``: a callable run in the
+        daemon's process before it starts (``Popen``'s ``preexec_fn``), for
+        what must hold from its first page on: ``os.nice``, joining a
+        cgroup; the benchmarks use it."""
         if config is not None and daemon_options:
             raise ReplayError("give daemon options in the config file or as keywords, not both")
         gid = None if group is None else _group_id(group)
@@ -186,7 +192,7 @@ class Server:
                     [python or sys.executable, "-m", "shmreplay.server.daemon", "--config", self.config,
                      "--socket", self.socket, "--instance", self.instance],
                     stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                    env=env, preexec_fn=_die_with_parent)
+                    env=env, preexec_fn=functools.partial(_die_with_parent, preexec))
             admin = self._wait_ready(timeout)
             try:
                 for t in tables:

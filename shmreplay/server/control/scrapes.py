@@ -158,6 +158,8 @@ class Scrapes:
     # ---- connections ----
     def _accept(self, lsock: socket.socket, tcp: bool) -> None:
         for _ in range(ACCEPT_BATCH):
+            if len(self.conns) >= MAX_CONNECTIONS:
+                self._evict()  # room first: never more than MAX_CONNECTIONS open, not even for a moment
             try:
                 sock, _ = lsock.accept()
             except (BlockingIOError, InterruptedError):
@@ -166,7 +168,7 @@ class Scrapes:
                 log.warning("metrics: accept failed: %s", exc)
                 return
             sock.setblocking(False)
-            if len(self.conns) >= MAX_CONNECTIONS and not self._evict():
+            if len(self.conns) >= MAX_CONNECTIONS:  # every one is being answered: no room
                 sock.close()
                 continue
             # refused peers are answered 403 once they ask (curl shows them

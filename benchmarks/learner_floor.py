@@ -26,7 +26,7 @@ import numpy as np
 
 from shmreplay.bench.workloads import WORKLOADS
 from shmreplay.schema import make_spec
-from shmreplay.server.tables import sumtree
+from shmreplay.server.tables.select import sumtree
 from shmreplay.wire.layout import TableMap
 
 

@@ -160,7 +160,7 @@ def daemon(start_daemon, tmp_path):
     # SHMREPLAY_TEST_ROWS=file: every table these tests create keeps its rows
     # in a file (test_file_tables.py runs whole modules that way); no periodic
     # sync, so a full table evicts exactly as a /dev/shm one (a sync that
-    # lists its items makes it evict ahead: server/tables/barrier.py)
+    # lists its items makes it evict ahead: server/tables/slots/barrier.py)
     rows = ({"storage_dir": str(tmp_path / "tables"), "sync_interval_s": 0}
             if os.environ.get("SHMREPLAY_TEST_ROWS") == "file" else {})
     return start_daemon(seed=1234, **rows)

@@ -1,4 +1,4 @@
-"""Plain-numpy twins of the kernels in ``shmreplay.server.tables.members``.
+"""Plain-numpy twins of the kernels in ``shmreplay.server.tables.select.members``.
 
 The twin keeps the member set as a sorted array and answers what the set
 holds after each call; the kernels' order inside ``members[:count]`` is

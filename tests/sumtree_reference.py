@@ -1,4 +1,4 @@
-"""Plain-numpy twins of the kernels in ``shmreplay.server.tables.sumtree`` (and of
+"""Plain-numpy twins of the kernels in ``shmreplay.server.tables.select.sumtree`` (and of
 ``shmreplay.priorities.first_invalid_priority``), with the same names.
 
 Slow and obviously correct: updates rebuild the whole tree level by level
@@ -27,7 +27,7 @@ import math
 
 import numpy as np
 
-from shmreplay.server.tables.sumtree import DRIFT_SAFETY, new_trees, tree_size  # noqa: F401  (same public names)
+from shmreplay.server.tables.select.sumtree import DRIFT_SAFETY, new_trees, tree_size  # noqa: F401  (same public names)
 
 
 _pow = ctypes.CDLL(None).pow  # the process's C library: the symbol numba's pow calls
@@ -118,10 +118,10 @@ def first_invalid_priority(priorities):
     return int(bad[0]) if bad.size else -1
 
 
-# ---- twins of shmreplay.server.tables.treeops ----
+# ---- twins of shmreplay.server.tables.select.treeops ----
 def update_fault(keys, prios, alpha, capacity):
     from shmreplay.priorities import MAX_TREE_VALUE
-    from shmreplay.server.tables.treeops import BAD_PRIORITY, BAD_SLOT, TOO_LARGE
+    from shmreplay.server.tables.select.treeops import BAD_PRIORITY, BAD_SLOT, TOO_LARGE
     prios = np.asarray(prios, dtype=np.float64)
     bad = np.flatnonzero(~((prios >= 0) & (prios < np.inf)))
     if bad.size:

@@ -28,7 +28,7 @@ from conftest import shm_entries
 from pagecache import unsynced
 
 FIELDS = {"obs": ("uint8", (3000,)), "id": ("int64", ())}  # a row spans a page boundary
-# the sync headroom of a 64-item table (server/tables/barrier.py; docs/guide.md, "Tables
+# the sync headroom of a 64-item table (server/tables/slots/barrier.py; docs/guide.md, "Tables
 # larger than RAM"): 1 % of 64 is 0, at least 64 makes 64, at most a quarter makes 16
 HEADROOM = 16
 
@@ -167,7 +167,7 @@ def check_rows(t, lo: int, hi: int) -> np.ndarray:
 
 
 def test_no_slot_listed_on_disk_is_written_before_the_next_sync(start_daemon, tmp_path):
-    """The reuse barrier (server/tables/barrier.py): a full table goes on evicting
+    """The reuse barrier (server/tables/slots/barrier.py): a full table goes on evicting
     and overwriting, after a daemon SIGKILL and an adoption from /dev/shm
     too; whenever the box goes down, the file on disk lists only items whose
     rows are still theirs."""

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 import members_reference as ref
-from shmreplay.server.tables import members as k
-from shmreplay.server.tables.samplers import UniformSampler
+from shmreplay.server.tables.select import members as k
+from shmreplay.server.tables.select.samplers import UniformSampler
 
 
 def check_layout(members: np.ndarray, pos: np.ndarray, count: int, expected: np.ndarray) -> None:

@@ -42,7 +42,7 @@ def fill(t, n, owner=1):
     done = 0
     while done < n:
         rid, slots, _ = t.reserve(owner, n - done)
-        t.map.fields["x"][slots] = t.seqno + 1 + np.arange(slots.shape[0])
+        t.map.fields["x"][slots] = t.selection.seqno + 1 + np.arange(slots.shape[0])
         t.commit(owner, rid, None)
         done += slots.shape[0]
 
@@ -96,9 +96,9 @@ def test_random_draws_never_exceed_an_items_uses_left(make_table):
 def untouched(t) -> tuple:
     """What a blocked sample must leave as it was: the counters, every
     slot's state and times sampled, and the sampler's trees bit for bit."""
-    return (t.size, t.counters.uses_left, t.counters.samples, t.ledger.held,
+    return (t.size, t.counters.uses_left, t.counters.samples, t.holds.held,
             t.stats["samples"], t.stats["removed_after_max_samples"], t.map.state.copy(),
-            t.map.times.copy(), t.sampler.sums.copy(), t.sampler.mins.copy(), t.sampler.mass)
+            t.map.times.copy(), t.selection.sampler.sums.copy(), t.selection.sampler.mins.copy(), t.selection.sampler.mass)
 
 
 def assert_untouched(t, before: tuple) -> None:

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from items import F, ids, insert_ids
-from shmreplay.server.tables.order import CommitOrder
+from shmreplay.server.tables.select.order import CommitOrder
 
 FIELDS = {"id": ("int64", ())}
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import ast
 import os
+import pkgutil
 import re
 
 import pytest
@@ -136,6 +137,35 @@ def test_server_rooms_import_only_the_rooms_below_them(graph, source):
             if reached:
                 bad[m] = sorted(reached)
     assert not bad, f"server/{source} modules reach rooms above or beside them (or the hall): {bad}"
+
+
+# server/tables/ is two rooms and the table that joins them: the slot books
+# and the selection, neither of which imports the other or the level above
+TABLE_ROOMS = ("slots", "select")
+
+
+def table_room(name: str) -> str | None:
+    parts = name.split(".")
+    return parts[3] if len(parts) > 3 and parts[1:3] == ["server", "tables"] else None
+
+
+def test_the_tables_room_is_two_rooms_and_the_table():
+    top = {m.name for m in pkgutil.iter_modules([os.path.join(ROOT, "server", "tables")])}
+    assert {m for m in top if m not in TABLE_ROOMS} == {"table", "counters", "tablestats"}
+    for r in TABLE_ROOMS:
+        assert r in top
+        assert len(list(pkgutil.iter_modules([os.path.join(ROOT, "server", "tables", r)]))) >= 4, r
+
+
+@pytest.mark.parametrize("source", TABLE_ROOMS)
+def test_the_tables_rooms_import_neither_each_other_nor_the_table(graph, source):
+    bad = {}
+    for m in graph:
+        if table_room(m) == source:
+            reached = {x for x in closure(graph, m) if wing(x) == "server" and table_room(x) != source}
+            if reached:
+                bad[m] = sorted(reached)
+    assert not bad, f"server/tables/{source} modules reach beyond their room: {bad}"
 
 
 def test_the_shared_root_modules_import_no_wing_but_wire(graph):

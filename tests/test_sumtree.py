@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 
 from shmreplay.priorities import first_invalid_priority
-from shmreplay.server.tables import sumtree as fast
+from shmreplay.server.tables.select import sumtree as fast
 import sumtree_reference as ref
 
 priorities = st.one_of(
@@ -207,7 +207,7 @@ def test_draw_matches_reference(case, n, seed, beta):
 
 
 # ---- treeops: a prioritized table's UPDATE and SAMPLE kernels ----
-from shmreplay.server.tables import treeops  # noqa: E402
+from shmreplay.server.tables.select import treeops  # noqa: E402
 from shmreplay.wire.layout import COMMITTED  # noqa: E402
 
 

@@ -83,13 +83,13 @@ def test_release_owner_frees_only_that_owners_reservations(table):
 
 def test_drift_beyond_the_bound_is_detected_and_rebuilt_from_the_segment(table):
     fill(table, 8, prios=np.arange(1.0, 9.0))
-    sums, mins = table.sampler.sums, table.sampler.mins
+    sums, mins = table.selection.sampler.sums, table.selection.sampler.mins
     good, good_mins = sums.copy(), mins.copy()
     sums[3] += 0.5   # a corrupted inner node over slots 4..7...
     sums[1] += 0.5   # ...and a root consistent with it
     leaves = sums.shape[0] // 2
     sums[leaves + 5] += 0.25  # and slot 5's leaf: only the segment still has its priority
-    assert not table.sampler.check()
+    assert not table.selection.sampler.check()
     # updates of slot 0 recompute only its own path (8 -> 4 -> 2 -> 1), so
     # the damage survives them; the periodic check runs after `capacity`
     # leaf writes and rebuilds from the segment's priorities
@@ -146,11 +146,11 @@ def test_evicting_a_pinned_item_parks_its_slot_until_the_last_pin_goes():
         rid, slots, _ = t.reserve(3, 8)
         assert set(slots.tolist()) == set(range(8)) - set(pinned.tolist())
         assert np.all(tm.state[pinned] == HELD) and np.array_equal(tm.gens[pinned], gens[pinned])
-        assert t.stats["parked_pinned_slots"] == pinned.shape[0] and t.ledger.held == pinned.shape[0]
+        assert t.stats["parked_pinned_slots"] == pinned.shape[0] and t.holds.held == pinned.shape[0]
         with pytest.raises(Blocked):  # nothing left to give: the parked slots are not evictable
             t.reserve(4, 1)
         t.release(7, hid)
-        assert np.all(tm.state[pinned] == FREE) and t.ledger.held == 0
+        assert np.all(tm.state[pinned] == FREE) and t.holds.held == 0
         assert sorted(t.reserve(4, 8)[1].tolist()) == sorted(pinned.tolist())
     finally:
         tm.unlink()
@@ -168,9 +168,9 @@ def test_a_pin_outlives_another_learners_hold_on_the_same_slot():
         _, _, _, held = t.sample(9, 1, 0.4)                 # A: 2nd use, the item leaves
         assert pin and held and tm.state[0] == HELD
         t.release(9, held)
-        assert tm.state[0] == HELD and t.ledger.parked[0], "B still reads slot 0"
+        assert tm.state[0] == HELD and t.holds.parked[0], "B still reads slot 0"
         t.release(8, pin)
-        assert tm.state[0] == FREE and t.ledger.held == 0 and not t.ledger.parked[0]
+        assert tm.state[0] == FREE and t.holds.held == 0 and not t.holds.parked[0]
     finally:
         tm.unlink()
         tm.release()
@@ -180,14 +180,14 @@ def test_pins_of_one_client_stop_at_a_quarter_of_the_table_and_expire():
     t, tm = pinned_table(capacity=8)
     try:
         fill(t, 8)
-        t.ledger.hold_timeout_s = 0.0
+        t.holds.timeout_s = 0.0
         hids = [t.sample(5, 1, 0.4, protect=True)[3] for _ in range(3)]
         assert hids[0] and hids[1], "2 slots: a quarter of 8"
-        assert t.ledger.pins.of_owner[5] == 2
+        assert t.holds.pins.of_owner[5] == 2
         assert hids[2] == 0, "past the cap a protected draw is a plain one"
         t.expire(float("inf"))  # the holds run out: pins go with them
-        assert 5 not in t.ledger.pins.of_owner and not t.ledger.pinned.any()
-        assert t.ledger.held == 0
+        assert 5 not in t.holds.pins.of_owner and not t.holds.pinned.any()
+        assert t.holds.held == 0
     finally:
         tm.unlink()
         tm.release()
@@ -200,9 +200,9 @@ def test_a_rate_limited_table_without_reuse_limits_evicts_past_parked_pins():
     try:
         fill(t, 8)
         _, _, _, hid = t.sample(7, 2, 0.4, protect=True)
-        assert hid and t.ledger.pinned.any()
+        assert hid and t.holds.pinned.any()
         rid, slots, _ = t.reserve(3, 8)            # evicts every item, parks the pinned ones
-        assert 0 < t.ledger.held < 8 and slots.shape[0] == 8 - t.ledger.held
+        assert 0 < t.holds.held < 8 and slots.shape[0] == 8 - t.holds.held
         t.commit(3, rid, None)
         _, more, _ = t.reserve(3, 2)               # before: Blocked until the learner's release
         assert more.shape[0] == 2 and t.stats["evictions"] == 8 + 2
@@ -245,19 +245,19 @@ def test_pins_of_one_user_over_many_clients_stop_at_a_quarter_and_all_users_at_h
 
         def pin(owner, user):
             slots = np.array([owner % 16], np.int64)  # one distinct slot per client
-            return t.ledger.pin(owner, slots, 0, user)
+            return t.holds.pin(owner, slots, 0, user)
         assert all(pin(owner, 1000) for owner in range(10, 14))   # user 1000: 4 slots = a quarter
         assert pin(14, 1000) == 0, "a fifth client of the same user pins nothing"
         assert all(pin(owner, 1001) for owner in range(20, 24))   # user 1001: its own quarter
-        assert t.ledger.pins.others == 8 == t.ledger.pins.others_cap
+        assert t.holds.pins.others == 8 == t.holds.pins.others_cap
         assert pin(30, 1002) == 0, "all capped users together: half the table"
         assert pin(31, None), "root, the daemon's user, the admin group: their own cap only"
         hid = pin(15, None)
         t.release(15, hid)
-        assert 15 not in t.ledger.pins.of_owner
+        assert 15 not in t.holds.pins.of_owner
         for owner in range(10, 14):
             t.release_owner(owner)
-        assert 1000 not in t.ledger.pins.of_user and t.ledger.pins.others == 4
+        assert 1000 not in t.holds.pins.of_user and t.holds.pins.others == 4
         assert pin(32, 1002), "room again once user 1000's clients left"
     finally:
         tm.unlink()

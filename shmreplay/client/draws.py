@@ -5,7 +5,7 @@ that turns a draw into a stable batch.
 (``gather.take_rows``), re-checks their stamps (``gather.stale_rows``) and
 draws again the rows whose slot was overwritten meanwhile.  Those redraws
 are *protected*: the daemon pins their slots until the batch is copied
-(``server/tables/ledger.py``), so no writer can overwrite them and the
+(``server/tables/slots/holds.py``), so no writer can overwrite them and the
 second gather is stable however fast writers turn the table over.  A
 sample therefore costs at most two draws and two gathers; the deadline
 stays for what pins cannot cover (a client at its pin cap, a hold that

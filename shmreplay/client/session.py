@@ -66,7 +66,7 @@ class Session:
     def _open(self) -> None:
         # the lease this process held at its last daemon: the leases were
         # voided just below, so if that daemon died, the next may reuse the
-        # slots it gave us (server/tables/orphans.py)
+        # slots it gave us (server/tables/slots/orphans.py)
         resume = self._lease_key if self.pid == os.getpid() else 0
         self.pid = os.getpid()
         self.closed = False

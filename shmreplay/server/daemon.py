@@ -63,7 +63,7 @@ from .control.watchdog import Watchdog, notify
 from .disk import ownership
 from .disk.prefetch import Prefetcher
 from .engine.engine import Engine
-from .tables import members, sumtree
+from .tables.select import members, sumtree
 
 log = logging.getLogger("shmreplayd")
 

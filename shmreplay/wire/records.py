@@ -123,7 +123,7 @@ def stale(keys: np.ndarray, stamps: np.ndarray) -> np.ndarray:
 def owner_key(daemon_pid: int, client_id: int) -> int:
     """The name of one lease: the granting daemon's pid << 32 | the client's
     id there.  The daemon records it with every slot it leases (a dead
-    daemon's successor reads it, ``server/tables/orphans.py``); a client
+    daemon's successor reads it, ``server/tables/slots/orphans.py``); a client
     that reconnects names its old one in ``hello``'s ``resume``."""
     return (int(daemon_pid) << SLOT_BITS) | int(client_id)
 

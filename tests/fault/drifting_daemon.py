@@ -30,8 +30,8 @@ def _drift_then_snapshot(self):
         _done.append(True)
         for t in self.tables.values():
             if t.spec.sampler == "prioritized":
-                t.sampler.sums[3] += 0.5  # the right half's inner node...
-                t.sampler.sums[1] += 0.5  # ...and a root consistent with it
+                t.selection.sampler.sums[3] += 0.5  # the right half's inner node...
+                t.selection.sampler.sums[1] += 0.5  # ...and a root consistent with it
     return _snapshot(self)
 
 

@@ -163,7 +163,7 @@ def segment_rows(segment: str) -> tuple[dict, int]:
 def void_slots(segment: str) -> tuple[np.ndarray, np.ndarray]:
     """The slots a writer had reserved (or a learner held) and their stamps:
     read after a SIGKILL, these are what the next daemon voids and gives
-    out again once nobody can still write them (server/tables/orphans.py)."""
+    out again once nobody can still write them (server/tables/slots/orphans.py)."""
     tm = TableMap.attach(segment)
     try:
         slots = np.flatnonzero((tm.state == RESERVED) | (tm.state == HELD))

@@ -23,7 +23,7 @@ from ...errors import PermissionDenied, SchemaError
 from ...schema import TableSpec, spec_from_dict
 from ...wire import names
 from ..disk.prefetch import METHODS as PREFETCH_METHODS
-from ..tables.ledger import SlotLimits
+from ..tables.slots.ledger import SlotLimits
 
 _INSTANCE = re.compile(r"^[A-Za-z0-9_-]{1,32}$")
 

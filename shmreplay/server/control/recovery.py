@@ -21,7 +21,7 @@ daemon: SIGKILL, OOM kill, or a shutdown with ``retain_tables``):
 then the ``Table`` is rebuilt from it (``rebuild``): every committed item
 stays, with its priority, times sampled and commit order; slots that were
 held are freed, and slots that were reserved come back only once their
-writer provably cannot write them (tables/orphans.py).  Tables the config
+writer provably cannot write them (tables/slots/orphans.py).  Tables the config
 declares that were not adopted are restored from the newest complete
 checkpoint in the restore directory, and the rest are created empty.
 Checkpointed tables that the config does not declare are restored too.
@@ -39,14 +39,13 @@ import numpy as np
 
 from ...errors import LayoutError, PermissionDenied, ReplayError
 from ...wire import names
-from ...wire.layout import COMMITTED, FREE, HELD, RESERVED, TableMap
+from ...wire.layout import TableMap
 from ...wire.peer import process_alive, process_start
 from ...wire import headers
 from ...wire.rowfile import RowFile, rows_location, rows_name
 from ...wire.segment import unlink_quiet
 from ..disk import ckread, durable, ownership, storage
-from ..tables.ledger import SlotLimits
-from ..tables.orphans import OrphanLeases
+from ..tables.slots.ledger import SlotLimits
 from ..tables.table import Table
 from .memory import check_memory
 
@@ -96,43 +95,22 @@ def rebuild(table_id: int, spec, tmap: TableMap, seed=None,
     commit number) are the truth; everything else is derived.  Slots a
     learner held under the dead daemon are freed; slots a writer had
     reserved stay out of use until that writer provably cannot write them
-    (tables/orphans.py).  Both get their stamps bumped, so no key a client kept
+    (tables/slots/orphans.py).  Both get their stamps bumped, so no key a client kept
     for them matches.  Engine thread, or before the table is served."""
     t = Table(table_id, spec, tmap, seed, fresh=False, limits=limits)
-    m = tmap
-    st = m.state
     mts = spec.max_times_sampled
-    if mts:  # the daemon died between counting an item's last use and removing it
-        st[(st == COMMITTED) & (m.times >= mts)] = HELD
-    committed = np.flatnonzero(st == COMMITTED)
-    committed = committed[np.argsort(m.seqno[committed], kind="stable")]
-    held = np.flatnonzero(st == HELD)
-    leased = np.flatnonzero(st == RESERVED)
-    for void in (held, leased):
-        m.prios[void] = 0.0
-        m.gens[void] += np.uint32(1)
-    st[held] = FREE
-    if leased.shape[0]:
-        t.ledger.orphans = OrphanLeases(leased, m.lease_pid[leased], m.lease_start[leased],
-                                        m.lease_owner[leased])
-    t.ledger.free.push(np.flatnonzero(st == FREE))
-    prios = m.prios[committed]
-    if committed.shape[0]:
-        t.sampler.add(committed, prios)
-        t.remover.add(committed, prios)
-        t.order.push(t.keys_of(committed))
-        t.max_priority = max(1.0, float(prios.max()))
-        t.seqno = int(m.seqno[committed].max())
+    held, leased = t.ledger.recover(mts)
+    committed = t.selection.restore()
+    m = tmap
     uses = int((mts - m.times[committed].astype(np.int64)).sum()) if mts else 0
     size = committed.shape[0]
-    can_sample = (size >= spec.min_size_to_sample and t.sampler.mass > 0
+    can_sample = (size >= spec.min_size_to_sample and t.selection.mass > 0
                   and (not mts or uses > 0))
     t.counters.restore(size, uses, can_sample)
+    t.stats.update(recovered_items=size, recovered_orphans=held + leased)
     m.words.epoch = m.words.epoch + 1
     m.header["owner_pid"] = os.getpid()
     m.header["owner_start"] = process_start(os.getpid())
-    t.stats["recovered_items"] = size
-    t.stats["recovered_orphans"] = held.shape[0] + leased.shape[0]
     t.publish()
     return t
 

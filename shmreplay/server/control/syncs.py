@@ -18,7 +18,6 @@ import time
 
 from ...errors import ReplayError
 from ..disk import durable
-from ..tables.barrier import ReuseBarrier
 
 log = logging.getLogger("shmreplayd.durable")
 
@@ -36,18 +35,14 @@ class Syncer:
         space reserved (a full disk: DiskFull, the table is not served), its
         reuse barrier and sync state; an adopted table protects what its
         file on disk lists (until its first sync, which follows at once)."""
-        led, name = table.ledger, table.spec.name
+        name = table.spec.name
         path = durable.meta_file(table.map)
         seq = durable.reserve(path, table.map.layout.size, fresh=not recover)
-        led.barrier = ReuseBarrier(table.spec.capacity)
         loop = self.srv.loop
-        table.durable = durable.Durability(path, lambda: loop.call_soon_threadsafe(self.soon, name))
-        self.states[name] = table.durable
-        table.durable.seq = seq
-        listed = durable.listed_on_disk(table.map, path) if recover else None
-        if listed is not None:
-            led.barrier.protect(listed)
-            led.make_free(led.free.pop(len(led.free)))
+        state = durable.Durability(path, lambda: loop.call_soon_threadsafe(self.soon, name))
+        state.seq = seq
+        self.states[name] = state
+        table.make_durable(state, durable.listed_on_disk(table.map, path) if recover else None)
 
     async def serve(self, name: str) -> None:
         """The table is in the engine: from now on it is synced; the first

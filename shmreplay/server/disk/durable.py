@@ -19,7 +19,7 @@ before the sync, bit-exact.
 A sync of one table, in order:
 
 1. engine thread (``take``): copy the meta segment; the reuse barrier
-   (tables/barrier.py) now also protects the items the copy lists;
+   (tables/slots/barrier.py) now also protects the items the copy lists;
 2. executor (``write``): ``fdatasync`` the rows, so every row of every
    item in the copy is on disk; write the copy over the file's older copy,
    in place, and ``fdatasync`` (no new disk block: another user who filled
@@ -48,7 +48,6 @@ from ...errors import ForeignObject, LayoutError, ReplayError
 from ...wire import headers, names
 from ...wire.layout import TableMap, meta_mode
 from ...wire.segment import Segment
-from ..tables.barrier import ReuseBarrier
 from . import metafile, safedir
 
 log = logging.getLogger("shmreplayd.durable")
@@ -151,12 +150,12 @@ class Durability:
         return (f"; the syncs of this table to {self.path} are failing ({self.error}); the next try "
                 f"is in {max(0.0, self.retry_at - time.monotonic()):.1f} s: mend what the error names")
 
-    def report(self, barrier: ReuseBarrier) -> dict:
+    def report(self) -> dict:
+        """The sync's numbers (the table adds its reuse barrier's)."""
         return {"meta_file": self.path, "syncs": self.syncs, "sync_failures": self.failures,
                 "synced_items": self.items,
                 "last_sync_age_s": round((time.time_ns() - self.last_ns) / 1e9, 3) if self.last_ns else None,
-                "last_sync_s": round(self.seconds, 4), "sync_error": self.error,
-                "retired": barrier.count, "sync_headroom": barrier.headroom}
+                "last_sync_s": round(self.seconds, 4), "sync_error": self.error}
 
 
 class Copy:
@@ -176,7 +175,7 @@ def take(table, copy: Copy) -> Copy:
     copy.t_ns = time.time_ns()
     copy.listed = m.layout.committed_in(copy.buf)
     copy.items = int(np.count_nonzero(copy.listed))
-    table.ledger.barrier.protect(copy.listed)
+    table.ledger.protect(copy.listed)
     table.durable.wanted = False
     return copy
 
@@ -196,13 +195,12 @@ def write(copy: Copy, rows_fd: int, path: str, seq: int) -> int:
 
 def landed(table, copy: Copy, seconds: float) -> int:
     """Engine thread: step 3.  Returns how many retired slots it freed."""
-    freed = table.ledger.barrier.landed(copy.listed)
-    table.ledger.free.push(freed)
+    freed = table.ledger.landed(copy.listed)
     d = table.durable
     d.syncs += 1
     d.items, d.last_ns, d.seconds = copy.items, copy.t_ns, seconds
     table.publish()
-    return freed.shape[0]
+    return freed
 
 
 # ---- startup: the files a reboot left ----

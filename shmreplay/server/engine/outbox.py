@@ -28,7 +28,7 @@ class ClientState:
                  resume: int = 0, user: int | None = None):
         self.id = cid
         self.pid = pid
-        self.user = user  # its uid, if its reservations count against a user cap (tables/reservations.py)
+        self.user = user  # its uid, if its reservations count against a user cap (tables/slots/reservations.py)
         self.start = process_start(pid)  # with the pid, names this process in lease records
         self.resume = resume  # the lease it held at a dead daemon (records.owner_key), or 0
         self.channel = channel

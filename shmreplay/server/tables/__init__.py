@@ -1,18 +1,18 @@
 """Replay tables as the daemon keeps them: items in, items out, and the numbers.
 
-``table.py`` (``Table``) is composed of parts that each own their state:
-``ledger.py`` (the slot life cycle: free, reserved, committed, held), with
-``slotqueue.py`` (the free list), ``orphans.py`` (slots a dead daemon's
-writers leased) and ``barrier.py`` (a durable table's reuse barrier);
-``reservations.py`` (writers' reservations: whose slots, committed how
-far, how much other users may hold) and ``pinbooks.py`` (the caps on
-protected redraws); ``counters.py`` (the rate limiter's and reuse limit's
-counters, mirrored into the segment); a sampler and a remover behind
-``selectors.py`` (``samplers.py``, ``removers.py``, the commit order of
-``order.py``, the dense member set of ``members.py``, the numba sum tree
-of ``sumtree.py`` and a prioritized table's UPDATE and SAMPLE kernels over
-it, ``treeops.py``); ``reuse.py`` (random draws under a reuse limit);
-``tablestats.py`` (what ``status`` reports).
+Two rooms and the table that joins them:
+
+* ``slots/``, the slot books: which slot is free, reserved by a writer,
+  committed, or held for a learner, and who may still write or read it;
+* ``select/``, the selection: which committed item a draw or an eviction
+  picks (samplers, removers, the commit order, the sum tree, the reuse
+  limit).
+
+``table.py`` (``Table``) composes one of each with ``counters.py`` (the
+rate limiter's and reuse limit's counters, mirrored into the segment, and
+``Blocked``, why a request waits) and ``tablestats.py`` (what ``status``
+reports), and moves items between them.  Neither room imports the other
+or this level; the table hands each what it needs.
 
 May import: ``wire`` and the shared root modules, nothing else of the
 server: a table knows nothing of threads, sockets or files.

@@ -26,16 +26,17 @@ def describe(t) -> dict:
 def snapshot_stats(t, pids: dict | None = None) -> dict:
     """The numbers of table ``t``; ``pids`` (client id -> pid) names who holds slots."""
     led = t.ledger
+    orphaned, orphan_holders = led.orphaned()
     out = {**t.stats, "size": t.counters.size, "capacity": t.spec.capacity,
-           "reserved": led.pending + led.books.voided, "voided": led.books.voided, "held": led.held, "holders": led.holders(pids or {}),
-           "orphaned": led.orphans.count if led.orphans else 0,
-           "orphan_holders": led.orphans.holders() if led.orphans else [],
+           "reserved": led.pending + led.voided, "voided": led.voided, "held": t.holds.held,
+           "holders": t.holds.holders(pids or {}),
+           "orphaned": orphaned, "orphan_holders": orphan_holders,
            "limiter": {**t.counters.snapshot(led.pending), **limiter_state(t, led.pending)},
-           "max_priority": t.max_priority, "sampler": t.spec.sampler, "remover": t.spec.remover,
-           "rows": t.map.rows.name, "rows_bytes": t.map.layout.rows_size,
+           "max_priority": t.selection.max_priority, "sampler": t.spec.sampler,
+           "remover": t.spec.remover, "rows": t.map.rows.name, "rows_bytes": t.map.layout.rows_size,
            "file_backed": t.spec.file_backed, "durable": t.durable is not None}
     if t.durable is not None:
-        out.update(t.durable.report(led.barrier))
+        out.update(t.durable.report(), **led.barrier_report())
     return out
 
 
@@ -45,5 +46,5 @@ def limiter_state(t, pending: int) -> dict:
     cnt, spec = t.counters, t.spec
     blocked = None if cnt.insert_room(pending, 1) else ratelimiter.insert_blocker(
         spec, cnt.inserts, pending, cnt.samples)
-    refusal = cnt.sample_refusal(1, t.sampler.mass)
+    refusal = cnt.sample_refusal(1, t.selection.mass)
     return {"inserts_blocked": blocked, "samples_blocked": None if refusal is None else str(refusal)}

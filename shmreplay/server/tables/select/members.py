@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import numba
 
-from ...numbaconf import JIT
+from ....numbaconf import JIT
 
 
 @numba.njit(**JIT)

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ...wire.records import key_slots
+from ....wire.records import key_slots
 from .samplers import OrderCount, UniformSampler, unweighted
 
 

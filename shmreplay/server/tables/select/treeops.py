@@ -28,11 +28,11 @@ from __future__ import annotations
 import numba
 import numpy as np
 
-from ...errors import PriorityError, ProtocolError
-from ...numbaconf import JIT
-from ...priorities import MAX_TREE_VALUE, check_priorities
-from ...wire.layout import COMMITTED
-from ...wire.records import SLOT_BITS, SLOT_MASK
+from ....errors import PriorityError, ProtocolError
+from ....numbaconf import JIT
+from ....priorities import MAX_TREE_VALUE, check_priorities
+from ....wire.layout import COMMITTED
+from ....wire.records import SLOT_BITS, SLOT_MASK
 from .sumtree import tree_draw, tree_update
 
 BAD_PRIORITY, TOO_LARGE, BAD_SLOT = 1, 2, 3

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ...wire.peer import process_alive
+from ....wire.peer import process_alive
 
 CHECK_S = 0.25  # how often the holders' liveness is read from /proc
 

@@ -1,5 +1,5 @@
 """How many slots each learner, each user and all capped users pin: the
-caps on protected redraws (``ledger.pin``).
+caps on protected redraws (``holds.py``, ``Holds.pin``).
 
 A client pins at most ``cap`` slots (a quarter of the table); a user other
 than root, the daemon's own or the admin group (a *capped* user: the
@@ -9,7 +9,7 @@ as reservations (``reservations.py``), so one user's learners cannot pin
 a table into uselessness.  Entries go when their count reaches zero:
 clients come and go for weeks.
 
-Engine thread only, like the ledger that owns it.
+Engine thread only, like the holds that own it.
 """
 
 from __future__ import annotations

@@ -2,7 +2,8 @@
 
 As Reverb's ItemSelector: a table holds two selectors, its *sampler* (which
 items a SAMPLE returns, with what probability) and its *remover* (which
-item leaves when a writer needs a slot and none is free).  A selector sees
+item leaves when a writer needs a slot and none is free).  Either *picks*
+slots: a sampler's picks make a draw (one SAMPLE), a remover's are evicted.  A selector sees
 slot indices and priorities, never data (TorchRL's split).  The table calls
 it from the engine thread only, never concurrently.
 
@@ -16,8 +17,8 @@ from typing import Protocol
 
 import numpy as np
 
-from ...errors import SchemaError
-from ...schema import REMOVERS, SAMPLERS
+from ....errors import SchemaError
+from ....schema import REMOVERS, SAMPLERS
 from .removers import OrderRemover, UniformRemover
 from .samplers import OrderSampler, PrioritizedSampler, UniformSampler
 
@@ -35,14 +36,6 @@ class Selector(Protocol):
 
     def remove(self, slots: np.ndarray) -> None:
         """Slots leave (evicted, sampled for the last time)."""
-
-    def update(self, keys: np.ndarray, priorities: np.ndarray, gens: np.ndarray,
-               state: np.ndarray, stored: np.ndarray) -> tuple[int, float]:
-        """Samplers: a validated UPDATE by key; the priorities of keys still
-        naming their item go into ``stored`` (the segment's) and the
-        sampler; returns (live keys, largest live priority).  The
-        prioritized sampler also has ``draw(n, rng, beta, gens)``: keys,
-        probabilities and weights in one kernel (``fused``)."""
 
     @property
     def mass(self) -> float:
@@ -62,7 +55,24 @@ class Selector(Protocol):
         """Start over from the authoritative (slot, priority) pairs."""
 
 
-def make_sampler(kind: str, capacity: int, alpha: float, order) -> Selector:
+class Sampler(Selector, Protocol):
+    """A table's sampler: a selector that also answers by key.  Each kind
+    does both as cheaply as it can (the prioritized one: one kernel each,
+    ``treeops.py``); the table never asks which kind it has."""
+
+    def pick_keys(self, n: int, rng: np.random.Generator, beta: float,
+                  gens: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """n picks as (keys, probabilities, importance weights): each slot
+        stamped with its generation in ``gens`` (``wire.records``)."""
+
+    def update(self, keys: np.ndarray, priorities: np.ndarray, gens: np.ndarray,
+               state: np.ndarray, stored: np.ndarray) -> tuple[int, float]:
+        """A validated UPDATE by key: the priorities of keys still naming
+        their item go into ``stored`` (the segment's) and the sampler;
+        returns (live keys, largest live priority)."""
+
+
+def make_sampler(kind: str, capacity: int, alpha: float, order) -> Sampler:
     if kind == "prioritized":
         return PrioritizedSampler(capacity, alpha)
     if kind == "uniform":

@@ -86,44 +86,8 @@ class ReuseBarrier:
         return freed[~listed[freed]]
 
 
-# ---- a durable table's side of reserve (Table calls these; engine thread) ----
-
 def consumable(spec) -> bool:
     """Items leave by being sampled (a queue: a rate limiter and a reuse
     limit): one evicted early is lost, so such a table never evicts ahead,
     and its writers wait for retired slots as they wait for held ones."""
     return spec.rate_limited and bool(spec.max_times_sampled)
-
-
-def waits_for_sync(table) -> bool:
-    """A writer of this table waits for the next sync instead of evicting."""
-    b = table.ledger.barrier
-    return b.full or (b.count > 0 and consumable(table.spec))
-
-
-def evict_for(table, slots: np.ndarray, n: int) -> np.ndarray:
-    """``slots`` were just evicted for a writer that needs n: return those it
-    may write, maybe fewer than n, even none (listed on disk: retired)."""
-    led = table.ledger
-    led.make_free(slots)
-    evict_ahead(table)
-    return led.take_free(n)
-
-
-def evict_ahead(table) -> None:
-    """Keep a full table's free and retired slots at its headroom, so the
-    next sync frees a batch while writers use what is free (not a queue)."""
-    led, b = table.ledger, table.ledger.barrier
-    if b.listed and len(led.free) < b.headroom // 2 + 1 and not consumable(table.spec):
-        ahead = min(table.counters.size, b.headroom - b.count - len(led.free))
-        if ahead > 0:
-            led.make_free(table.evict_items(ahead))
-
-
-def want_sync(table, force: bool = False) -> None:
-    """Ask for a sync when retired slots are needed: the free list is below
-    half the headroom (``force``: a writer waits for them)."""
-    led = table.ledger
-    if table.durable is not None and led.barrier.count and (
-            force or len(led.free) < led.barrier.headroom // 2 + 1):
-        table.durable.want()

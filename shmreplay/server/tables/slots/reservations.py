@@ -44,7 +44,7 @@ import time
 
 import numpy as np
 
-from ...errors import CapacityError, ProtocolError, SlotsBusy
+from ....errors import CapacityError, ProtocolError, SlotsBusy
 
 log = logging.getLogger("shmreplayd.table")
 

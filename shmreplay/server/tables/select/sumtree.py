@@ -40,7 +40,7 @@ from __future__ import annotations
 import numba
 import numpy as np
 
-from ...numbaconf import JIT
+from ....numbaconf import JIT
 
 DRIFT_SAFETY = 4.0
 

@@ -1,10 +1,10 @@
 """Samplers: which committed slots a sample returns, and with what probability.
 
 Each implements ``selectors.Selector`` (see there for who calls it and
-when).  Random samplers (prioritized, uniform) draw with replacement; the
-table enforces reuse limits on top (``reuse.draw_limited``).  Engine
+when).  Random samplers (prioritized, uniform) pick with replacement; the
+reuse limit is applied on top (``reuse.ReuseLimit``).  Engine
 thread only, like every selector.  Order samplers (fifo, lifo) are Reverb's:
-each draw returns the oldest (newest) item, so without a reuse limit a batch
+each pick returns the oldest (newest) item, so without a reuse limit a batch
 holds one item n times, and with ``max_times_sampled=N`` each item is
 returned N times before the next one.
 """
@@ -13,16 +13,16 @@ from __future__ import annotations
 
 import numpy as np
 
-from ...wire.records import key_slots
+from ....wire.records import key_slots, make_keys
 from . import sumtree, treeops
 from .members import members_add, members_remove
 
 
-class KeyedUpdates:
-    """``update`` for a sampler without a kernel of its own: the live keys'
-    priorities stored (``treeops.store_live``), then ``set``."""
+class SamplerBase:
+    """What a sampler without kernels of its own does by key: ``update``
+    (the live keys' priorities stored, ``treeops.store_live``, then
+    ``set``) and ``pick_keys`` (``pick``, then each slot stamped)."""
 
-    fused = False  # True: also draw(n, rng, beta, gens), one kernel (PrioritizedSampler)
     scratch = (np.empty(0, np.int64), np.empty(0))  # grown on demand: slots, values
 
     def _scratch(self, n: int) -> tuple[np.ndarray, np.ndarray]:
@@ -41,8 +41,14 @@ class KeyedUpdates:
             self.set(slots[:live], values[:live])  # set() keeps neither array
         return int(live), float(top)
 
+    def pick_keys(self, n: int, rng, beta: float, gens: np.ndarray):
+        """n picks as (keys, probabilities, weights), each slot stamped with
+        its generation (``wire.records.make_keys``)."""
+        slots, probs, weights = self.pick(n, rng, beta)
+        return make_keys(gens[slots], slots), probs, weights
 
-class PrioritizedSampler(KeyedUpdates):
+
+class PrioritizedSampler(SamplerBase):
     """P(i) = p_i^alpha / sum_j p_j^alpha, stratified over the batch.
 
     Importance weights are ``(P(i) / P_min) ** -beta``, i.e. normalised so
@@ -62,8 +68,7 @@ class PrioritizedSampler(KeyedUpdates):
         sumtree.tree_values(priorities, self.alpha, out)
         return out
 
-    ordered = False
-    fused = True  # draw(): one kernel (treeops), and so is update()
+    ordered = False  # pick_keys and update: one kernel each (treeops)
 
     def set(self, slots: np.ndarray, priorities: np.ndarray) -> None:
         sumtree.tree_update(self.sums, self.mins, slots, self._values(priorities))
@@ -75,8 +80,8 @@ class PrioritizedSampler(KeyedUpdates):
                                          self.sums, self.mins, slots, values)
         return int(live), float(top)
 
-    def draw(self, n: int, rng, beta: float, gens: np.ndarray):
-        """n stratified draws as (keys, probabilities, weights)."""
+    def pick_keys(self, n: int, rng, beta: float, gens: np.ndarray):
+        """n stratified picks as (keys, probabilities, weights), in one kernel."""
         slots, u01 = self._scratch(n)
         rng.random(out=u01[:n])
         keys, probs, weights = np.empty(n, np.uint64), np.empty(n), np.empty(n)
@@ -93,10 +98,7 @@ class PrioritizedSampler(KeyedUpdates):
         return float(self.sums[1])
 
     def pick(self, n: int, rng, beta: float = 0.0, uses_left=None):
-        return self.sample(rng.random(n), beta)
-
-    def sample(self, u01: np.ndarray, beta: float):
-        n = u01.shape[0]
+        u01 = rng.random(n)
         slots = np.empty(n, dtype=np.int64)
         probs = np.empty(n, dtype=np.float64)
         weights = np.empty(n, dtype=np.float64)
@@ -114,11 +116,11 @@ class PrioritizedSampler(KeyedUpdates):
         sumtree.tree_rebuild(self.sums, self.mins, leaves)
 
 
-class UniformSampler(KeyedUpdates):
-    """Every committed item equally likely, draws independent (with replacement).
+class UniformSampler(SamplerBase):
+    """Every committed item equally likely, picks independent (with replacement).
 
     Members sit in a dense array with a position index (the kernels of
-    ``members.py``), so add, remove and draw are O(1) per item.  Priorities
+    ``members.py``), so add, remove and pick are O(1) per item.  Priorities
     are stored but do not matter.
     """
 
@@ -144,10 +146,7 @@ class UniformSampler(KeyedUpdates):
         return float(self.count)
 
     def pick(self, n: int, rng, beta: float = 0.0, uses_left=None):
-        return self.sample(rng.random(n), beta)
-
-    def sample(self, u01: np.ndarray, beta: float):
-        n = u01.shape[0]
+        u01 = rng.random(n)
         picks = np.minimum((u01 * self.count).astype(np.int64), self.count - 1)
         slots = self.members[picks]
         return slots, np.full(n, 1.0 / self.count), np.ones(n)
@@ -208,7 +207,7 @@ class OrderCount:
         self.count = slots.shape[0]
 
 
-class OrderSampler(KeyedUpdates, OrderCount):
+class OrderSampler(SamplerBase, OrderCount):
     """fifo: the oldest committed item; lifo: the newest (Reverb's Fifo/Lifo).
     Probabilities and weights are 1."""
 
@@ -219,10 +218,10 @@ class OrderSampler(KeyedUpdates, OrderCount):
         self.name = "lifo" if back else "fifo"
 
     def pick(self, n: int, rng=None, beta: float = 0.0, uses_left=None):
-        return unweighted(self.draw(n, uses_left))
+        return unweighted(self.pick_slots(n, uses_left))
 
-    def draw(self, n: int, uses_left) -> np.ndarray:
-        """Slots of n successive draws.  ``uses_left(slots)`` gives how many
+    def pick_slots(self, n: int, uses_left) -> np.ndarray:
+        """Slots of n successive picks.  ``uses_left(slots)`` gives how many
         more samples each item may give, or is None for no limit; the caller
         has checked the items hold at least n uses between them."""
         keys = self.order.peek(1 if uses_left is None else n, self.back)

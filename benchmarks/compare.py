@@ -9,8 +9,11 @@ directory; each cell then runs as its own process (``python -m
 shmreplay.bench.cells``, as benchmarks/run.py does) with that tree or this
 one first on the import path, alternating which side goes first, so both
 see the same machine at nearly the same time.  Both sides run this tree's
-harness (``shmreplay/bench`` is copied over the exported one), so a cell
-added or fixed since runs the same on both.  ``--peer`` adds a third
+harness (``shmreplay/bench`` replaces the exported one, files and all), so
+a cell added or fixed since runs the same on both; it starts each side's
+daemon through that side's ``shmreplay.Server`` at the same nice, whether
+or not that Server takes ``preexec`` (peers.Daemon), so any revision from
+217752b on compares.  ``--peer`` adds a third
 column, that peer's run of each cell in the same rounds; ``--capacity``
 overrides the workloads' (the 1,000-item table of issue 22).  Prints the median of each
 metric per side and after/before; writes every run to

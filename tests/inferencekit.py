@@ -1,7 +1,8 @@
 """What the inference channel's tests share (test_inference.py,
-test_inference_failures.py): the channel they serve, a policy whose answer
-is a function of each env's own observation, env process bodies, and the
-raw control words as any process of the user can map them."""
+test_inference_failures.py, fault/test_inference_*.py): the channel they
+serve, a policy whose answer is a function of each env's own observation,
+env process bodies (and one served to its end: ``serve_env``), and the raw
+control words as any process of the user can map them."""
 
 from __future__ import annotations
 

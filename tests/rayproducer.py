@@ -8,11 +8,11 @@ import numpy as np
 import ray
 
 import shmreplay.ray as sray
-from shmreplay.ray.dues import new_key
+from shmreplay.ray.producers import new_key
 
 FIELDS = {"id": ("int64", ()), "obs": ("float32", (8,))}
 # producers' keys for tests that call the ingest directly (put, sync): a
-# producer is known by a secret key of 128 random bits (dues.py), never a name
+# producer is known by a secret key of 128 random bits (producers.py), never a name
 P, GONE, LIVE, BACK, QUIET = (new_key() for _ in range(5))
 
 

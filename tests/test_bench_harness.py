@@ -151,3 +151,28 @@ def test_the_capacity_daemon_keeps_its_table_across_restarts_and_runs_at_the_dae
                 c.drop_table(name)
         daemon.stop()
     assert not [n for n in os.listdir("/dev/shm") if daemon.instance in n]
+
+
+def test_a_cells_daemon_runs_at_the_daemon_nice_whether_or_not_server_takes_preexec():
+    """A cell's daemon (peers.Daemon) has every thread at the deployed
+    daemon's nice through Server's ``preexec``.  A Server from before
+    ``preexec`` (benchmarks/compare.py --before runs this harness on one)
+    gets it through ``peers.niced``: a daemon started inside it, without
+    ``preexec``, has every thread at that nice too, and the thread that
+    started it is back at its own nice afterwards."""
+    import shmreplay
+    from shmreplay.bench import peers
+    own = os.getpriority(os.PRIO_PROCESS, 0)  # this thread's
+    want = own + peers.DAEMON_NICE if os.geteuid() == 0 else own  # only root may lower it
+    daemon = peers.Daemon()
+    try:
+        assert _nices(daemon.server.pid) == {want}
+    finally:
+        daemon.stop()
+    with peers.niced(peers.DAEMON_NICE):
+        server = shmreplay.Server(log_level="warning")
+    try:
+        assert os.getpriority(os.PRIO_PROCESS, 0) == own
+        assert _nices(server.pid) == {want}
+    finally:
+        server.stop()

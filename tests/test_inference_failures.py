@@ -13,7 +13,7 @@ import pytest
 
 import shmreplay
 from inferencekit import (FORK, PREFIX, env_main, env_until_told, policy, raw_ctrl, raw_header, reachable, serve,
-                          server, shm_names, state, token_of)
+                          serve_env, server, shm_names, state, token_of)
 from shmreplay.inference import futex
 from shmreplay.inference import layout as wi
 from shmreplay.wire import atomics
@@ -232,7 +232,6 @@ def test_an_env_dying_while_a_batch_fills_is_dropped_from_it():
     with server(slots=2) as srv:
         go = FORK.Event()
         env = FORK.Process(target=env_until_told, args=(srv.address, go, 1))
-        new = None
         try:
             env.start()
             srv.wait_attached(1, timeout=HANG_S)
@@ -251,13 +250,9 @@ def test_an_env_dying_while_a_batch_fills_is_dropped_from_it():
             assert b.lost.tolist() == [0] and len(b) == 0 and b.data["obs"].shape == (0, 4)
             assert state(ctrl, 0) == (0, 0)
             srv.respond(b.slots, action=np.zeros(0, np.int64))  # nothing to answer
-            new = FORK.Process(target=env_main, args=(srv.address, 3, 5))
-            new.start()
-            serve(srv, 5)
-            new.join(HANG_S)
-            assert new.exitcode == 0
+            serve_env(srv, 3, 5)  # and a new env is served
         finally:
-            reap([env, *([new] if new else [])])
+            reap([env])
 
 
 def attach_to_the_freed_slot(address: str, slot: int) -> None:

@@ -17,7 +17,7 @@ from rayfixtures import HOLD_MAX, before_the_ingest_thread, cluster  # noqa: E40
 from rayproducer import FIELDS, P, Producer, claim, read_parameters, restarted, rows  # noqa: E402
 from readback import committed  # noqa: E402
 from shmreplay.ray.coalesce import HOLD_S  # noqa: E402
-from shmreplay.ray.dues import new_key  # noqa: E402
+from shmreplay.ray.producers import new_key  # noqa: E402
 from waiting import HANG_S, wait_for  # noqa: E402
 
 # one pytest-xdist worker runs every test that starts Ray: one Ray at a time on the box
@@ -230,7 +230,7 @@ def test_a_restarted_ingest_never_confirms_chunks_an_earlier_incarnation_answere
 
 def test_the_id_a_producer_shows_lets_nobody_claim_its_chunks(cluster, start_daemon):
     """Issue 34, item 5: a producer is known to the ingest by a secret key
-    of 128 random bits (shmreplay/ray/dues.py); its stats show only a
+    of 128 random bits (shmreplay/ray/producers.py); its stats show only a
     digest of it, the writer's ``id``.  Another party that read that id
     cannot use it as a key, and a key made of it is another producer's:
     sequence numbers 2-11 it sends and has flushed under that key are owed

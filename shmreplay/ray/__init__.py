@@ -100,8 +100,8 @@ Who calls it: ``start_ingest`` a driver or actor on the replay node;
 
 Its modules: ``ingest.py`` (the ingest actor) with ``inserter.py`` (its
 table side: the client, the chunks written into the table),
-``coalesce.py`` (small chunks held and inserted together) and ``dues.py``
-(what the ingest owes each producer); ``writer.py`` (``RemoteWriter``) with ``packing.py`` (a
+``coalesce.py`` (small chunks held and inserted together) and ``producers.py``
+(each producer's secret key and what the ingest owes it); ``writer.py`` (``RemoteWriter``) with ``packing.py`` (a
 small chunk's wire form) and ``steps.py`` (the n-step and sequence
 writers, remote); ``relay.py`` (a ``ParameterBoard`` read on the replay
 node for remote actors).

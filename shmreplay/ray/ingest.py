@@ -17,12 +17,12 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from ..errors import ReplayError, ReservationExpired
 from .coalesce import HOLD_S
-from .dues import Dues, check_call
 from .inserter import ChunkInserter
+from .producers import ProducerBooks, check_call
 
 # What the ingest owes a producer (sequence numbers flushed or lost since
 # its last answer) is dropped once the producer has not called for this
-# long (dues.py).
+# long (producers.py).
 FORGET_S = 600.0
 
 
@@ -36,20 +36,20 @@ class Ingest:
     a small one, on a table without a rate limiter, is held and inserted
     with the others held just before that flush (coalesce.py), any other
     is inserted at once.
-    Each answer carries what is owed to its producer (dues.py) and this
+    Each answer carries what is owed to its producer (producers.py) and this
     incarnation's id, so a producer sees that a restart lost what it had
     not flushed.
 
-    Composed of its books (``dues``: what it owes each producer, and its
-    incarnation) and its table side (``inserter``, inserter.py: the client,
-    the table, the held chunks, the lease); it runs the calls and decides
-    what a failed insert or flush costs whom."""
+    Composed of its books (``producers``, producers.py: what it owes each
+    producer, and its incarnation) and its table side (``inserter``,
+    inserter.py: the client, the table, the held chunks, the lease); it
+    runs the calls and decides what a failed insert or flush costs whom."""
 
     def __init__(self, socket_path: str, table: str, timeout: float | None, flush_every: int = 16,
                  forget_s: float = FORGET_S, hold_s: float = HOLD_S):
         self.inserter = ChunkInserter(socket_path, table, timeout, flush_every, hold_s)
         self.flush_every, self.hold_s = flush_every, hold_s
-        self.dues = Dues(forget_s)
+        self.producers = ProducerBooks(forget_s)
         self.release_errors = 0  # held inserts by the thread that failed (lost, re-sent)
         # Ray runs the calls one at a time; the lock keeps them apart from
         # _release_held's thread, set going by ``holding``
@@ -62,7 +62,7 @@ class Ingest:
         return how many rows: the plain call, for a driver that inserts now
         and then.  Raises the table's or the daemon's error."""
         with self.lock:
-            self.dues.calling = None
+            self.producers.calling = None
             self._renew_lease()
             n = self._accept(chunk, priorities, None, False)
             self._flush(None, None)
@@ -79,7 +79,7 @@ class Ingest:
         way).  Checks the chunk, holds it (coalesce.py) or inserts it
         (waiting for the table's limits), flushes if ``sync`` or
         ``flush_every`` chunks wait, and returns ``[rows, acked, lost,
-        incarnation]`` for that producer (its secret key: dues.py).  Raises
+        incarnation]`` for that producer (its secret key: producers.py).  Raises
         the table's or the daemon's error, about this chunk or about held
         chunks whose insert this call ran (this chunk is then not accepted:
         its producer sends it again or gives up; the others are reported
@@ -91,21 +91,21 @@ class Ingest:
         with self.lock:
             if packed:
                 chunk = inserter.unpack(chunk, layout)
-            self.dues.calling = producer
+            self.producers.calling = producer
             self._renew_lease()
             reconnects = inserter.reconnects
             n = self._accept(chunk, priorities, (producer, seq), packed)
-            self.dues.accept(producer, seq)
+            self.producers.accept(producer, seq)
             # a reconnect during the insert (the daemon restarted): flush now, so
             # the chunks unflushed before it are reported lost at once, not at
             # the next flush with every chunk inserted since
-            if sync or self.dues.waiting >= self.flush_every or inserter.reconnects != reconnects:
+            if sync or self.producers.waiting >= self.flush_every or inserter.reconnects != reconnects:
                 self._flush(producer, seq)
             elif inserter.held.full:
                 self._flush(producer, seq, vouch=False)
             elif inserter.held.chunks and not self.holding.is_set():
                 self.holding.set()
-            return self.dues.answer(producer, n)
+            return self.producers.answer(producer, n)
 
     def _release_held(self) -> None:
         """A thread: inserts chunks held ``hold_s`` with no call to insert
@@ -153,9 +153,9 @@ class Ingest:
         is done or about to idle); ``[0, acked, lost, incarnation]``."""
         check_call(producer, 0)
         with self.lock:
-            self.dues.calling = producer
+            self.producers.calling = producer
             self._flush(None, None, keep_leases=False)
-            return self.dues.answer(producer, 0)
+            return self.producers.answer(producer, 0)
 
     def _flush(self, producer, seq, keep_leases: bool = True, vouch: bool = True) -> None:
         """Insert what is held, then (``vouch``) flush: the daemon vouches
@@ -173,13 +173,13 @@ class Ingest:
                 # reservation round trip (LEASE_KEEP_S bounds how long)
                 self.inserter.flush(keep_leases)
         except Exception:
-            self.dues.withdraw(producer, seq)
+            self.producers.withdraw(producer, seq)
             self._lose()
             raise
         if not vouch:
             return
         self.inserter.flushed(t0, keep_leases)
-        self.dues.vouch()
+        self.producers.vouch()
 
     def _insert_held(self) -> bool:
         """Insert the held chunks, in order; True if the client reconnected
@@ -190,31 +190,32 @@ class Ingest:
         if after is None:
             return False
         for tag in after:
-            self.dues.withdraw(*tag)
+            self.producers.withdraw(*tag)
         try:
             again = self.inserter.notice_restart()  # inserts before it may be lost
         except Exception:
             for tag in after:  # lost with every other unflushed chunk (_flush)
-                self.dues.accept(*tag)
+                self.producers.accept(*tag)
             raise
         self._lose()
         for tag in after:
-            self.dues.accept(*tag)
+            self.producers.accept(*tag)
         if again:
             self._lose()  # another restart during that flush: they went with the daemon they were in
         return True
 
     def _lose(self) -> None:
         self.inserter.held.clear()
-        self.dues.lose()
+        self.producers.lose()
 
     def pid(self) -> int:
         return os.getpid()
 
     def stats(self) -> dict:
         with self.lock:
-            return {**self.inserter.stats(), "producers": len(self.dues.seen), "forgotten": self.dues.forgotten,
-                    "release_errors": self.release_errors, "producer_ids": self.dues.shown(),  # digests only
+            books = self.producers
+            return {**self.inserter.stats(), "producers": len(books.seen), "forgotten": books.forgotten,
+                    "release_errors": self.release_errors, "producer_ids": books.shown(),  # digests only
                     "node": ray.get_runtime_context().get_node_id()}
 
     def fields(self) -> dict:

@@ -5,7 +5,7 @@ chunks written into it.
 that packed chunks are read back in (packing.py), the small chunks held
 to go in as one batch (coalesce.py), the slot lease's age and width, and
 the counts the ingest's stats show.  It knows nothing of producers: what
-the ingest owes them is the ingest's books (dues.py), and the ingest
+the ingest owes them is the ingest's books (producers.py), and the ingest
 (ingest.py) decides when to flush and what a failure costs whom.
 
 Who calls it: the ingest, under its lock, one call at a time.

@@ -14,7 +14,7 @@ import numpy as np
 import ray
 
 from ..errors import DaemonUnavailable, ReplayError, ReservationExpired
-from .dues import check_key, new_key, shown_id
+from .producers import check_key, new_key, shown_id
 from .packing import layout_id, pack, row_dtype
 
 # an ingest call failed for one of these may succeed if sent again
@@ -34,7 +34,7 @@ class RemoteWriter:
 
     def __init__(self, ingest, chunk: int = 64, in_flight: int = 2, retries: int = 10, hold: int = 16, *,
                  key: str | None = None):
-        """``key``: this producer's secret (``dues.new_key()``), drawn here
+        """``key``: this producer's secret (``producers.new_key()``), drawn here
         when None; whoever holds it may claim the producer's sequence
         numbers, so give one only where it stays as secret (the tests give
         one to play a party that stole it)."""
@@ -43,7 +43,7 @@ class RemoteWriter:
                 raise ReplayError(f"{name} must be an int >= 1, got {v!r}")
         self.ingest, self.chunk, self.in_flight, self.retries, self.hold = ingest, chunk, in_flight, retries, hold
         # the ingest keeps this writer's sequence numbers by a secret key
-        # (dues.py); ``id``, a digest of it, is all that is ever shown
+        # (producers.py); ``id``, a digest of it, is all that is ever shown
         self._key = new_key() if key is None else check_key(key)
         self.id = shown_id(self._key)
         self._rows: dict[str, list] = {}

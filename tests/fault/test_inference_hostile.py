@@ -23,7 +23,7 @@ import time
 import numpy as np
 
 import shmreplay
-from inferencekit import FORK, env_main, raw_ctrl, raw_segment, reachable, serve, server, state
+from inferencekit import FORK, env_main, raw_ctrl, raw_segment, reachable, serve_env, server, state
 from shmreplay.inference import futex
 from shmreplay.inference import layout as wi
 from shmreplay.wire import atomics
@@ -140,7 +140,6 @@ def test_a_word_too_large_for_a_pid_in_a_free_slot_is_freed_not_raised():
     FREE), and the honest env gets all its answers."""
     with server(slots=2) as srv:
         dying = FORK.Process(target=env_main, args=(srv.address, 1, 10 ** 9))
-        honest = None
         try:
             dying.start()
             first = srv.receive(timeout=HANG_S)  # its request, taken
@@ -162,13 +161,9 @@ def test_a_word_too_large_for_a_pid_in_a_free_slot_is_freed_not_raised():
                         pass
                 assert srv.stats()["garbage"] == garbage + 1
             atomics.store(ctrl, k * wi.SLOT_WORDS, np.uint64((1 << 63) | wi.IDLE))  # and left there
-            honest = FORK.Process(target=env_main, args=(srv.address, 2, 40))
-            honest.start()
-            serve(srv, 40)
-            honest.join(HANG_S)
-            assert honest.exitcode == 0
+            serve_env(srv, 2, 40)  # the honest env, on the other slot
         finally:
-            reap([dying, *([honest] if honest else [])])
+            reap([dying])
 
 
 def test_an_env_whose_word_is_overwritten_while_it_waits_gets_a_clear_error():

@@ -1,5 +1,6 @@
-"""What the ingest owes each producer: which of its chunks the daemon
-vouched for, and which it must send again.
+"""The ingest's producers: each one's secret key, and what the ingest owes
+it: which of its chunks the daemon vouched for, and which it must send
+again.
 
 Each chunk a producer sends carries a sequence number.  A chunk the ingest
 accepted is *unflushed* until the next flush, then *acked* (vouched for)
@@ -7,7 +8,7 @@ or, if the flush could not vouch for it, *lost* (the producer sends it
 again); acked and lost numbers wait until the producer's next answer.
 
 Producers are known by a secret *key* each draws (``new_key``: 128 bits
-from ``secrets``), sent with each of its calls; dues are kept by key, so
+from ``secrets``), sent with each of its calls; the books are kept by key, so
 only a process that holds the key can claim a producer's sequence
 numbers or collect what it is owed.  Stats and messages show only
 ``shown_id(key)``, a digest that does not give the key back.
@@ -40,7 +41,7 @@ def check_key(key) -> str:
     guessable name (``"p"``, a pid) would let others claim its chunks."""
     if not isinstance(key, str) or not _KEY.fullmatch(key):
         raise ReplayError(f"a producer's key must be {2 * KEY_BYTES} lowercase hex digits "
-                          "(shmreplay.ray.dues.new_key(): 128 random bits), got another value: "
+                          "(shmreplay.ray.producers.new_key(): 128 random bits), got another value: "
                           "send chunks through RemoteWriter, which draws one")
     return key
 
@@ -58,7 +59,7 @@ def shown_id(key: str) -> str:
     return hashlib.sha256(key.encode()).hexdigest()[:16]
 
 
-class Dues:
+class ProducerBooks:
     """The ingest's books of its producers: what it owes each (sequence
     numbers unflushed, acked, lost), when each last called, and the
     ingest's incarnation, which every answer carries."""
@@ -71,7 +72,7 @@ class Dues:
         self.lost: dict[str, list[int]] = {}       # producer -> seqs to send again, not yet told
         self.seen: dict[str, float] = {}           # producer -> when it was last answered
         self.forget_s = forget_s
-        self.forgotten = 0                         # producers whose dues were dropped
+        self.forgotten = 0                         # producers dropped while owed something
         self.calling = None                        # the producer whose call runs now: never forgotten
 
     def shown(self) -> list[str]:

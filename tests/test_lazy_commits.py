@@ -1,14 +1,19 @@
-"""``Client.lazy_commits``: a COMMIT that does not wake a sleeping daemon
-(the Ray ingest's setting).  What it must keep: every row arrives, in
+"""``Client.lazy_commits`` (the default): a COMMIT that does not wake a
+sleeping daemon, unless it sleeps with requests parked.  What it must keep: every row arrives, in
 order, and becomes sampleable without any further request from its writer
 (at the daemon's next wake, its idle timeout at the latest); a writer never
 waits on a daemon that sleeps on records nobody announced."""
+
+import os
+import signal
+import threading
 
 import numpy as np
 
 import shmreplay
 from shmreplay.wire import atomics
-from waiting import wait_for
+from shmreplay.wire.channel import ASLEEP_WAITING
+from waiting import HANG_S, wait_for
 
 FIELDS = {"x": ("int64", ())}
 
@@ -122,4 +127,74 @@ def test_a_lease_renewed_lazily_keeps_every_row_in_order(start_daemon):
     from readback import committed
     got, _ = committed(t)
     np.testing.assert_array_equal(got["x"], np.arange(10_000))
+    c.close()
+
+
+def test_commits_are_lazy_by_default_yet_wake_a_daemon_asleep_on_a_parked_sample(start_daemon):
+    """A learner's sample waits (parked) for the table to reach
+    ``min_size_to_sample``; the daemon never spins and its idle timeout is
+    an hour.  A writer with the default setting commits the missing items
+    and asks nothing more.  The daemon's sleeping word says requests are
+    parked, so those commits ring its doorbell (``client_wakeups`` counts
+    the wakes a client's doorbell ended; the control plane's bell, which
+    the monitor rings once a second, is not counted) and the sample is
+    answered.  Each commit is published to a daemon known asleep so; left
+    lazy regardless (the commits ring nothing), only the monitor's wake
+    would apply them and no client wake-up would be counted."""
+    d = start_daemon(tables=[{"name": "t", "capacity": 1000, "fields": FIELDS,
+                              "sampler": "uniform", "min_size_to_sample": 4}],
+                     spin_us=0, learner_spin_us=0, idle_timeout_s=3600)
+    c = d.connect()
+    assert c.lazy_commits  # the default
+    t = c.table("t")
+    t.insert(x=np.int64(0))
+    c.flush(keep_leases=True)  # one item, and a lease for the rest: no RESERVE below
+    got = {}
+    with d.connect() as learner:
+        def sample():
+            got["x"] = learner.table("t").sample(2, timeout=HANG_S).data["x"].tolist()
+        th = threading.Thread(target=sample)
+        th.start()
+        req = c._session.pipe.req  # the word the daemon sets in this writer's ring when it sleeps
+        asleep_waiting = lambda: atomics.load(req.ctl, req.sleeping_w) == ASLEEP_WAITING  # noqa: E731
+        wait_for(asleep_waiting, "the daemon to sleep with the sample parked")
+        before = c.stats()["engine"]["client_wakeups"]
+        for i in range(1, 4):
+            wait_for(asleep_waiting, "the daemon to sleep with the sample parked")
+            t.insert(x=np.int64(i))
+        th.join(HANG_S)
+        assert not th.is_alive(), "the parked sample was never answered"
+        assert c.stats()["engine"]["client_wakeups"] > before, "no commit woke the daemon"
+    assert set(got["x"]) <= {0, 1, 2, 3}
+    c.close()
+
+
+def test_a_killed_writers_published_commits_are_kept(start_daemon):
+    """A writer publishes lazy commits to a sleeping daemon and is killed
+    before anything wakes it.  The detach the control plane queues applies
+    what the writer's ring still holds before it reclaims the lease, so the
+    whole items the writer committed are kept."""
+    d = start_daemon(tables=[{"name": "t", "capacity": 1000, "fields": FIELDS}],
+                     spin_us=0, learner_spin_us=0, idle_timeout_s=3600)
+    c = d.connect()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            w = shmreplay.connect(d.socket)
+            t = w.table("t")
+            t.insert(x=np.int64(0))
+            w.flush(keep_leases=True)
+            req = w._session.pipe.req
+            for i in range(1, 6):
+                wait_for(lambda: atomics.load(req.ctl, req.sleeping_w), "the daemon to sleep")
+                t.insert(x=np.int64(i))
+        finally:
+            os.kill(os.getpid(), signal.SIGKILL)
+    _, status = os.waitpid(pid, 0)
+    assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL
+    t = c.table("t")
+    wait_for(lambda: c.stats()["clients"] == 1, "the daemon to drop the killed writer")
+    from readback import committed
+    got, _ = committed(t)
+    np.testing.assert_array_equal(got["x"], np.arange(6))
     c.close()

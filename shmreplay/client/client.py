@@ -238,17 +238,20 @@ class Client:
 
     @property
     def lazy_commits(self) -> bool:
-        """False (the default): every insert's COMMIT wakes a sleeping
-        daemon, so the item is sampleable within microseconds.  True: a
-        COMMIT leaves it asleep, and the item becomes sampleable at the
-        daemon's next wake: this client's next request that waits for an
-        answer (a ``flush()``, a reservation, a sample), another client's,
-        or the daemon's ``idle_timeout_s`` (1 s by default) at the latest.
-        For a writer that inserts in bursts and flushes every few of them
-        (the Ray ingest): a wake-up costs the daemon more CPU than a small
-        commit (measured: ~330-430 us against ~110 us per 64-row chunk
-        arriving every 0.5-1.5 ms, flushing every 8).  Kept across
-        reconnects and forks; not carried by pickling."""
+        """True (the default): an insert's COMMIT leaves a sleeping daemon
+        asleep, and the item becomes sampleable at the daemon's next wake:
+        this client's next request that waits for an answer (a ``flush()``,
+        a reservation, a sample), another client's, or the daemon's
+        ``idle_timeout_s`` (1 s by default) at the latest; at once while a
+        request is parked on the table's limits (the daemon's sleeping word
+        says so and the commit wakes it).  A wake-up costs the daemon more
+        CPU than a small commit (measured: ~330-430 us against ~110 us per
+        64-row chunk; 35-150 us per single-row insert), so a program that
+        inserts every env step and samples every few pays one wake-up per
+        sample, not one per insert.  False: every COMMIT wakes a sleeping
+        daemon, so the item is sampleable within microseconds with nothing
+        else asked.  Kept across reconnects and forks; not carried by
+        pickling."""
         return self._session.lazy_commits
 
     @lazy_commits.setter

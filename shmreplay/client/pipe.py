@@ -24,7 +24,7 @@ import numpy as np
 
 from ..errors import RateLimited, ReplayError, ReplayTimeout
 from ..wire import atomics
-from ..wire.channel import CTL_RESP_HEAD, Channel, drain
+from ..wire.channel import ASLEEP_WAITING, CTL_RESP_HEAD, Channel, drain
 from ..wire.channel import ring as ring_bell
 from ..wire.records import read_error
 from .link import ControlLink
@@ -63,7 +63,7 @@ class CommandPipe:
         self.deferred: ReplayError | None = None
         self.loads_per_s = atomics.loads_per_second()
         self.spin = int(16 * SPIN_MIN_S * self.loads_per_s)
-        self.lazy_commits = False  # the session's choice (Client.lazy_commits)
+        self.lazy_commits = True  # the session's choice (Client.lazy_commits)
         self.owed_bell = False  # a lazy record left the daemon asleep: ring before waiting on it
 
     def send(self, put, *args, wake: bool = True) -> int:
@@ -90,7 +90,7 @@ class CommandPipe:
             time.sleep(20e-6)
         self.seq = seq
         sleeping = ring.publish()
-        if wake or not self.lazy_commits:
+        if wake or not self.lazy_commits or sleeping >= ASLEEP_WAITING:
             # a daemon that reads this record reads every one before it: no
             # wake-up is owed once it is woken, or was awake to see it
             self.owed_bell = False

@@ -59,7 +59,7 @@ class Session:
         self._handles = handles  # name -> table handle: the Client adds and drops them
         self._lost = False  # inserts were unflushed when a connection ended (flush says so)
         self._lease_key = 0  # this process's lease at its daemon (records.owner_key)
-        self.lazy_commits = False  # Client.lazy_commits, for every pipe this session opens
+        self.lazy_commits = True  # Client.lazy_commits, for every pipe this session opens
         self._open()
 
     # ---- opening and ending a connection ----

@@ -39,7 +39,9 @@ Sleeping.  A consumer that found nothing spins briefly, then sets its
 channel); the producer publishes ``head`` and then reads that word, writing
 the eventfd if it is set.  Both sides use seq_cst store-then-load
 (``atomics.store_then_load``), so at least one of them sees the other and a
-wake-up cannot be lost.
+wake-up cannot be lost.  The daemon sets its word to ``ASLEEP_WAITING``
+while requests are parked, so that a record its producer marks lazy (a
+COMMIT, which nobody waits for) still wakes it then.
 
 A misbehaving peer can only write its own channel.  Whatever values it puts
 in a record or a control word, ``check_record``/``pending`` bound every
@@ -83,6 +85,10 @@ CTL_RESP_TAIL = 32
 CTL_RESP_PAY_TAIL = 40
 CTL_DAEMON_SLEEPING = 48
 CTL_CLIENT_SLEEPING = 56
+# a sleeping word's values: awake; asleep (a lazy record, which nobody waits
+# for, may leave the daemon asleep); asleep while a parked request waits on
+# the tables (every record wakes it: a lazy COMMIT may be what it waits for)
+AWAKE, ASLEEP, ASLEEP_WAITING = 0, 1, 2
 
 ALIGN = 64
 
@@ -152,10 +158,14 @@ class Ring:
         self.records[self.head % self.slots] = (op, status, table, seq, a0, a1, a2, f0, pay_off, pay_len)
         self.head += 1
 
-    def publish(self) -> bool:
-        """Make every put() record visible; True if the consumer sleeps and
-        must be woken."""
-        return atomics.store_then_load(self.ctl, self.head_w, self.head, self.sleeping_w) != 0
+    def publish(self) -> int:
+        """Make every put() record visible; returns the consumer's sleeping
+        word: 0 (``AWAKE``) or, if it sleeps and must be woken, nonzero:
+        ``ASLEEP``, or ``ASLEEP_WAITING`` (the daemon has parked requests,
+        which any record may unblock: a lazy one wakes it too).  A value a
+        peer scribbled is nonzero or not like any other: at worst an extra
+        or a later wake-up."""
+        return int(atomics.store_then_load(self.ctl, self.head_w, self.head, self.sleeping_w))
 
     # ---- consumer side ----
     def pending(self) -> int:
@@ -196,9 +206,10 @@ class Ring:
             atomics.store(self.ctl, self.pay_tail_w, pay_end)
         atomics.store(self.ctl, self.tail_w, self.tail)
 
-    def set_sleeping(self) -> bool:
-        """Announce that the consumer will sleep; True if work arrived meanwhile."""
-        return atomics.store_then_load(self.ctl, self.sleeping_w, 1, self.head_w) != self.tail
+    def set_sleeping(self, word: int = 1) -> bool:
+        """Announce that the consumer will sleep (``word``: ``ASLEEP``, or
+        the daemon's ``ASLEEP_WAITING``); True if work arrived meanwhile."""
+        return atomics.store_then_load(self.ctl, self.sleeping_w, word, self.head_w) != self.tail
 
     def clear_sleeping(self) -> None:
         atomics.store(self.ctl, self.sleeping_w, 0)

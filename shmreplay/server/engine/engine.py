@@ -8,9 +8,9 @@ doorbell (an eventfd) so a sleeping engine notices, and gets a
 ``concurrent.futures.Future``.
 Entry points assert, in debug mode, that they run on the engine thread.
 
-Loop: run queued calls; serve every channel (up to BURST records each, for
-fairness, then one publish of the replies: ``commands.py`` applies them and
-builds every reply); free the slots of expired holds and void expired
+Loop: serve every channel (up to BURST records each, for fairness, then
+one publish of the replies: ``commands.py`` applies them and builds every
+reply); run queued calls; free the slots of expired holds and void expired
 reservations (``tables.table.expire``) before retrying parked requests, so
 a parked RESERVE can take them; if nothing was found, spin, then sleep on
 the doorbell (``idle.py``) until the next parked deadline, hold or
@@ -116,8 +116,10 @@ class Engine:
             served = False  # the last pass served a command
             while not self.stopping:
                 draws = self.commands.draws
-                worked = self.calls.run()
-                worked = self._serve_all() or worked
+                # the rings first: a call (stats, a detach) then sees every
+                # record a client published before it, lazy COMMITs included
+                worked = self._serve_all()
+                worked = self.calls.run() or worked
                 slots_free_at = expire(self.tables.values(), time.monotonic())
                 if self.parking.count:
                     self._cut_off_all(self.commands.settle(time.monotonic()))
@@ -130,7 +132,8 @@ class Engine:
                 if self.idler.spin(rings, self.calls, served):
                     continue
                 served = False
-                self.idler.sleep(rings, self.calls, earliest(self.parking.next_deadline(), slots_free_at))
+                self.idler.sleep(rings, self.calls, earliest(self.parking.next_deadline(), slots_free_at),
+                                 waiting=self.parking.count > 0)
         except BaseException:  # the engine dying silently would hang every client
             log.exception("engine thread crashed; the daemon will exit and keep every table")
             self.calls.failed = True

@@ -26,6 +26,11 @@ Then the engine announces sleep in every ring and waits in ``epoll`` on
 every client's doorbell (an eventfd only that client and the daemon hold)
 and its own (rung by the control plane), which clients ring when they see
 the announcement (docs/protocol.md, "Waking"); an idle engine uses no CPU.
+A COMMIT nobody waits for (a lazy one, the default) leaves it asleep: the
+next request that wants an answer (a sample, a flush) wakes it, and it
+applies every record before it.  While requests are parked the
+announcement says so (``ASLEEP_WAITING``), and every record wakes it: a
+parked sample may be waiting for exactly that commit.
 Whatever a client writes into its own eventfd can only wake the engine
 early: nothing it does to it can make the engine's wait fail.
 
@@ -37,7 +42,7 @@ from __future__ import annotations
 import select
 import time
 
-from ...wire.channel import drain
+from ...wire.channel import ASLEEP, ASLEEP_WAITING, drain
 
 
 BURST_S = 50e-6
@@ -112,11 +117,14 @@ class Idler:
     def close(self) -> None:
         self.epoll.close()
 
-    def sleep(self, rings: list, calls, deadline: float | None) -> None:
+    def sleep(self, rings: list, calls, deadline: float | None, waiting: bool = False) -> None:
         """Sleep until a client or a call rings a doorbell, the idle
-        timeout passes, or ``deadline`` (a parked request's) comes."""
+        timeout passes, or ``deadline`` (a parked request's) comes.
+        ``waiting``: requests are parked, which any record may unblock, so
+        every client is told to wake the engine even for a lazy COMMIT."""
+        word = ASLEEP_WAITING if waiting else ASLEEP
         try:
-            if any([r.set_sleeping() for r in rings]) or not calls.empty():
+            if any([r.set_sleeping(word) for r in rings]) or not calls.empty():
                 return
             self.stats["sleeps"] += 1
             timeout = self.idle_timeout

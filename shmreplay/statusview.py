@@ -79,7 +79,9 @@ def render(st: dict) -> list[str]:
     mem = st.get("memory", {})
     lines = [f"shmreplayd {st.get('version', '?')}  pid {st['daemon_pid']}  instance {st['instance']}  "
              f"up {_uptime(st['uptime_s'])}  memory {_mib(mem.get('rss_bytes', 0))} MiB "
-             f"(peak {_mib(mem.get('peak_rss_bytes', 0))})  clients {st['clients']}",
+             f"(peak {_mib(mem.get('peak_rss_bytes', 0))})"
+             + (f"  cpu {st['cpu']['percent']:.0f}% ({st['cpu']['seconds']:,.1f} s)" if "cpu" in st else "")
+             + f"  clients {st['clients']}",
              f"socket {st['socket']}" + (f"  metrics {st['metrics']}" if st.get("metrics") else "")]
     tables = st.get("tables", {})
     if tables:

@@ -1,6 +1,6 @@
 """The daemon's view of itself over time: a snapshot of the engine's
 numbers every ``interval`` seconds, the rates between the last two, and
-the daemon's own memory.
+the daemon's own memory and CPU.
 
 ``shmreplay status`` and ``top`` read rates from here (so a status needs
 one round trip, not two a second apart), and the Prometheus endpoint
@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 
 log = logging.getLogger("shmreplayd")
@@ -39,6 +40,12 @@ def daemon_memory() -> dict:
     return out
 
 
+def daemon_cpu_s() -> float:
+    """CPU seconds this process has used, all its threads, user and system."""
+    t = os.times()
+    return t.user + t.system
+
+
 class Monitor:
     def __init__(self, call, snapshot, interval: float = INTERVAL_S):
         """``call(fn)``: run ``fn`` on the engine thread (``ControlServer.call``);
@@ -48,6 +55,7 @@ class Monitor:
         self._prev: tuple[float, dict] | None = None     # (monotonic time, snapshot)
         self._last: tuple[float, dict] | None = None
         self.rates: dict = {}                            # table -> per-second rates
+        self.cpu_percent = 0.0  # of one core, over the last interval
 
     async def run(self) -> None:
         while True:
@@ -57,16 +65,23 @@ class Monitor:
                 log.debug("monitor: engine snapshot failed", exc_info=True)
             else:
                 snap["memory"] = daemon_memory()
+                snap["cpu_s"] = daemon_cpu_s()
                 self._prev, self._last = self._last, (time.monotonic(), snap)
                 self.rates = self._rates()
                 self.latest = (time.time(), snap)
             await asyncio.sleep(self.interval)
+
+    def cpu(self) -> dict:
+        """The daemon's CPU: seconds so far, and percent of one core over
+        the last interval (what a user weighs against a learner's threads)."""
+        return {"seconds": round(daemon_cpu_s(), 3), "percent": round(self.cpu_percent, 1)}
 
     def _rates(self) -> dict:
         if self._prev is None:
             return {}
         (t0, a), (t1, b) = self._prev, self._last
         dt = max(t1 - t0, 1e-9)
+        self.cpu_percent = 100.0 * (b["cpu_s"] - a["cpu_s"]) / dt
         out = {}
         for name, now in b["tables"].items():
             was = a["tables"].get(name, _NEW)  # made since: counted from zero

@@ -173,12 +173,12 @@ class DaemonProcess:
         which leaves the table as it is.  Returns what status says of it."""
         self.start(args)
         with self.connect() as c:
-            aside = c.stats()["set_aside"]
-            assert list(aside) == [table] and table not in c.list_tables(), aside
+            set_aside = c.stats()["set_aside"]
+            assert list(set_aside) == [table] and table not in c.list_tables(), set_aside
             with pytest.raises(shmreplay.TableExists, match=f"table {table!r} is set aside"):
                 c.create_table(table, capacity=8, fields={"x": ("float32", ())})
         assert self.stop() == 0
-        return aside[table]
+        return set_aside[table]
 
     def segment(self, table: str, kind: str = "t") -> str:
         """``segment_of`` this daemon's instance."""

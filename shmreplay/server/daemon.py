@@ -172,16 +172,16 @@ class Daemon:
         while True:
             await asyncio.sleep(cfg.checkpoint_interval_s)
             try:
-                await self.control.checkpoint([], cfg.checkpoint_dir, cfg.checkpoint_keep)
+                await self.control.checkpoints.write([], cfg.checkpoint_dir, cfg.checkpoint_keep)
             except ReplayError as exc:  # a full disk must not take the replay service down
                 log.error("periodic checkpoint failed: %s", exc)
 
     async def _sync_periodically(self) -> None:
         while True:
             await asyncio.sleep(self.cfg.sync_interval_s)
-            for name in sorted(self.control.syncs.locks):
+            for name in sorted(self.control.tables.syncs.locks):
                 try:  # a stop cancels this wait, never the sync (control/syncs.py)
-                    await self.control.syncs.sync([name], forced=False)
+                    await self.control.tables.syncs.sync([name], forced=False)
                 except ReplayError:  # logged; the next one tries again
                     pass
 
@@ -197,8 +197,8 @@ class Daemon:
             elif self.engine is not None and self.engine.thread is not None:
                 # a start that failed half-way keeps the tables it adopted:
                 # their data is what the next, fixed start must find
-                await self.control.drop_all_tables(unlink=not self.cfg.retain_tables,
-                                                   keep_adopted=not self.started)  # step 3
+                await self.control.tables.drop_all(unlink=not self.cfg.retain_tables,
+                                                  keep_adopted=not self.started)  # step 3
         if self.engine is not None:
             self.engine.stop()                          # step 4
         if self.prefetcher is not None:

@@ -26,7 +26,7 @@ Rules (docs/protocol.md has the message sequences):
    daemon applies what the client's ring still holds and then reclaims every
    slot the client reserved but did not commit.
 
-This module never touches a socket: the daemon (``server/control/server.py``)
+This module never touches a socket: the daemon (``server/control/connection.py``)
 wraps ``ServerConnection`` and the client (``client/link.py``) wraps
 ``ClientConnection``; each feeds it bytes and sends what it returns.
 Both classes are for one thread at a time.

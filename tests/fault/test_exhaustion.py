@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import shmreplay
-from shmreplay.server.control.connection import CHANNEL
+from shmreplay.server.control.handshake import CHANNEL
 from shmreplay.server.engine.outbox import MAX_OUTBOX
 from shmreplay.wire import records as C
 

@@ -17,11 +17,11 @@ then is dropped without a word, the daemon's owner included.  So:
   connection that lingers as one;
 * a connection of anyone but root, the daemon's user and the admin group
   that would leave fewer than ``reserved_descriptors`` free is refused
-  (``gate.py``); so is another user's table (``server.py``).  The reserve
+  (``gate.py``); so is another user's table (``lifecycle.py``).  The reserve
   also covers what the daemon opens for a moment (checkpoint and sync
   files, a table being built).
 
-Event-loop thread only (``gate.py``, ``server.py``); ``raise_limit`` at startup.
+Event-loop thread only (``gate.py``, ``lifecycle.py``); ``raise_limit`` at startup.
 """
 
 from __future__ import annotations

@@ -33,7 +33,8 @@ connection waits in the listen queue (``LISTEN_BACKLOG``) and the gate
 tries again ``ACCEPT_RETRY_S`` later.
 
 An admitted connection becomes a ``ControlConnection`` (connection.py)
-at once, so the limits count it before its transport exists.
+at once, so the limits count it (connections.py) before its transport
+exists.
 
 Event-loop thread only; the ``ControlServer`` (server.py) owns the gate.
 """
@@ -192,13 +193,13 @@ class Gate:
         if len(srv.connections) >= cfg.max_clients:
             return CapacityError(f"the daemon serves {len(srv.connections)} clients, its limit "
                                  f"(max_clients {cfg.max_clients})"), True
-        mine = sum(c.peer.uid == peer.uid for c in srv.connections.values())
+        mine = sum(c.peer.uid == peer.uid for c in srv.connections)
         if mine >= cfg.max_clients_per_user:
             return CapacityError(f"user {peer.uid} has {mine} connections, the limit per user "
                                  f"(max_clients_per_user {cfg.max_clients_per_user})"), True
         if access.may_administer(cfg, peer):
             return None, False
-        others = sum(not access.may_administer(cfg, c.peer) for c in srv.connections.values())
+        others = sum(not access.may_administer(cfg, c.peer) for c in srv.connections)
         if others >= cfg.max_clients - cfg.reserved_clients:
             return CapacityError(f"users other than root, the daemon's and the admin group hold {others} "
                                  f"connections, all that max_clients {cfg.max_clients} leaves them "

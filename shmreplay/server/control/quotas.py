@@ -28,7 +28,7 @@ Root and the daemon's user obey only ``max_tables``: they run the daemon
 and chose its filesystem (a quota for them would be a quota on the
 config's own tables).
 
-Event-loop thread only (server.py claims at create, keeps at every table
+Event-loop thread only (lifecycle.py claims at create, keeps at every table
 brought up, releases at drop).
 """
 

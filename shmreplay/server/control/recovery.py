@@ -162,14 +162,14 @@ def segments_from_disk(cfg) -> tuple[dict[str, str], dict[str, tuple[str, str]]]
 
 async def open_tables(srv, restore_dir: str | None) -> None:
     """Bring up every table (see the module docstring); srv is the
-    ControlServer.  A table that fails any step is set aside (``aside.py``),
+    ControlServer.  A table that fails any step is set aside (``setaside.py``),
     never allowed to stop the others."""
     cfg = srv.cfg
     declared = {spec.name: spec for spec in cfg.tables}
     from_disk, failed = (await srv.loop.run_in_executor(None, segments_from_disk, cfg)
                          if cfg.durable_file_tables else ({}, {}))
     for tname, (why, path) in failed.items():
-        srv.aside.add(tname, why, [path])
+        srv.tables.set_aside.add(tname, why, [path])
     for seg in await srv.loop.run_in_executor(None, table_segments, cfg.instance):
         await _adopt_one(srv, seg, declared, from_disk.get(seg))
     have = set(await srv.call(srv.engine.table_names))
@@ -179,18 +179,18 @@ async def open_tables(srv, restore_dir: str | None) -> None:
         saved = {}
         for tname in declared:
             if tname not in have:
-                srv.aside.add(tname, f"the restore directory {restore_dir} was refused: {exc}")
+                srv.tables.set_aside.add(tname, f"the restore directory {restore_dir} was refused: {exc}")
     for tname in [n for n in declared if n not in have] + [n for n in saved if n not in declared]:
-        if tname in have or tname in srv.aside:
+        if tname in have or tname in srv.tables.set_aside:
             continue  # served, or set aside: nothing is made over data that is kept
         try:
             if tname in saved:
                 await restore_newest(srv, tname, saved[tname], declared.get(tname))
             else:
-                await srv.add_table(declared[tname])
+                await srv.tables.add(declared[tname])
         except Exception as exc:  # one table's: the others are served
             what = "restored" if tname in saved else "created"
-            srv.aside.add(tname, f"could not be {what}: {exc}", saved.get(tname, ()))
+            srv.tables.set_aside.add(tname, f"could not be {what}: {exc}", saved.get(tname, ()))
 
 
 async def _adopt_one(srv, seg: str, declared: dict, from_file: str | None) -> None:
@@ -206,24 +206,24 @@ async def _adopt_one(srv, seg: str, declared: dict, from_file: str | None) -> No
         if from_file:  # our copy of the file, which stays as it is
             unlink_quiet(seg)
             objects = [from_file]
-        srv.aside.add(tname, f"{seg} could not be adopted: {exc}", objects)
+        srv.tables.set_aside.add(tname, f"{seg} could not be adopted: {exc}", objects)
         return
     tname = tmap.spec.name
-    if tname in srv.aside or await srv.call(srv.engine.describe, tname) is not None:
+    if tname in srv.tables.set_aside or await srv.call(srv.engine.describe, tname) is not None:
         # set aside under a name of its own (its segment's token), which keeps
         # the table of that name usable, and is what `shmreplay drop` takes
         tmap.release()
         rest = seg.lstrip("/").split(".", 3)[-1]
         key = rest if rest != tname else f"{tname}.old"
-        srv.aside.add(key, f"{seg} holds another copy of table {tname!r}, which is adopted or set "
-                           "aside already", objects)
+        srv.tables.set_aside.add(key, f"{seg} holds another copy of table {tname!r}, which is adopted "
+                                      "or set aside already", objects)
         return
     try:
-        table = await srv.add_table(tmap.spec, tmap=tmap, recover=True)
-    except Exception as exc:  # add_table released the segments; they stay as they are
-        srv.aside.add(tname, f"{seg} was adopted but could not be served: {exc}", objects)
+        table = await srv.tables.add(tmap.spec, tmap=tmap, recover=True)
+    except Exception as exc:  # tables.add released the segments; they stay as they are
+        srv.tables.set_aside.add(tname, f"{seg} was adopted but could not be served: {exc}", objects)
         return
-    srv.adopted.add(tname)
+    srv.tables.adopted.add(tname)
     log.info("table %s: adopted %s from %s: %d items (%.2f s)", tname, seg,
              "its metadata file" if from_file else "a dead daemon", table["items"],
              time.monotonic() - t0)
@@ -288,7 +288,7 @@ async def restore_table(srv, path: str, expected=None) -> dict:
         tmap.unlink()
         tmap.release()
         raise
-    table = await srv.add_table(spec, tmap=tmap, recover=True)
+    table = await srv.tables.add(spec, tmap=tmap, recover=True)
     log.info("table %s: restored %d items from %s (%.2f s)", ck.spec.name, n, path,
              time.monotonic() - t0)
     return table

@@ -1,6 +1,6 @@
 """When the syncs of durable file-backed tables run (``disk/durable.py`` says what one does).
 
-Event-loop thread, owned by the ``ControlServer``.  Syncs of one table run
+Event-loop thread, owned by the tables' life cycle (lifecycle.py).  Syncs of one table run
 one at a time, each as a task this object owns, under that table's lock:
 a caller that is cancelled (a client that hung up, a stop) stops waiting,
 never the sync, so no write outlives its lock, races the next sync, or

@@ -16,7 +16,8 @@ drop the table (``shmreplay drop NAME``, an admin operation), which
 removes the objects that are the daemon's own (regular files of its user,
 never through a link) and nothing else.
 
-Event-loop thread only (the ``ControlServer`` owns one).
+Event-loop thread only (the tables' life cycle, lifecycle.py, owns one;
+recovery.py adds to it at startup).
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ log = logging.getLogger("shmreplayd.recovery")
 
 
 @dataclass
-class AsideTable:
+class SetAsideTable:
     name: str
     reason: str
     objects: list[str] = field(default_factory=list)  # absolute paths that hold its data
@@ -45,7 +46,7 @@ class AsideTable:
 
 class SetAside:
     def __init__(self):
-        self.tables: dict[str, AsideTable] = {}
+        self.tables: dict[str, SetAsideTable] = {}
 
     def __contains__(self, name: str) -> bool:
         return name in self.tables
@@ -58,7 +59,7 @@ class SetAside:
             old.reason += f"; {reason}"
             old.objects += [p for p in kept if p not in old.objects]
         else:
-            self.tables[name] = AsideTable(name, reason, kept)
+            self.tables[name] = SetAsideTable(name, reason, kept)
         log.error("table %s set aside, its data kept (%s): %s; every other table is served. Fix "
                   "the cause and restart the daemon, or `shmreplay drop %s` removes it",
                   name, ", ".join(kept) or "no objects", reason, name)

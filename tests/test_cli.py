@@ -63,6 +63,30 @@ def test_status_shows_tables_rates_limiter_checkpoints_and_clients(start_daemon,
         assert json.loads(cli("drop", "q", "--json", socket=d.socket)) == {"dropped": "q"}
 
 
+def _cpu_s(pid: int) -> float:
+    f = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+    return (int(f[11]) + int(f[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime, in clock ticks
+
+
+def test_status_shows_the_daemons_cpu(start_daemon):
+    """What a user weighs against a learner's threads (issue 36): the
+    daemon's CPU seconds as the kernel counts them for its process, and the
+    percent of a core over the monitor's last interval."""
+    d = start_daemon()
+    with d.connect() as c:
+        t = c.create_table("replay", 1000, FIELDS)
+        t.insert_batch({"x": np.ones((300, 4))})
+        c.flush()
+        lo = _cpu_s(d.pid)
+        st = json.loads(cli("status", "--json", socket=d.socket))
+        hi = _cpu_s(d.pid)
+        tick = 1.0 / os.sysconf("SC_CLK_TCK")  # /proc counts whole ticks
+        assert lo - tick <= st["cpu"]["seconds"] <= hi + tick, (lo, st["cpu"], hi)
+        assert 0.0 <= st["cpu"]["percent"] <= 100.0 * os.cpu_count()
+        out = cli("status", socket=d.socket)
+        assert re.search(r"  cpu \d+% \([\d,.]+ s\)  ", out), out
+
+
 def test_shutdown_says_what_it_stopped(start_daemon):
     d = start_daemon()
     with d.connect() as c:

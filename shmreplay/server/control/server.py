@@ -103,7 +103,7 @@ class ControlServer:
         for c in snap.get("client_list", []):  # the kernel's word on who they are
             c["uid"] = self.connections.uid_of(c["client"])
         st = {"daemon_pid": self.pid, "protocol": PROTOCOL_VERSION, "instance": self.cfg.instance,
-              "version": __version__, "memory": daemon_memory(), "metrics": self.metrics_url,
+              "version": __version__, "memory": daemon_memory(), "cpu": self.monitor.cpu(), "metrics": self.metrics_url,
               "socket": self.path, "uptime_s": now - self.started,
               "connections": len(self.connections), **snap, "set_aside": self.tables.set_aside.report(),
               "descriptors": self.gate.status(), "creators": self.tables.book.status()}

@@ -16,10 +16,10 @@ def break_sleep(eng: Engine, broken: threading.Event) -> None:
     (outside every per-client guard, as a bug in the engine would)."""
     sleep = eng.idler.sleep
 
-    def sleep_or_fail(*args):
+    def sleep_or_fail(*args, **kwargs):
         if broken.is_set():
             raise OSError("doorbell lost")
-        sleep(*args)
+        sleep(*args, **kwargs)
 
     eng.idler.sleep = sleep_or_fail
 

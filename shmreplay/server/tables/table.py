@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ...errors import CapacityError, PriorityError, RateLimited, ReservationExpired
+from ...errors import CapacityError, PriorityError, RateLimited
 from ...priorities import check_priorities
 from ...schema import TableSpec
 from ...wire.layout import TableMap
@@ -167,13 +167,9 @@ class Table:
         entry, part = self.ledger.check_part(owner, rid, offset, n)
         n = part.shape[0]
         if entry.void:  # its writer is done with the slots: let go, not committed
-            self.ledger.let_go(rid, entry, part)
+            refusal = self.ledger.let_go(rid, entry, part)
             self.publish()
-            raise ReservationExpired(
-                f"table {self.spec.name!r}: {n} items were not stored: they were copied into "
-                f"slots reserved more than {self.ledger.reservation_timeout_s:g} s before their "
-                "commit (reservation_timeout_s; a stalled writer?), whose reservation was void "
-                "by then")
+            raise refusal
         if priorities is not None:
             try:
                 check_priorities(priorities, n, f"commit to table {self.spec.name!r}", self.spec.alpha)

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ....errors import SlotsBusy
+from ....errors import ReservationExpired, SlotsBusy
 from ....wire.layout import COMMITTED, FREE, HELD, RESERVED, TableMap
 from ....wire.records import owner_key
 from .barrier import ReuseBarrier, consumable
@@ -97,10 +97,6 @@ class SlotLedger:
         """Slots of void reservations their writers still hold (``reservations.py``)."""
         return self.books.voided
 
-    @property
-    def reservation_timeout_s(self) -> float:
-        return self.books.timeout_s
-
     def room(self, owner: int, user: int | None, n: int) -> int:
         """How many of n slots the writer's caps let it reserve (raises at a cap)."""
         return self.books.room(owner, user, n)
@@ -116,11 +112,16 @@ class SlotLedger:
         self.books.settle(rid, entry, part.shape[0])
         self.map.state[part] = COMMITTED
 
-    def let_go(self, rid: int, entry, part: np.ndarray) -> None:
+    def let_go(self, rid: int, entry, part: np.ndarray) -> ReservationExpired:
         """The part of a void reservation its writer committed: it is done
-        with those slots (``reservations.py``); they are free, not committed."""
+        with those slots (``reservations.py``); they are free, not
+        committed.  Returns what the writer is told."""
         self.books.settle(rid, entry, part.shape[0])
         self.make_free(part)
+        return ReservationExpired(
+            f"table {self.name!r}: {part.shape[0]} items were not stored: they were copied into "
+            f"slots reserved more than {self.books.timeout_s:g} s before their commit "
+            "(reservation_timeout_s; a stalled writer?), whose reservation was void by then")
 
     def abort(self, owner: int, rid: int) -> int:
         """Free the slots of a reservation not committed yet; returns how many."""

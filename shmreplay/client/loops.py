@@ -85,10 +85,11 @@ def _check_counts(total, patience, updates=None) -> None:
 class Patience:
     """How long a loop has waited while the table stood still: a wait the
     table's counters show progress in starts the clock again; one that
-    has seen none for ``patience`` seconds raises ReplayTimeout."""
+    has seen none for ``patience`` seconds raises ReplayTimeout, which
+    ends with ``missing`` (who should have moved them, and what to do)."""
 
-    def __init__(self, table, patience: float | None):
-        self.table, self.patience = table, patience
+    def __init__(self, table, patience: float | None, missing: str):
+        self.table, self.patience, self.missing = table, patience, missing
         self.mark = self.since = None
 
     def reset(self) -> None:
@@ -101,15 +102,14 @@ class Patience:
             self.mark, self.since = mark, now
         elif self.patience is not None and now - self.since > self.patience:
             raise ReplayTimeout(f"{what} for {self.patience:g} s and the table's counters did not move "
-                                f"(inserts, samples, removals: {mark}): {self._who(what)}")
+                                f"(inserts, samples, removals: {mark}): {self.missing}")
 
-    @staticmethod
-    def _who(what: str) -> str:
-        if what.startswith("learner"):
-            return ("no actor inserted; are the actors running, or did they reach their total?  "
-                    "End the learner at the same total=, or raise patience=")
-        return ("no learner sampled, so the rate limiter holds this actor; did the learner end?  Set "
-                "stop= when it does, or raise patience=")
+
+# who a waiting actor or learner waits for, and what to do about it
+_NO_LEARNER = ("no learner sampled, so the rate limiter holds this actor; did the learner end?  Set "
+               "stop= when it does, or raise patience=")
+_NO_ACTOR = ("no actor inserted; are the actors running, or did they reach their total?  End the "
+             "learner at the same total=, or raise patience=")
 
 
 class ActorSteps:
@@ -125,7 +125,7 @@ class ActorSteps:
             raise ReplayError(f"timeout must be > 0 seconds, got {timeout!r}")
         self.table, self.total, self.timeout = table, total, float(timeout)
         self._stop = _predicate(stop)
-        self._patience = Patience(table, patience)
+        self._patience = Patience(table, patience, _NO_LEARNER)
         self.local = 0       # this loop's steps
         self.ended = None    # why it ended: "total" or "stop"
 
@@ -202,7 +202,7 @@ class LearnerBatches:
         self._args = (int(batch_size), float(beta), int(prefetch))
         self._buffers, self._check = buffers, bool(check_reuse)
         self._stop = _predicate(stop)
-        self._patience = Patience(table, patience)
+        self._patience = Patience(table, patience, _NO_ACTOR)
         self.updates = 0     # batches handed out
         self.ended = None    # why it ended: "updates", "total" or "stop"
         self._run = None

@@ -12,11 +12,13 @@
   epsilons from the Ape-X ladder, write 3-step transitions through
   ``NStepWriter`` with actor-side initial priorities (|TD error| under the
   actor's network), and refresh the network from the board every
-  ``--sync-every`` steps.
+  ``--sync-every`` steps; ``shmreplay.actor_steps`` runs their loop (the
+  rate limiter's waits, the stop).
 * The learner (this process) trains Double DQN through
-  ``shmreplay.torch.iterate`` (rows gathered straight into tensors, two
-  batches prefetched), importance weights, priority updates, a target
-  network, and publishes its weights every ``--publish-every`` updates.
+  ``shmreplay.torch.learner_batches`` (rows gathered straight into
+  tensors, two batches prefetched, waits for the actors bounded), importance
+  weights, priority updates, a target network, and publishes its weights
+  every ``--publish-every`` updates.
 
 Once a second it prints env steps/s, inserts/s, batches/s and the recent
 return: the mean of the last 20 episodes of the envs whose epsilon is at
@@ -61,17 +63,18 @@ def parse(argv=None):
 
 
 # ---- actors ----
-def act(index: int, args, eps: list, writer, latest, stopped, episode, stepped) -> None:
+def act(index: int, args, eps: list, steps, writer, latest, episode, stepped) -> None:
     """One actor's loop, local or on a Ray node: ``len(eps)`` envs stepped
     together, one n-step writer each (``writer(priority_fn)`` makes one);
-    ``latest(version)``: None or newer (version, weights); ``stopped()``:
-    end now; ``episode(eps, return)``, ``stepped(n)``: reports."""
+    ``steps``: its ``shmreplay.actor_steps`` (the stop, the rate limiter's
+    waits); ``latest(version)``: None or newer (version, weights);
+    ``episode(eps, return)``, ``stepped(n)``: reports."""
     import torch
     import shmreplay.torch as srt
     torch.set_num_threads(1)
     fields, actions = dqn.env_fields(args.env)
     net = dqn.q_network(fields["obs"][1], actions)
-    version, got = 0, None
+    got = None
     while got is None:  # the learner publishes before it starts any actor
         got = latest(None)
     version, arrays = got
@@ -81,33 +84,24 @@ def act(index: int, args, eps: list, writer, latest, stopped, episode, stepped) 
     writers = [writer(dqn.td_priority(net)) for _ in envs]
     obs = np.stack([e.reset()[0] for e in envs])
     returns = np.zeros(len(envs))
-    t = 0
     try:
-        while not stopped():
-            if t % args.sync_every == 0:
-                got = latest(version)
-                if got is not None:
-                    version, arrays = got
-                    srt.load_state(net, arrays)
+        for _ in steps:
+            if steps.local % args.sync_every == 0 and (got := latest(version)) is not None:
+                version, arrays = got
+                srt.load_state(net, arrays)
             a = dqn.greedy(net, obs)
             explore = rng.random(len(envs)) < eps
             a[explore] = rng.integers(actions, size=int(explore.sum()))
             for i, env in enumerate(envs):
                 o2, r, term, trunc, _ = env.step(int(a[i]))
-                while not stopped():  # the limiter holds actors while the learner catches up
-                    try:
-                        writers[i].append(obs=obs[i], action=a[i], reward=r, next_obs=o2,
-                                          terminated=term, truncated=trunc)
-                        break
-                    except shmreplay.RateLimited:
-                        continue
+                steps.put(writers[i].append, obs=obs[i], action=a[i], reward=r, next_obs=o2,
+                          terminated=term, truncated=trunc)
                 returns[i] += r
                 if term or trunc:
                     episode(eps[i], float(returns[i]))
                     returns[i] = 0.0
                     o2, _ = env.reset()
                 obs[i] = o2
-            t += 1
             stepped(len(envs))
     finally:
         for w in writers:
@@ -122,15 +116,16 @@ def actor(index: int, args, client, eps: list, stop, episodes, steps) -> None:
     fields, actions = dqn.env_fields(args.env)
     board = shmreplay.ParameterBoard.attach(
         client, "policy", like=srt.numpy_state(dqn.q_network(fields["obs"][1], actions)))
+    loop = shmreplay.actor_steps(table, stop=stop)
 
     def stepped(n):
         steps.value += n
     try:
-        act(index, args, eps,
+        act(index, args, eps, loop,
             writer=lambda prio: shmreplay.NStepWriter(table, n=args.n_step, gamma=args.gamma,
-                                                      priority_fn=prio, timeout=0.5),
+                                                      priority_fn=prio, timeout=loop.timeout),
             latest=lambda v: board.latest(newer_than=v, timeout=60.0 if v is None else 0.0),
-            stopped=stop.is_set, episode=lambda e, ret: episodes.put((e, ret)), stepped=stepped)
+            episode=lambda e, ret: episodes.put((e, ret)), stepped=stepped)
     finally:
         client.close()
 
@@ -153,11 +148,11 @@ class RayActor:
 
         def stepped(n):
             self.steps += n
-        act(self.index, args, self.eps,
+        act(self.index, args, self.eps, shmreplay.actor_steps(None, stop=lambda: self.stop),
             writer=lambda prio: sray.RemoteNStepWriter(self.ingest, n=args.n_step, gamma=args.gamma,
                                                        priority_fn=prio, chunk=32),
             latest=lambda v: ray.get(self.relay.latest.remote(v)),
-            stopped=lambda: self.stop, episode=episode, stepped=stepped)
+            episode=episode, stepped=stepped)
 
     def report(self) -> tuple:
         """Env steps so far and the episodes finished since the last report."""
@@ -312,22 +307,15 @@ def main(argv=None) -> int:
                 return True
             return now > deadline
 
-        while not replay.can_sample(args.batch):  # warm-up: actors fill min_size
-            if report():
-                break
-            time.sleep(0.05)
-        if code == dqn.NOT_REACHED and time.monotonic() <= deadline:
-            # timeout: a batch the limiter holds for 60 s means the actors stopped
-            with srt.iterate(replay, args.batch, beta=args.beta, prefetch=2, timeout=60.0) as it:
-                for b in it:
-                    d = b if args.device == "cpu" else b.to(args.device)  # non_blocking from pinned
-                    prios = learner.step(d.data, d.weights)
-                    replay.update_priorities(b.keys, prios + 1e-3)
-                    batches += 1
-                    if batches % args.publish_every == 0:
-                        board.publish(srt.numpy_state(learner.online))
-                    if report() or batches == args.max_batches:
-                        break
+        # stop: report() once a second, also while the actors fill min_size; a
+        # batch the actors make no progress towards for 60 s raises ReplayTimeout
+        with srt.learner_batches(replay, args.batch, args.max_batches, beta=args.beta, stop=report) as loop:
+            for b in loop:
+                d = b if args.device == "cpu" else b.to(args.device)  # non_blocking from pinned
+                replay.update_priorities(b.keys, learner.step(d.data, d.weights) + 1e-3)
+                batches += 1
+                if batches % args.publish_every == 0:
+                    board.publish(srt.numpy_state(learner.online))
         progress.tick(crew.steps, replay.inserts, batches)  # the last row: where the run ended
         crew.stop()
         client.close()

@@ -38,7 +38,7 @@ from .version import __version__
 _LAZY = {
     "connect": "client", "Client": "client", "Server": "client", "ServerFailed": "client",
     "ParameterBoard": "client", "Table": "client", "SampleBatch": "client",
-    "SequenceWriter": "client", "NStepWriter": "client",
+    "SequenceWriter": "client", "NStepWriter": "client", "actor_steps": "client", "learner_batches": "client",
     "InferenceServer": "inference", "InferenceClient": "inference", "InferenceBatch": "inference",
 }
 
@@ -59,7 +59,7 @@ def __dir__():
 
 __all__ = [
     "connect", "Client", "Server", "ServerFailed", "ParameterBoard", "Table", "SampleBatch", "SequenceWriter", "NStepWriter",
-    "ReplayError", "ProtocolError", "DaemonUnavailable", "ReplayTimeout", "UnknownTable",
+    "actor_steps", "learner_batches", "ReplayError", "ProtocolError", "DaemonUnavailable", "ReplayTimeout", "UnknownTable",
     "TableExists", "SchemaError", "FieldError", "PriorityError", "CapacityError", "ShmFull",
     "LayoutError", "EmptyTable", "RateLimited", "SlotsBusy", "PermissionDenied", "DiskFull",
     "ForeignObject", "ReservationExpired",

@@ -23,6 +23,8 @@ Optional (``pip install "shmreplay[torch]"``), imported only when used:
   its contract (a batch is valid until the next one; ``check_reuse=True``
   checks it).  A batch copied to a device with ``non_blocking=True`` is not
   refilled before that copy has finished (a CUDA event per batch).
+* ``learner_batches(...)``: ``shmreplay.learner_batches`` (a learner's
+  loop: updates, a total, a stop) over ``TensorBatch`` buffers.
 * ``ReplayDataset``: a ``torch.utils.data.IterableDataset`` of batches, for
   ``DataLoader(dataset, batch_size=None)``; every batch it yields is fresh
   (nothing reused), so a loader may keep or pin it.
@@ -38,6 +40,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from .client import loops
 from .client.gather import SampleBatch
 from .errors import ReplayError
 from .wire.records import key_slots
@@ -162,6 +165,12 @@ def iterate(table, batch_size: int, beta: float = 0.4, prefetch: int = 2, pin_me
                          buffers=lambda: tensor_batch(table, batch_size, pin_memory))
 
 
+def learner_batches(table, batch_size: int, updates: int | None = None, pin_memory: bool = False, **loop):
+    """``shmreplay.learner_batches`` yielding ``TensorBatch`` es (the same
+    stops, waits and contract; ``loop``: its keyword arguments)."""
+    return loops.learner_batches(table, batch_size, updates, buffers=lambda: tensor_batch(table, batch_size, pin_memory), **loop)
+
+
 class ReplayDataset(torch.utils.data.IterableDataset):
     """Batches of a table, for ``DataLoader(ReplayDataset(...), batch_size=None)``.
 
@@ -218,5 +227,5 @@ def load_state(module: torch.nn.Module, arrays: dict) -> None:
             t.copy_(torch.from_numpy(np.asarray(arrays[k])))
 
 
-__all__ = ["TensorBatch", "DeviceBatch", "tensor_batch", "sample", "as_tensors", "iterate",
+__all__ = ["TensorBatch", "DeviceBatch", "tensor_batch", "sample", "as_tensors", "iterate", "learner_batches",
            "ReplayDataset", "numpy_state", "load_state"]

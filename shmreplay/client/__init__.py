@@ -8,7 +8,8 @@ reconnecting, the "may be lost" notice), ``link.py`` (control socket),
 ``leases.py`` (a table handle's leases, and their size), ``draws.py`` (SAMPLE, the
 one draw-gather-redraw loop, a table handle's draw side), ``gather.py`` (rows out of the segment:
 functions over arrays), ``iterator.py`` (prefetching learner loop),
-``writers.py`` (sequence and n-step writers), ``retry.py`` (the calls that
+``writers.py`` (sequence and n-step writers), ``loops.py`` (an actor's and a
+learner's loop: the global step, a stop), ``retry.py`` (the calls that
 run again after a reconnect), ``private_daemon.py`` (``Server``: a daemon
 of one program's own), ``parameters.py`` (``ParameterBoard``: model
 parameters from a learner to its actors).  Imports ``wire`` and the shared root
@@ -19,7 +20,8 @@ modules, never ``server`` or ``inference``.
 # line imports link.py alone, and never pays for numba (wire/atomics.py)
 _LAZY = {"connect": "client", "Client": "client", "SampleBatch": "gather",
          "ParameterBoard": "parameters", "Server": "private_daemon", "ServerFailed": "private_daemon",
-         "Table": "table", "NStepWriter": "writers", "SequenceWriter": "writers"}
+         "Table": "table", "NStepWriter": "writers", "SequenceWriter": "writers",
+         "actor_steps": "loops", "learner_batches": "loops"}
 
 
 def __getattr__(name: str):
@@ -32,4 +34,5 @@ def __getattr__(name: str):
     return value
 
 
-__all__ = ["connect", "Client", "Server", "ServerFailed", "ParameterBoard", "Table", "SampleBatch", "SequenceWriter", "NStepWriter"]
+__all__ = ["connect", "Client", "Server", "ServerFailed", "ParameterBoard", "Table", "SampleBatch", "SequenceWriter", "NStepWriter",
+           "actor_steps", "learner_batches"]

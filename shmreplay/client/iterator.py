@@ -109,6 +109,16 @@ class BatchIterator:
         return self
 
     def __next__(self):
+        got = self.next_within(self.timeout)
+        if got is None:
+            raise ReplayTimeout(f"no prefetched batch within {self.timeout} s")
+        return got
+
+    def next_within(self, seconds: float | None):
+        """The next batch, or None if none is ready within ``seconds`` (None:
+        no limit); the prefetch thread goes on drawing it.  For a loop that
+        looks at other things between bounded waits (``loops.py``); the
+        batch handed out before is given back as by ``next()``."""
         if self._stop.is_set():
             raise StopIteration
         if self._current is not None:
@@ -118,9 +128,9 @@ class BatchIterator:
                 self._free.put(self._current)
             self._current = None
         try:
-            item = self._ready.get(timeout=self.timeout)
+            item = self._ready.get(timeout=seconds)
         except queue.Empty:
-            raise ReplayTimeout(f"no prefetched batch within {self.timeout} s") from None
+            return None
         if isinstance(item, BaseException):
             self.close()
             raise item

@@ -256,6 +256,13 @@ class SlotLedger:
         if b is not None and b.count and (force or len(self.free) < b.headroom // 2 + 1):
             self.wake_sync()
 
+    def kept_for_sync(self) -> int:
+        """Slots a full durable table keeps free or retired once it has
+        synced: ``ahead`` evicts whenever its free list falls to half the
+        headroom, so at least headroom // 2 + 1 (a queue evicts none ahead)."""
+        b = self.barrier
+        return 0 if b is None or consumable(self.map.spec) else b.headroom // 2 + 1
+
     def barrier_report(self) -> dict:
         b = self.barrier
         return {} if b is None else {"retired": b.count, "sync_headroom": b.headroom}

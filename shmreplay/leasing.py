@@ -42,7 +42,9 @@ def writer_reserved(spec) -> tuple[int, int]:
     lease of s slots asks for the next s when fewer than s // 2 are left,
     so after a call s // 2 to s // 2 - 1 + s are reserved and not written.
     A writer of batches larger than s reserves each batch exactly and keeps
-    none between calls."""
+    none between calls; a writer whose items stay open across calls (an
+    n-step writer's last n) keeps those too, and a lease widened by
+    ``Table.widen_lease`` (the Ray ingest's) keeps up to 1.5 times its size."""
     s = lease_size(spec)
     return (s // 2, s // 2 - 1 + s) if s >= 2 else (s, s)
 

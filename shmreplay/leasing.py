@@ -49,45 +49,53 @@ def writer_reserved(spec) -> tuple[int, int]:
     return (s // 2, s // 2 - 1 + s) if s >= 2 else (s, s)
 
 
-def sampling_warning(spec, kept_for_sync: int = 0) -> str | None:
+def sampling_warning(spec, sync_headroom: int = 0) -> str | None:
     """Why ``min_size_to_sample`` may never be reached with the writers the
-    client gives, or None.  ``kept_for_sync``: slots a full durable table
-    keeps evicted ahead of its next sync once it has synced (the daemon's
-    ``barrier.py``; 0 for any other table).
+    client gives, or None.  ``sync_headroom``: what a full durable table
+    keeps out of use once it has synced (the daemon's ``barrier.py``; 0 for
+    any other table): free or retired slots, refilled to the headroom
+    whenever half of it is used, so headroom // 2 + 1 to headroom of them.
 
     Where the line is.  Refused (``schema._check_limits``) is only what no
     writer can ever reach: more than ``capacity``.  Everything up to
     capacity some writer reaches: one that inserts batches larger than its
-    lease reserves each batch exactly and holds nothing between calls, and
-    a table of under 256 items is leased per call; and a durable table
-    filled once and then only read stays full.  So the settings past what
-    leases and syncs leave are warned, not refused: past ``capacity - most``
-    (``writer_reserved``) a table written by one writer of single items
-    is at times, and past ``capacity - fewest`` always, short of it, and
-    sampling waits for ever (CleanRL's defaults, a 10,000-item buffer that
-    starts learning at 10,000, are this).  A rate-limited table is not
-    warned for its leases: its limiter stops its writers, whose leases run
-    out, and then every reserved slot is written and the table fills."""
+    lease reserves each batch exactly and holds nothing between calls, a
+    table of under 256 items is leased per call, and a durable table filled
+    once and then only read stays full.  So the settings past what leases
+    and syncs leave are warned, not refused: past ``capacity - most``
+    (``writer_reserved``, and the whole headroom) a table written by one
+    writer of single items is at times, and past ``capacity - fewest`` (and
+    half the headroom) always, short of it, and sampling stalls or waits
+    for ever (CleanRL's defaults, a 10,000-item buffer that starts learning
+    at 10,000, are the second).  A rate-limited table is not warned for its
+    leases: its limiter stops its writers, whose leases run out, and then
+    every reserved slot is written and the table fills."""
     mss, cap = spec.min_size_to_sample, spec.capacity
     fewest, most = (0, 0) if spec.rate_limited else writer_reserved(spec)
-    limit = cap - most - kept_for_sync
+    kept_least = sync_headroom // 2 + 1 if sync_headroom else 0
+    # a durable table's ask ahead refused for a full barrier has evicted up
+    # to its lease past the headroom, but then its writer holds fewer than
+    # half a lease: both together stay within most + headroom
+    limit = cap - most - sync_headroom
     if mss <= limit:
         return None
-    never = mss > cap - fewest - kept_for_sync
+    # a durable table's writer may be waiting for a sync with its lease run
+    # dry (its lease asked ahead is refused then): none reserved at all
+    fullest = cap - (0 if sync_headroom else fewest) - kept_least
+    never = mss > fullest
     parts = []
     if most:
         parts.append(f"a writer that inserts one item at a time (Table.insert, SequenceWriter, "
-                      f"NStepWriter) keeps {fewest} to {most} slots reserved ahead (its lease of "
-                      f"{lease_size(spec)}, asked for again when half is used), and a reserved slot "
-                      "holds no item")
-    if kept_for_sync:
-        parts.append(f"a durable table keeps {kept_for_sync} slots evicted ahead of its next sync "
-                     "once it has synced")
-    fullest = cap - fewest - kept_for_sync
+                     f"NStepWriter) keeps {fewest} to {most} slots reserved ahead (its lease of "
+                     f"{lease_size(spec)}, asked for again when half is used), and a reserved slot "
+                     "holds no item")
+    if sync_headroom:
+        parts.append(f"a durable table keeps {kept_least} to {sync_headroom} slots evicted ahead "
+                     "of its next sync once it has synced")
     return (f"table {spec.name!r}: min_size_to_sample {mss} of capacity {cap} is "
             + ("never" if never else "not always") + " reached while the table is written: "
-            + "; ".join(parts) + f"; so it holds at most {fullest} items"
-            + (f", at times only {limit}" if fullest != limit else "") + ", and sampling "
-            + ("waits for ever" if never else "stalls") + f".  Set min_size_to_sample to at most "
-            f"{limit}" + (f" (less with more writers), or insert in batches of more than "
-                          f"{lease_size(spec)} items" if most else "") + " (docs/guide.md, Tables)")
+            + "; ".join(parts) + f"; so it holds at most {fullest} items, at times only {limit}, "
+            "and sampling " + ("waits for ever" if never else "stalls") + ".  Set "
+            f"min_size_to_sample to at most {limit}" + (
+                f" (less with more writers), or insert in batches of more than "
+                f"{lease_size(spec)} items" if most else "") + " (docs/guide.md, Tables)")

@@ -157,10 +157,10 @@ def fill_until_limited(sock, out):
 
 
 def test_a_durable_table_is_warned_for_its_sync_headroom(start_daemon, tmp_path):
-    """A durable file-backed table keeps headroom // 2 + 1 slots evicted
-    ahead of its next sync (1,000 items: headroom 64, so 33), besides the
-    writers' leases (16: 8 to 23 reserved): min_size_to_sample 977 is
-    quiet in /dev/shm and warned on disk, naming 1,000 - 23 - 33 = 944."""
+    """A durable file-backed table keeps half to all of its sync headroom
+    (1,000 items: 64) out of use once it has synced, besides the writers'
+    leases (16: 8 to 23 reserved): min_size_to_sample 977 is quiet in
+    /dev/shm and warned on disk, naming 1,000 - 23 - 64 = 913."""
     store = str(tmp_path / "store")
     d = start_daemon(storage_dirs=[store])
     with d.connect() as c:
@@ -169,15 +169,54 @@ def test_a_durable_table_is_warned_for_its_sync_headroom(start_daemon, tmp_path)
             c.create_table("shm", 1000, FIELDS, min_size_to_sample=977, storage_dir="")
             assert said == []
             c.create_table("disk", 1000, FIELDS, min_size_to_sample=977, storage_dir=store)
-            c.create_table("disk2", 1000, FIELDS, min_size_to_sample=944, storage_dir=store)
+            c.create_table("disk2", 1000, FIELDS, min_size_to_sample=913, storage_dir=store)
         assert len(said) == 1, [str(w.message) for w in said]
         msg = str(said[0].message)
-        assert "table 'disk'" in msg and "keeps 33 slots evicted ahead of its next sync" in msg
-        assert "Set min_size_to_sample to at most 944" in msg
+        assert "table 'disk'" in msg and "keeps 33 to 64 slots evicted ahead of its next sync" in msg
+        assert "Set min_size_to_sample to at most 913" in msg
         assert msg in d.log()
         c.drop_table("shm")
         c.drop_table("disk")
         c.drop_table("disk2")
+
+
+def write_through_syncs(sock, out, store, mss):
+    """A writer process: fill a durable 1,000-item table, sync it (from now
+    on its file lists items, and slots freed are retired until the next
+    sync, which a full table forces: sync_interval_s 0), then insert 600
+    more one at a time, sampling after each.  Puts [sampled or not]."""
+    with shmreplay.connect(sock) as c:
+        t = c.create_table("d", 1000, FIELDS, min_size_to_sample=mss, storage_dir=store)
+        for i in range(1000):
+            t.insert(v=i)
+        c.sync()
+        tries = []
+        for i in range(600):
+            t.insert(v=i)
+            try:
+                t.sample(1, timeout=0)
+                tries.append(True)
+            except shmreplay.RateLimited:
+                tries.append(False)
+        out.put((tries, c.stats()["tables"]["d"]["syncs"]))
+
+
+def test_the_largest_unwarned_min_size_of_a_durable_table_samples_through_its_syncs(start_daemon,
+                                                                                      tmp_path):
+    """913 of 1,000 samples after every insert while retired slots pile up
+    and forced syncs free them (600 inserts: several syncs): the table
+    never holds fewer.  968 is more than it ever holds (1,000 less half
+    the headroom and one: its writer may wait for a sync with no slot
+    reserved) and no sample runs."""
+    store = str(tmp_path / "store")
+    d = start_daemon(storage_dirs=[store], sync_interval_s=0)
+    tries, syncs = in_process(write_through_syncs, d.socket, store, 913)
+    assert all(tries), [i for i, ok in enumerate(tries) if not ok]
+    assert syncs >= 5, "the inserts went through several syncs"
+    with d.connect() as c:
+        c.drop_table("d")
+    tries, _ = in_process(write_through_syncs, d.socket, store, 968)
+    assert not any(tries)
 
 
 def test_min_size_past_capacity_is_refused_saying_what_to_set(client):

@@ -38,7 +38,8 @@ def describe(t) -> dict:
 
 def warnings(t) -> list[str]:
     """Why the table's settings may never work with the writers the client
-    gives (``leasing.sampling_warning``), with a durable table's sync headroom."""
+    gives (``leasing.sampling_warning``), with a durable table's sync
+    headroom (``SlotLedger.kept_for_sync``)."""
     said = leasing.sampling_warning(t.spec, t.ledger.kept_for_sync())
     return [] if said is None else [said]
 

@@ -257,11 +257,11 @@ class SlotLedger:
             self.wake_sync()
 
     def kept_for_sync(self) -> int:
-        """Slots a full durable table keeps free or retired once it has
-        synced: ``ahead`` evicts whenever its free list falls to half the
-        headroom, so at least headroom // 2 + 1 (a queue evicts none ahead)."""
+        """The sync headroom a full durable table keeps out of use once it
+        has synced (``leasing.sampling_warning`` says how much of it when),
+        0 for a table that evicts none ahead (not durable, or a queue)."""
         b = self.barrier
-        return 0 if b is None or consumable(self.map.spec) else b.headroom // 2 + 1
+        return 0 if b is None or consumable(self.map.spec) else b.headroom
 
     def barrier_report(self) -> dict:
         b = self.barrier

@@ -15,7 +15,8 @@ processes and a learner over shared memory, no daemon.
 Shared pure logic sits at the root: ``errors.py`` (every exception),
 ``schema.py`` (table definitions and their checks), ``fields.py`` (the
 forms a table's fields take), ``ratelimiter.py`` (the rate limiter's
-predicates), ``priorities.py`` (priority checks), ``numbaconf.py`` (numba
+predicates), ``leasing.py`` (writers' lease sizes, and what they leave
+samplers), ``priorities.py`` (priority checks), ``numbaconf.py`` (numba
 flags), ``version.py``.  Tools over the client: ``cli.py`` (the
 ``shmreplay`` command) with ``statusview.py`` (its status screen),
 ``torch.py`` (``shmreplay.torch``: batches as tensors), ``ray/``

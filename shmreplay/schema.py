@@ -253,7 +253,9 @@ def _check_limits(spec: TableSpec) -> None:
     name, spi = spec.name, spec.samples_per_insert
     if not 1 <= spec.min_size_to_sample <= spec.capacity:
         raise SchemaError(f"table {name!r}: min_size_to_sample {spec.min_size_to_sample} outside "
-                          f"1..capacity ({spec.capacity}); the table could never be sampled")
+                          f"1..capacity ({spec.capacity}); the table could never be sampled: set it to at "
+                          "least 1 and at most the capacity, less what writers keep reserved "
+                          "(docs/guide.md, Tables)")
     if spi is None:
         return
     if not spi > 0:

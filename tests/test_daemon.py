@@ -174,6 +174,20 @@ def test_the_bundled_config_documents_every_key_and_its_default():
     assert fields(bundled) == fields(parse_config({})) == fields(DaemonConfig())
 
 
+def test_the_operations_page_documents_every_key():
+    """docs/operations.md, "Configuration keys", is where users read what
+    each [daemon] key does: every key has its row there (``seed`` once had
+    none), and no row names a key the daemon does not know."""
+    path = os.path.join(ROOT, "docs", "operations.md")
+    with open(path) as f:
+        text = f.read()
+    section = text.split("## Configuration keys\n", 1)[1].split("\n## ", 1)[0]
+    rows = [line.split("|")[1] for line in section.splitlines() if line.startswith("| `")]
+    named = set(re.findall(r"`([a-z_]+)`", " ".join(rows)))
+    assert not DAEMON_KEYS - named, f"{path} has no row for {sorted(DAEMON_KEYS - named)}"
+    assert not named - DAEMON_KEYS, f"{path} documents keys the daemon lacks: {sorted(named - DAEMON_KEYS)}"
+
+
 def test_bad_config_exits_with_a_message(tmp_path):
     path = tmp_path / "bad.toml"
     path.write_text('[daemon]\ninstance = "x"\nspin_usec = 3\n')

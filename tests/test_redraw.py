@@ -122,7 +122,7 @@ PAYLOAD = 2048
 STRESS_FIELDS = {"actor": ("int32", ()), "seq": ("int64", ()), "payload": ("uint8", (PAYLOAD,)),
           "checksum": ("uint64", ())}
 CAPACITY = 2000
-# a writer's lease of it (client/leases.py lease_size; docs/protocol.md): 2,000 // 256
+# a writer's lease of it (leasing.py lease_size; docs/protocol.md): 2,000 // 256
 # is 7, at least 16 makes 16 (not rate-limited, under 4,096)
 LEASE = 16
 BATCHES, TURNOVER, REDRAWS = 600, 25, 50

@@ -35,6 +35,7 @@ happens in the daemon, so it costs no CPU here (``pipe.in_slices``).
 from __future__ import annotations
 
 import os
+import warnings
 
 from ..errors import DaemonUnavailable, ReplayError
 from ..schema import make_spec
@@ -142,6 +143,8 @@ class Client:
         ``exist_ok`` returns an existing table with the same definition."""
         spec = make_spec(name, capacity, fields, sampler, alpha, **limits)
         desc = self._session.request("create_table", spec=spec.to_wire(), exist_ok=bool(exist_ok))["table"]
+        for said in desc.get("warnings", ()):  # settings that may never work (leasing.py); the daemon logs them
+            warnings.warn(str(said), UserWarning, stacklevel=2)
         return self._adopt(desc)
 
     def create_queue(self, name, capacity, fields, exist_ok=False, storage_dir=None) -> Table:

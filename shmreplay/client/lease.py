@@ -130,7 +130,8 @@ class SlotLease:
     def _ask_ahead(self, n: int) -> None:
         """Ask for the next reservation at half time, so its reply is there
         when needed.  It may not wait in the daemon: the call that will use
-        it has a timeout of its own, which the daemon does not know yet."""
+        it has a timeout of its own, which the daemon does not know yet.
+        (``leasing.writer_reserved`` counts what this rule keeps reserved.)"""
         cur = self.cur
         if (self.ahead is None and 0 < n <= self.size
                 and cur[1].shape[0] - cur[2] < max(n, self.size // 2)):

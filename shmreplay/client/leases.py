@@ -6,8 +6,8 @@ stay open across calls (``new``: ``writers.py``, ``parameters.py``).
 ``TableLeases`` keeps them all (weakly: a writer's goes with its writer),
 binds each to the table as mapped now, again after every reconnect, and
 voids or renews them when the connection goes or the daemon voided a
-reservation.  ``lease_size`` and ``widened_lease_size`` say how large a
-lease is.
+reservation.  ``leasing.lease_size`` (shared with the daemon's checks of
+a table's settings) and ``widened_lease_size`` say how large a lease is.
 
 Who calls it: its table handle, which makes it and is its only caller
 (the handle's own lease it also writes through directly), on the client's
@@ -19,6 +19,7 @@ from __future__ import annotations
 import weakref
 
 from ..errors import ReplayError
+from ..leasing import LEASE_MAX, lease_size
 from .lease import SlotLease
 
 
@@ -70,32 +71,6 @@ class TableLeases:
         """``Table.widen_lease``: the own lease reserves up to ``slots`` at a
         time (``widened_lease_size``); returns its size now."""
         return self.own.resize(widened_lease_size(self._spec, self.size, slots, self._session.max_batch))
-
-
-# Below this capacity a writer reserves per call: a lease reserved ahead
-# evicts items early (the oldest, which the next inserts evict anyway), and
-# in a table of a few hundred items that is a visible share of it.
-LEASE_MIN_CAPACITY = 256
-LEASE_MIN, LEASE_MAX, QUEUE_LEASE_MAX = 16, 4096, 16
-
-
-def lease_size(spec, max_batch: int) -> int:
-    """Slots a writer reserves at a time (0: per call), and asks for again
-    at half time, so inserts need no round trip: capacity/256, at least 16
-    (a 1,000-item table: 16, where one round trip per call capped inserts
-    at a quarter of cpprb's rate), at most 4,096.  Two leases per writer
-    withhold at most ~1% of a large table from sampling, ~3% of a
-    1,000-item one.  A rate-limited table (a queue) leases at most 16 and a
-    64th of its capacity: its limiter counts a reserved slot as an insert,
-    so a lease takes that much of the limiter's room before the items are
-    written (it is handed back at ``flush()`` and when the writer closes)."""
-    cap = spec.capacity
-    if cap < LEASE_MIN_CAPACITY:
-        return 0
-    size = max(LEASE_MIN, cap // 256)
-    if spec.rate_limited:
-        size = min(size, QUEUE_LEASE_MAX, cap // 64)
-    return max(0, min(LEASE_MAX, size, max_batch))
 
 
 def widened_lease_size(spec, default: int, slots, max_batch: int) -> int:

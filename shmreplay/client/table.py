@@ -117,7 +117,7 @@ class Table:
     # and rows, for a reader that copies rows and checks the stamps itself (``ParameterBoard``)
     mapped = property(lambda self: self._map)
     lease_size = property(lambda self: self._leases.size,
-                          doc="Slots a writer reserves at a time (0: per call): ``leases.lease_size``.")
+                          doc="Slots a writer reserves at a time (0: per call): ``leasing.lease_size``.")
 
     def __len__(self) -> int:
         return self._words.size

@@ -60,6 +60,7 @@ class Table:
         if fresh:
             self.ledger.free.push(np.arange(spec.capacity, dtype=np.int64))
             self.publish()
+        tablestats.warn(self)
 
     def publish(self) -> None:
         """Mirror the counters into the segment for clients' probes."""
@@ -75,6 +76,7 @@ class Table:
         came from lists (``SlotLedger.start_barrier``)."""
         self.ledger.start_barrier(durability.want, listed)
         self.durable = durability
+        tablestats.warn(self, durable=True)
 
     # ---- writers ----
     def reserve(self, owner: int, n: int, pid: int = 0, start: int = 0,

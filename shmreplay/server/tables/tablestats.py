@@ -1,11 +1,17 @@
-"""A table's numbers, as ``stats``/``shmreplay status`` and ``describe`` report them.
+"""A table's numbers, as ``stats``/``shmreplay status`` and ``describe`` report them,
+and the warnings its settings get (``leasing.sampling_warning``).
 
-Engine thread only, like the table they read.
+Engine thread only, like the table they read (``warn``: also while the
+table is built, before the engine has it).
 """
 
 from __future__ import annotations
 
-from ... import ratelimiter
+import logging
+
+from ... import leasing, ratelimiter
+
+log = logging.getLogger("shmreplayd.table")
 
 
 def new_stats() -> dict:
@@ -19,8 +25,31 @@ def new_stats() -> dict:
 
 
 def describe(t) -> dict:
-    return {"id": t.id, "segment": t.segment_name, "spec": t.spec.to_wire(),
-            "segment_size": t.map.layout.size + t.map.layout.rows_size, "items": t.counters.size}
+    """A table's description, the reply to a create or open; ``warnings``
+    (only when there are some): settings that may never work, which the
+    client that creates the table raises as Python warnings."""
+    out = {"id": t.id, "segment": t.segment_name, "spec": t.spec.to_wire(),
+           "segment_size": t.map.layout.size + t.map.layout.rows_size, "items": t.counters.size}
+    said = warnings(t)
+    if said:
+        out["warnings"] = said
+    return out
+
+
+def warnings(t) -> list[str]:
+    """Why the table's settings may never work with the writers the client
+    gives (``leasing.sampling_warning``), with a durable table's sync
+    headroom (``SlotLedger.kept_for_sync``)."""
+    said = leasing.sampling_warning(t.spec, t.ledger.kept_for_sync())
+    return [] if said is None else [said]
+
+
+def warn(t, durable: bool = False) -> None:
+    """Log what ``warnings`` says, when the table is built (``durable``:
+    again once it is made durable, if that adds to it)."""
+    said = warnings(t)
+    if said and (not durable or said[0] != leasing.sampling_warning(t.spec)):
+        log.warning("%s", said[0])
 
 
 def snapshot_stats(t, pids: dict | None = None) -> dict:

@@ -257,6 +257,13 @@ class SlotLedger:
         if b is not None and b.count and (force or len(self.free) < b.headroom // 2 + 1):
             self.wake_sync()
 
+    def kept_for_sync(self) -> int:
+        """The sync headroom a full durable table keeps out of use once it
+        has synced (``leasing.sampling_warning`` says how much of it when),
+        0 for a table that evicts none ahead (not durable, or a queue)."""
+        b = self.barrier
+        return 0 if b is None or consumable(self.map.spec) else b.headroom
+
     def barrier_report(self) -> dict:
         b = self.barrier
         return {} if b is None else {"retired": b.count, "sync_headroom": b.headroom}

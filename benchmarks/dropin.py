@@ -31,6 +31,12 @@ the loop (the process's, plus the daemon's from /proc/<pid>/stat), and the
 mean of the last 20 episode returns.  Writes JSON to
 benchmarks/results/dropin-<time>.json.  Speed is reported, never asserted;
 the box may be loaded, so compare only within one run.
+
+On a loaded 2-core box torch's default threads (two OpenMP workers that
+spin between operations) slow the in-process loop several-fold and more
+than shmreplay's (2026-11-27, load ~5, seed 0: SB3's buffer 619 env steps/s
+at 30,000 steps with the default threads, 2,848 at 15,000 with
+``--torch-threads 1``; shmreplay ~1,600 both ways): say which was used.
 """
 
 from __future__ import annotations
@@ -262,8 +268,9 @@ def table(runs: list, buffers: list) -> str:
         med = {b: statistics.median(v) if (v := [r[key] for r in ok[b] if r.get(key) is not None]) else None
                for b in buffers}
         cells = [fmt.format(med[b]) if med[b] is not None else "-" for b in buffers]
-        cells += [f"{med['shmreplay'] / med['sb3']:.2f}x"] if (len(buffers) == 2 and med["sb3"]
-                                                              and med["shmreplay"] is not None) else []
+        if len(buffers) == 2:
+            cells.append(f"{med['shmreplay'] / med['sb3']:.2f}x" if med["sb3"] and med["shmreplay"] is not None
+                         else "-")
         seeds = {b: ", ".join(fmt.format(r[key]) for r in ok[b] if r.get(key) is not None) for b in buffers}
         lines.append(f"| {label} | " + " | ".join(f"{c} ({seeds[b]})" if len(ok[b]) > 1 else c
                                                    for c, b in zip(cells, buffers))

@@ -146,7 +146,29 @@ class ShmreplayBuffer:
         return self.server.pid
 
 
-BUFFERS = {"sb3": SB3Buffer, "shmreplay": ShmreplayBuffer}
+class ShmreplayPrefetchBuffer(ShmreplayBuffer):
+    """The same over the README's learner loop: ``table.iterate(batch_size,
+    prefetch=1)``, whose thread draws and gathers the next batch while the
+    caller trains on this one (a batch is valid until the next ``sample``,
+    which a DQN update respects)."""
+
+    def sample(self, batch_size: int) -> Samples:
+        import torch as th
+        it = getattr(self, "batches", None)
+        if it is None:
+            it = self.batches = self.table.iterate(batch_size, prefetch=1)
+        d = next(it).data
+        return Samples(th.from_numpy(d["obs"]), th.from_numpy(d["action"]).unsqueeze(1),
+                       th.from_numpy(d["next_obs"]), th.from_numpy(d["done"]).unsqueeze(1),
+                       th.from_numpy(d["reward"]).unsqueeze(1))
+
+    def close(self) -> None:
+        if getattr(self, "batches", None) is not None:
+            self.batches.close()
+        super().close()
+
+
+BUFFERS = {"sb3": SB3Buffer, "shmreplay": ShmreplayBuffer, "shmreplay_prefetch": ShmreplayPrefetchBuffer}
 
 
 def proc_cpu_s(pid: int) -> float:

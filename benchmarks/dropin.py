@@ -4,7 +4,7 @@ in-process numpy ring buffer like stable-baselines3's, and on shmreplay
 behind the same constructor, ``add`` and ``sample``, in one run.
 
     python3 benchmarks/dropin.py [--steps 100000] [--seeds 0,1,2] [--torch-threads N]
-        [--buffers sb3,shmreplay] [--out FILE]
+        [--buffers sb3,shmreplay] [--learner-spin-us US] [--out FILE]
 
 The loop is CleanRL's ``dqn.py`` (the version on SB3's ``ReplayBuffer``):
 one env, epsilon-greedy over a 4-120-84-2 MLP, every step one ``add`` of
@@ -126,7 +126,10 @@ class ShmreplayBuffer:
         import shmreplay
         fields = {"obs": ("float32", obs_shape), "next_obs": ("float32", obs_shape),
                   "action": ("int64", ()), "reward": ("float32", ()), "done": ("float32", ())}
-        self.server = shmreplay.Server(tables=[dict(name="replay", capacity=buffer_size, fields=fields)])
+        spin = os.environ.get("DROPIN_LEARNER_SPIN_US")  # --learner-spin-us, passed to the trials
+        opts = {} if spin is None else {"learner_spin_us": float(spin)}
+        self.server = shmreplay.Server(tables=[dict(name="replay", capacity=buffer_size, fields=fields)],
+                                       **opts)
         self.table = self.server.connect().table("replay")
 
     def add(self, obs, next_obs, action, reward, done) -> None:
@@ -306,10 +309,13 @@ def main(argv=None) -> int:
     ap.add_argument("--seeds", default="0,1,2")
     ap.add_argument("--buffers", default="sb3,shmreplay")
     ap.add_argument("--torch-threads", type=int, help="torch.set_num_threads (default: torch's)")
+    ap.add_argument("--learner-spin-us", type=float, help="the daemon's learner_spin_us (default: its own)")
     ap.add_argument("--timeout", type=float, default=1800, help="per run, seconds")
     ap.add_argument("--out", help="JSON file (default benchmarks/results/dropin-<time>.json)")
     ap.add_argument("--one", help=argparse.SUPPRESS)  # a child: run one trial, print its JSON
     a = ap.parse_args(argv)
+    if a.learner_spin_us is not None:
+        os.environ["DROPIN_LEARNER_SPIN_US"] = str(a.learner_spin_us)
     seeds = [int(s) for s in a.seeds.split(",")]
     if a.one:
         print(json.dumps(trial(a.one, seeds[0], a.steps, a.torch_threads)))

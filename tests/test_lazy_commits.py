@@ -37,18 +37,20 @@ def test_lazy_commits_arrive_whole_and_in_order_through_a_full_command_ring(star
     c.close()
 
 
-def test_lazy_commits_leave_a_sleeping_daemon_asleep(start_daemon):
+def test_lazy_commits_leave_a_sleeping_daemon_asleep_up_to_lazy_max_in_a_row(start_daemon):
     """The promise itself (docs/protocol.md, "Waking"): a client with
     ``lazy_commits`` set does not write the daemon's doorbell for its
-    COMMITs; the daemon reads them at its next wake.  The daemon never
-    spins (``spin_us`` 0: it sleeps as soon as a pass finds nothing to do)
-    and its idle timeout is an hour, so between the two looks below only a
-    doorbell could wake it; the stats count the wakes a client's doorbell
+    COMMITs, ``LAZY_MAX`` in a row; the one after rings it.  The daemon
+    never spins (``spin_us`` 0: it sleeps as soon as a pass finds nothing
+    to do) and its idle timeout is an hour, so between the looks below only
+    a doorbell could wake it; the stats count the wakes a client's doorbell
     ended apart from the control plane's bell (``client_wakeups``,
     docs/operations.md), which the stats call itself and the monitor's
-    once-a-second look ring.  50 single-row commits into a lease reserved
-    before the first look add no client wake; the wake that answers the
-    second look applies them, all, in order, with no request of the writer."""
+    once-a-second look ring.  ``LAZY_MAX`` single-row commits into a lease
+    reserved before the first look add no client wake; the next one adds
+    one, and that wake applies them all, in order, with no request of the
+    writer."""
+    from shmreplay.client.pipe import LAZY_MAX
     d = start_daemon(tables=[{"name": "t", "capacity": 256_000, "fields": FIELDS}],
                      spin_us=0, idle_timeout_s=3600)
     c = d.connect()
@@ -58,17 +60,21 @@ def test_lazy_commits_leave_a_sleeping_daemon_asleep(start_daemon):
     c.flush(keep_leases=True)  # applied, and the lease kept: no RESERVE below
     before = c.stats()["engine"]["client_wakeups"]
     req = c._session.pipe.req  # the request ring's word the daemon sets when it sleeps
-    for i in range(1, 51):  # 51 of 1,000 used: the next reservation is asked ahead at half time only
+    asleep = lambda: atomics.load(req.ctl, req.sleeping_w)  # noqa: E731
+    for i in range(1, LAZY_MAX + 1):  # of 1,000 slots: the next reservation is asked ahead at half only
         # each commit is published to a daemon known asleep (one still awake
         # from the look before would read it without any bell, and a bell
         # rung for it would go unseen): a bell rung anyway is counted
-        wait_for(lambda: atomics.load(req.ctl, req.sleeping_w), "the daemon to sleep")
+        wait_for(asleep, "the daemon to sleep")
         t.insert(x=np.int64(i))
     assert c.stats()["engine"]["client_wakeups"] == before
-    wait_for(lambda: len(t) == 51, "the commits to be applied at the control plane's wake")
+    wait_for(asleep, "the daemon to sleep")  # (the stats call's wake applied the commits)
+    t.insert(x=np.int64(LAZY_MAX + 1))  # one past LAZY_MAX in a row: rings
+    wait_for(lambda: len(t) == LAZY_MAX + 2, "the commits to be applied at that wake")
+    assert c.stats()["engine"]["client_wakeups"] == before + 1
     from readback import committed
     got, _ = committed(t)
-    np.testing.assert_array_equal(got["x"], np.arange(51))
+    np.testing.assert_array_equal(got["x"], np.arange(LAZY_MAX + 2))
     c.close()
 
 

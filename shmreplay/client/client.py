@@ -247,7 +247,9 @@ class Client:
         a reservation, a sample), another client's, or the daemon's
         ``idle_timeout_s`` (1 s by default) at the latest; at once while a
         request is parked on the table's limits (the daemon's sleeping word
-        says so and the commit wakes it).  A wake-up costs the daemon more
+        says so and the commit wakes it); and at the 17th commit left to a
+        sleeping daemon in a row (``pipe.LAZY_MAX``), so that a writer flat
+        out keeps it in step.  A wake-up costs the daemon more
         CPU than a small commit (measured: ~330-430 us against ~110 us per
         64-row chunk; 35-150 us per single-row insert), so a program that
         inserts every env step and samples every few pays one wake-up per

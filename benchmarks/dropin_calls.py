@@ -31,10 +31,9 @@ import time
 
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from dropin import BUFFERS, CAPACITY  # noqa: E402
+from dropin import BUFFERS, CAPACITY  # beside this file: the script's folder is on the path
 
-from shmreplay.client import pipe as pipemod  # noqa: E402
+from shmreplay.client import pipe as pipemod
 
 OBS = (4,)
 

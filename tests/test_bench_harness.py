@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -15,6 +16,7 @@ from daemons import checkout_env
 @pytest.mark.parametrize("cell, keys", [
     ("insert64", {"items_per_s", "MB_per_s"}),
     ("sample_it", {"batches_per_s", "GB_per_s"}),
+    ("qmp2", {"batches_per_s", "inserts_per_s"}),  # a queue fed by 2 actor processes
 ])
 def test_a_cell_runs_in_its_own_process_and_reports_json(cell, keys):
     out = subprocess.run([sys.executable, "-m", "shmreplay.bench.cells", cell, "shmreplay",
@@ -176,3 +178,37 @@ def test_a_cells_daemon_runs_at_the_daemon_nice_whether_or_not_server_takes_pree
         assert _nices(server.pid) == {want}
     finally:
         server.stop()
+
+
+def _counting_actor(counter, seconds, start, out):
+    from shmreplay.bench import peers
+
+    def put(rows):
+        with counter.get_lock():
+            counter.value += 1
+        time.sleep(0.005)
+    peers.actor_loop(put, "sac-mujoco", 16, seconds, 0, start, out)
+
+
+def test_mp_actors_insert_until_the_learners_last_batch_is_in():
+    """The qmp cells hung: actors stopped on their own clock, a queue's
+    learner began one last batch, and waited for items no one would insert.
+    Here the learner's one call runs past the cell's seconds and then needs
+    one more insert; the actors must still be running to make it."""
+    import multiprocessing as mp
+
+    from shmreplay.bench import peers
+    ctx = mp.get_context("fork")
+    counter, start, out = ctx.Value("q", 0), ctx.Event(), ctx.Queue()
+    seconds = 0.2
+    procs = [ctx.Process(target=_counting_actor, args=(counter, seconds, start, out)) for _ in range(2)]
+
+    def learner_step():
+        time.sleep(seconds + 0.5)  # past the cell's end: old actors had stopped by now
+        seen, deadline = counter.value, time.monotonic() + 60
+        while counter.value == seen:
+            assert time.monotonic() < deadline, "the actors stopped before the learner's last batch"
+            time.sleep(0.01)
+    res = peers.run_mp(procs, start, out, seconds, learner_step, lambda: counter.value)
+    assert all(not p.is_alive() for p in procs)
+    assert res["batches_per_s"] > 0 and res["inserts_per_s"] > 0

@@ -6,8 +6,8 @@ actor processes.
     insert(rows, n)             insert n items (n == 1: the single-item call)
     sample_update(beta)         one prioritized batch with data and weights,
                                 then a priority update of its keys
-    mp_run(actors, chunk, s)    actors insert chunks for s seconds while this
-                                process samples and updates; returns rates
+    mp_run(actors, chunk, s)    this process samples and updates for s seconds
+                                while actors insert chunks; returns rates
 
 shmreplay and cpprb are here; TorchRL, Reverb and Flashbax are in their own
 modules and run under their own venv's python (peerenv.py).
@@ -178,14 +178,14 @@ def _shm_actor(sock, wkey, chunk, seconds, seed, start, out):
         out.put(None)  # attached
         start.wait()
         n, t0 = 0, time.perf_counter()
-        while time.perf_counter() - t0 < seconds:
+        while running(start, t0, seconds):
             try:  # a full queue holds an insert until the learner takes items,
                 t.insert_batch(rows, timeout=0.5)  # and it stops at the end
             except shmreplay.RateLimited:
                 continue
             n += chunk
         t.flush()
-    out.put(n)
+    out.put((n, time.perf_counter() - t0))
 
 
 # -------------------------------------------------------------------- cpprb
@@ -241,18 +241,27 @@ def _cpprb_actor(rb, wkey, chunk, seconds, seed, start, out):
 
 
 def actor_loop(put, wkey, chunk, seconds, seed, start, out):
-    """A peer's actor process: put(rows) chunks for `seconds` (or until put
-    returns False), report how many items went in."""
+    """A peer's actor process: put(rows) chunks while the learner runs (or
+    until put returns False), report how many items went in and in how long."""
     nice(ACTOR_NICE)
     rows = WORKLOADS[wkey].rows(chunk, seed)
     out.put(None)  # ready
     start.wait()
     n, t0 = 0, time.perf_counter()
-    while time.perf_counter() - t0 < seconds:
+    while running(start, t0, seconds):
         if put(rows) is False:
             break
         n += chunk
-    out.put(n)
+    out.put((n, time.perf_counter() - t0))
+
+
+def running(start, t0: float, seconds: float) -> bool:
+    """An actor goes on while the learner runs: run_mp clears `start` when
+    its learner loop ends.  Actors that stopped on their own clock could
+    stop before the learner's last batch, and a queue's learner would then
+    wait its whole timeout for items no one will insert (the qmp cells).
+    The clock bound is for a learner that died without clearing it."""
+    return start.is_set() and time.perf_counter() - t0 < 2 * seconds + 60
 
 
 # ------------------------------------------------------------------ shared
@@ -272,14 +281,18 @@ def run_mp(procs, start, out, seconds, sample_update, size) -> dict:
                 raise RuntimeError("actor processes did not get ready") from None
     start.set()
     t0 = time.perf_counter()
-    while size() == 0 and time.perf_counter() - t0 < seconds:
-        time.sleep(0.001)
-    batches = 0
-    while time.perf_counter() - t0 < seconds:
-        sample_update()
-        batches += 1
-    learn_s = time.perf_counter() - t0
-    inserted = sum(out.get(timeout=300) for _ in procs)
+    try:
+        while size() == 0 and time.perf_counter() - t0 < seconds:
+            time.sleep(0.001)
+        batches = 0
+        while time.perf_counter() - t0 < seconds:
+            sample_update()
+            batches += 1
+        learn_s = time.perf_counter() - t0
+    finally:
+        start.clear()  # the actors stop now (running())
+    reports = [out.get(timeout=300) for _ in procs]
     for p in procs:
         p.join(60)
-    return {"inserts_per_s": inserted / seconds, "batches_per_s": batches / learn_s}
+    # each actor's items over its own running time, summed
+    return {"inserts_per_s": sum(n / s for n, s in reports), "batches_per_s": batches / learn_s}

@@ -23,11 +23,20 @@ REMOVERS = ("fifo", "lifo", "uniform")
 # keys of the wire/TOML form, in order; the first three are required
 SPEC_KEYS = ("name", "capacity", "fields", "sampler", "alpha", "remover", "max_times_sampled",
              "min_size_to_sample", "samples_per_insert", "error_buffer", "storage_dir", "writers",
-             "writer_uid", "creator_uid")
+             "writer_uid", "creator_uid", "row_layout")
 # who may write a table's items: "any" client the daemon lets in, or only its
 # "creator" (and the daemon's admins), which the daemon enforces and records
 # as ``writer_uid`` (docs/reliability.md, section 10)
 WRITERS = ("any", "creator")
+# how a table's rows lie in memory (wire/layout.py draws both): "slot", all
+# fields of a slot together, so a sampled row is one read; or "field", each
+# field's rows in one array of their own.  "auto" asks for the one that
+# gathers faster for the row size (ROW_LAYOUT_AUTO_BYTES, measured in
+# docs/performance.md): whole small rows read once instead of one cache line
+# per field; large rows copy at memory speed either way, and one field's
+# array stays contiguous for what reads it alone
+ROW_LAYOUTS = ("slot", "field")
+ROW_LAYOUT_AUTO_BYTES = 4096
 MAX_CAPACITY = 2**32 - 1  # keys carry the slot in their low 32 bits
 # a table's rows must fit one mapping: x86-64 gives a process 2**47 bytes
 # (128 TiB) of address space, so a larger table could never be attached
@@ -62,6 +71,9 @@ class TableSpec:
     # restart (server/control/quotas.py).  Not part of what the table is:
     # equal definitions of two creators compare equal
     creator_uid: int | None = field(default=None, compare=False)
+    # ROW_LAYOUTS; make_spec resolves "auto".  The default here is "field":
+    # what every table stored before row layouts existed has
+    row_layout: str = "field"
 
     @property
     def writer_only(self) -> bool:
@@ -118,7 +130,16 @@ class TableSpec:
             # likewise only when set: a table any client writes reads as before
             **({} if self.writers == "any" else {"writers": self.writers, "writer_uid": self.writer_uid}),
             **({} if self.creator_uid is None else {"creator_uid": self.creator_uid}),
+            # only when not "field", the layout of every table stored before
+            # row layouts existed: its schema reads as before, and a stored
+            # form without the key means "field" (spec_from_dict)
+            **({} if self.row_layout == "field" else {"row_layout": self.row_layout}),
         }
+
+    def to_request(self) -> dict:
+        """``to_wire`` for a create request: the layout always named, since a
+        request without one asks for "auto"."""
+        return {**self.to_wire(), "row_layout": self.row_layout}
 
 
 def check_table_name(name) -> str:
@@ -155,7 +176,7 @@ def _number(name, key, value, integer=False) -> float:
 def make_spec(name, capacity, fields, sampler="prioritized", alpha=0.6, remover="fifo",
               max_times_sampled=0, min_size_to_sample=1, samples_per_insert=None,
               error_buffer=None, storage_dir=None, writers="any", writer_uid=None,
-              creator_uid=None) -> TableSpec:
+              creator_uid=None, row_layout="auto") -> TableSpec:
     """Validate every part of a table definition; raise SchemaError naming the problem.
 
     Configurations the rate limiter could deadlock on are refused here, at
@@ -200,7 +221,8 @@ def make_spec(name, capacity, fields, sampler="prioritized", alpha=0.6, remover=
         raise SchemaError(f"table {name!r}: {exc}") from None
     spec = TableSpec(str(name), int(capacity), fields, str(sampler), alpha,
                      str(remover), mts, mss, spi, eb, _storage_dir(name, storage_dir),
-                     *_writers(name, writers, writer_uid), _uid(name, "creator_uid", creator_uid))
+                     *_writers(name, writers, writer_uid), _uid(name, "creator_uid", creator_uid),
+                     _row_layout(name, row_layout, fields))
     _check_size(spec)
     _check_limits(spec)
     return spec
@@ -214,6 +236,16 @@ def _storage_dir(name, d) -> str | None:
                           f"characters), \"\" for /dev/shm, or None for the daemon's default; "
                           f"got {brief(d)}")
     return d.rstrip("/") or "/"
+
+
+def _row_layout(name, layout, fields) -> str:
+    if layout == "auto":
+        return "slot" if sum(f.item_bytes for f in fields) <= ROW_LAYOUT_AUTO_BYTES else "field"
+    if not isinstance(layout, str) or layout not in ROW_LAYOUTS:
+        raise SchemaError(f"table {name!r}: row_layout must be \"auto\" (the default), \"slot\" (all "
+                          f"fields of a slot together) or \"field\" (each field's rows apart), got "
+                          f"{brief(layout)}")
+    return layout
 
 
 def _writers(name, writers, uid) -> tuple[str, int | None]:
@@ -280,14 +312,20 @@ def _check_limits(spec: TableSpec) -> None:
             "the ratio can never be reached and inserts would block for ever")
 
 
-def spec_from_wire(d) -> TableSpec:
+def spec_from_wire(d, asked: bool = False) -> TableSpec:
     if not isinstance(d, dict):
         raise SchemaError(f"table definition must be a map, got {type(d).__name__}")
-    return spec_from_dict(d, "table definition")
+    return spec_from_dict(d, "table definition", asked)
 
 
-def spec_from_dict(d: dict, where: str) -> TableSpec:
-    """The wire/TOML form: every SPEC_KEYS key, the first three required."""
+def spec_from_dict(d: dict, where: str, asked: bool = True) -> TableSpec:
+    """The wire/TOML form: every SPEC_KEYS key, the first three required.
+
+    ``asked``: a definition someone asks for (a config, a create request),
+    whose missing ``row_layout`` means "auto".  Otherwise a stored or
+    described one (a segment's schema, a checkpoint, the daemon's answer),
+    where it means "field": the layout of everything stored before
+    ``row_layout`` existed, which ``to_wire`` still leaves out."""
     unknown = set(d) - set(SPEC_KEYS)
     if unknown:
         raise SchemaError(f"{where} has unknown keys {brief(sorted(map(str, unknown)))}; "
@@ -295,4 +333,6 @@ def spec_from_dict(d: dict, where: str) -> TableSpec:
     for key in SPEC_KEYS[:3]:
         if key not in d:
             raise SchemaError(f"{where} lacks {key!r}")
+    if not asked and "row_layout" not in d:
+        d = {**d, "row_layout": "field"}
     return make_spec(**d)

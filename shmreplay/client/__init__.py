@@ -7,7 +7,8 @@ reconnecting, the "may be lost" notice), ``link.py`` (control socket),
 ``rows.py`` (checking the rows a caller hands in), ``lease.py`` (slot leases for every writer),
 ``leases.py`` (a table handle's leases, and their size), ``draws.py`` (SAMPLE, the
 one draw-gather-redraw loop, a table handle's draw side), ``gather.py`` (rows out of the segment:
-functions over arrays), ``iterator.py`` (prefetching learner loop),
+functions over arrays), ``rowcopy.py`` (its kernels for a slot layout: the row copy and the
+stamp check), ``iterator.py`` (prefetching learner loop),
 ``writers.py`` (sequence and n-step writers), ``loops.py`` (an actor's and a
 learner's loop: the global step, a stop), ``retry.py`` (the calls that
 run again after a reconnect), ``private_daemon.py`` (``Server``: a daemon

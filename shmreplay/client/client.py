@@ -142,7 +142,7 @@ class Client:
         ("creator": only this user and the daemon's admins may write it).
         ``exist_ok`` returns an existing table with the same definition."""
         spec = make_spec(name, capacity, fields, sampler, alpha, **limits)
-        desc = self._session.request("create_table", spec=spec.to_wire(), exist_ok=bool(exist_ok))["table"]
+        desc = self._session.request("create_table", spec=spec.to_request(), exist_ok=bool(exist_ok))["table"]
         for said in desc.get("warnings", ()):  # settings that may never work (leasing.py); the daemon logs them
             warnings.warn(str(said), UserWarning, stacklevel=2)
         return self._adopt(desc)

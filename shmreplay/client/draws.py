@@ -61,7 +61,7 @@ def drop_draw(pipe, table_id: int, seq: int, wait_s: float) -> None:
         pipe.send(R.put_release, table_id, hid)
 
 
-def draw_batch(pipe, table_id: int, views: dict, fields, gens: np.ndarray, ticket: int | None,
+def draw_batch(pipe, table_id: int, src: gather.Rows, fields, gens: np.ndarray, ticket: int | None,
                n: int, beta: float, out: SampleBatch | None, wait_s: float) -> SampleBatch:
     """A batch of n stable rows: the SAMPLE ``ticket`` sent (None: send one
     now), its rows copied into ``out`` (None: a new batch), then, until no
@@ -79,7 +79,7 @@ def draw_batch(pipe, table_id: int, views: dict, fields, gens: np.ndarray, ticke
         hid = receive_draw(pipe, seq, n, rows, out, wait_s)
         if hid:
             holds.append(hid)
-        take_rows(views, fields, out, rows)
+        take_rows(src, fields, out, rows)
         out.redraws = 0
         timeout = pipe.timeout
         deadline = time.monotonic() + timeout
@@ -97,7 +97,7 @@ def draw_batch(pipe, table_id: int, views: dict, fields, gens: np.ndarray, ticke
             hid = receive_draw(pipe, seq, k, rows, out, wait_s)
             if hid:
                 holds.append(hid)
-            take_rows(views, fields, out, rows)
+            take_rows(src, fields, out, rows)
     finally:
         for hid in holds:  # the rows are copied out: the slots may be reused
             pipe.send(R.put_release, table_id, hid)
@@ -113,15 +113,15 @@ class TableDraws:
         self._session = session
         self._fields = fields
         self._table_id = 0
-        self._views: dict = {}
+        self._rows: gather.Rows | None = None
         self._gens = None
         self._held: list[int] = []  # holds of sample_indices() batches
 
-    def bind(self, table_id: int, views: dict, gens: np.ndarray) -> None:
+    def bind(self, table_id: int, rows: gather.Rows, gens: np.ndarray) -> None:
         """The table as mapped now (called by its handle, again after a
-        reconnect): the daemon's id for it, its field views and stamps."""
+        reconnect): the daemon's id for it, its rows and stamps."""
         self._table_id = table_id
-        self._views = views
+        self._rows = rows
         self._gens = gens
 
     def retire(self) -> None:
@@ -168,5 +168,5 @@ class TableDraws:
     def finish(self, ticket: int | None, n: int, beta: float, out: SampleBatch | None,
                wait_s: float) -> SampleBatch:
         """``Table.finish_sample``: the batch a ``begin`` ticket drew (None: draw now)."""
-        return draw_batch(self._session.pipe, self._table_id, self._views, self._fields, self._gens,
+        return draw_batch(self._session.pipe, self._table_id, self._rows, self._fields, self._gens,
                           ticket, n, beta, out, wait_s)

@@ -17,11 +17,14 @@ from __future__ import annotations
 
 import os
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..wire.records import key_slots, stale
+from ..errors import ReplayError
+from ..wire.headers import ROWS_OFF
+from ..wire.records import key_slots
+from .rowcopy import stale_keys, take_slot_rows
 
 
 @dataclass
@@ -33,6 +36,20 @@ class SampleBatch:
     probabilities: np.ndarray  # float64: P(i) when drawn
     weights: np.ndarray        # float64: importance weights, max 1 over the table
     redraws: int = 0           # rows drawn again because their slot was overwritten
+    # take_rows' (arrays, addresses, bytes a row, rows) of data's arrays,
+    # kept while they are the same arrays (an out= batch, reused each step)
+    _bytes: tuple | None = field(default=None, repr=False, compare=False)
+
+    def outputs(self, fields) -> tuple[np.ndarray, tuple, int]:
+        """(addresses, bytes a row, rows) of ``data``'s arrays of ``fields``,
+        for ``rowcopy.take_slot_rows``; bytes a row -1 for an array it may
+        not write (not C-contiguous, or read-only).  Kept while ``data``
+        holds the same arrays (an out= batch, reused each step)."""
+        arrays = [self.data[f.name] for f in fields]
+        kept = self._bytes
+        if kept is None or len(kept[0]) != len(arrays) or not all(map(_same, kept[0], arrays)):
+            kept = self._bytes = (arrays, *_outputs(arrays))
+        return kept[1:]
 
     @property
     def indices(self) -> np.ndarray:
@@ -48,21 +65,91 @@ def new_batch(fields, n: int) -> SampleBatch:
                        np.empty(n, np.uint64), np.empty(n), np.empty(n))
 
 
-def take_rows(views: dict, fields, out: SampleBatch, rows: np.ndarray) -> None:
+class Rows:
+    """A table's rows as mapped now, and how sampled rows are copied out of
+    them: per field with ``ndarray.take`` (a field layout: each field's rows
+    one contiguous array), or by ``take_slot_rows`` (a slot layout: each
+    slot's fields together, so a row is one read however many fields it
+    has).  Made by the table handle at each (re)bind; used by its draw
+    side on the handle's thread."""
+
+    def __init__(self, tmap):
+        self.views = tmap.fields
+        lo = tmap.layout
+        self.stride = lo.row_stride
+        if self.stride:  # the rows as bytes, one row a line, and where each field lies in it
+            self.src = np.ndarray((lo.spec.capacity, self.stride), np.uint8, tmap.rows.buf, ROWS_OFF)
+            self._at = {f.name: (lo.field_offs[f.name] - ROWS_OFF, f.item_bytes) for f in lo.spec.fields}
+            self._spans: dict = {}
+
+    def spans(self, fields) -> tuple[np.ndarray, np.ndarray, tuple]:
+        """Slot layout: (offsets in the row, widths, widths as a tuple) of ``fields``."""
+        # by identity: the handle passes its spec's one tuple (hashing its
+        # Fields would cost a microsecond each, every call)
+        got = self._spans.get(id(fields))
+        if got is None or got[0] is not fields:
+            at = [self._at[f.name] for f in fields]
+            got = self._spans[id(fields)] = (fields, np.array([o for o, _ in at], np.int64),
+                                             np.array([w for _, w in at], np.int64), tuple(w for _, w in at))
+        return got[1:]
+
+
+def take_rows(src: Rows, fields, out: SampleBatch, rows: np.ndarray) -> None:
     """Copy the rows that ``out.keys[rows]`` name into ``out.data[...][rows]``."""
+    views = src.views
+    if src.stride and fields:
+        offs, widths, want = src.spans(fields)
+        addrs, row_bytes, nrows = out.outputs(fields)
+        if row_bytes == want:
+            _take_slots(src.src, out.keys, rows, offs, widths, addrs, nrows)
+            return
+        # an out= batch whose arrays are not writable contiguous rows of
+        # these fields: numpy's way below (which says what is wrong, if anything)
     if rows.shape[0] == out.keys.shape[0]:  # every row (rows is 0..n-1): no index copy
         slots = key_slots(out.keys)
         for f in fields:
-            _take(views[f.name], slots, out.data[f.name])
+            if src.stride:  # never take() of a strided view: it copies the whole field first
+                out.data[f.name][...] = views[f.name][slots]
+            else:
+                _take(views[f.name], slots, out.data[f.name])
     else:
         slots = key_slots(out.keys[rows])
         for f in fields:
             out.data[f.name][rows] = views[f.name][slots]
 
 
+def _same(a, b) -> bool:
+    return a is b
+
+
+def _outputs(arrays) -> tuple[np.ndarray, tuple, int]:
+    """(addresses, bytes a row, rows) of output arrays for ``take_slot_rows``;
+    bytes a row -1 for an array it may not write (not C-contiguous, or
+    read-only)."""
+    n = min(a.shape[0] if a.ndim else 0 for a in arrays)
+    row = tuple(a.nbytes // a.shape[0] if a.ndim and a.shape[0] and a.flags.c_contiguous
+                and a.flags.writeable else -1 for a in arrays)
+    return np.array([a.__array_interface__["data"][0] for a in arrays], np.int64), row, n
+
+
+def _take_slots(src, keys, rows, offs, widths, addrs, nrows) -> None:
+    n = rows.shape[0]
+    if n * src.shape[1] < PARALLEL_GATHER_BYTES or n < 2:
+        done = take_slot_rows(src, keys, rows, offs, widths, addrs, nrows)
+    else:  # large rows: two threads, as _take (the kernel holds no GIL)
+        half = n // 2
+        other = _helper().submit(take_slot_rows, src, keys, rows[:half], offs, widths, addrs, nrows)
+        done = min(take_slot_rows(src, keys, rows[half:], offs, widths, addrs, nrows), other.result())
+    if done < 0:
+        raise ReplayError("the daemon named a slot outside the table in a sample reply "
+                          "(a daemon of another build?); reconnect, or report it")
+
+
 def stale_rows(gens: np.ndarray, out: SampleBatch) -> np.ndarray:
-    """Rows of ``out`` whose slot was reserved again since it was drawn."""
-    return stale(out.keys, gens).nonzero()[0]  # np.flatnonzero's dispatch costs ~3 us more
+    """Rows of ``out`` whose slot was reserved again since it was drawn (one
+    kernel: numpy's mask, index and nonzero cost ~10 us for 256 keys)."""
+    found = np.empty(out.keys.shape[0], np.int64)
+    return found[:stale_keys(out.keys, gens, found)]
 
 
 # Gathering large rows on two threads: np.take releases the GIL, so each

@@ -36,7 +36,7 @@ from ..schema import spec_from_wire
 from ..wire import records as R
 from ..wire.layout import TableMap
 from .draws import TableDraws
-from .gather import SampleBatch
+from .gather import Rows, SampleBatch
 from .iterator import BatchIterator
 from .lease import SlotLease
 from .leases import TableLeases
@@ -75,7 +75,7 @@ class Table:
             old.release()  # arrays handed out keep their mapping alive
         self._views = views = self._map.fields
         self._words = self._map.words
-        self._draws.bind(self.id, views, self._map.gens)
+        self._draws.bind(self.id, Rows(self._map), self._map.gens)
         # leases are valid while the epoch stays (lease.py)
         self._leases.bind(self.id, views, [views[f.name] for f in self._fields], self._words,
                           self._words.epoch)

@@ -44,8 +44,12 @@ Rows segment::
            creation time, size; written at create for a human and for
            ``shmreplay cleanup`` (which only ever keeps more for it), and
            never what anything else decides by: any client may write it
-    4096   field 0  dtype[capacity, *shape]   (each array starts on a 4 KiB page)
-           field 1  ...
+    4096   the rows, in the spec's ``row_layout``:
+           "field": field 0  dtype[capacity, *shape]  (each array on a 4 KiB page)
+                    field 1  ...
+           "slot":  row 0, row 1, ... (``row_stride`` bytes each): every
+                    field of the slot, in schema order, each aligned for
+                    its dtype (``_in_row``)
 
 Nothing in the rows object decides whether a table can be attached,
 adopted or restarted: its layout, capacity and creation stamp come from
@@ -62,6 +66,7 @@ agree; a change to this map must bump LAYOUT_VERSION.
 
 from __future__ import annotations
 
+import math
 import os
 import time
 
@@ -109,20 +114,27 @@ class TableLayout:
         (self.gens_off, self.prios_off, self.state_off, self.times_off, self.seqno_off,
          self.lease_pid_off, self.lease_owner_off, self.lease_start_off) = offsets[:8]
         self.size = offsets[-1]
+        # field f's row of slot s: field_offs[f] + s * strides[f], item_bytes long
         self.field_offs = dict(zip((f.name for f in spec.fields), self.rows_offsets[:-1]))
+        self.row_stride = _row_stride(spec) if spec.row_layout == "slot" else 0
+        self.strides = {f.name: self.row_stride or f.item_bytes for f in spec.fields}
         self.rows_size = self.rows_offsets[-1]
 
-    def row_span(self, field: str) -> tuple[int, int]:
-        """(offset, width): ``field``'s row of slot s lies at offset + s * width
-        in the rows segment, ``width`` bytes long."""
-        return self.field_offs[field], self.spec.field(field).item_bytes
+    def row_span(self, field: str) -> tuple[int, int, int]:
+        """(offset, stride, width): ``field``'s row of slot s lies at
+        offset + s * stride in the rows segment, ``width`` bytes long."""
+        return self.field_offs[field], self.strides[field], self.spec.field(field).item_bytes
 
     def row_spans(self, fields=None) -> tuple[np.ndarray, np.ndarray]:
-        """``row_span`` of each of ``fields`` (names; None: all, in order) as
-        two int64 arrays, for ``rowranges.ranges_of``."""
-        spans = [self.row_span(f) for f in (fields if fields is not None else self.field_offs)]
-        return (np.array([o for o, _ in spans], np.int64).reshape(-1),
-                np.array([w for _, w in spans], np.int64).reshape(-1))
+        """Where the rows of ``fields`` (names; None: all) lie, as two int64
+        arrays (offsets, widths) for ``rowranges.ranges_of``: one span a
+        field, slot s's row at offset + s * width; for a slot layout one
+        span, the whole rows."""
+        if self.row_stride:
+            return np.array([ROWS_OFF], np.int64), np.array([self.row_stride], np.int64)
+        names = fields if fields is not None else self.field_offs
+        return (np.array([self.field_offs[f] for f in names], np.int64).reshape(-1),
+                np.array([self.strides[f] for f in names], np.int64).reshape(-1))
 
     def committed_in(self, image) -> np.ndarray:
         """Which slots a byte image of a meta segment of this layout (a copy,
@@ -143,12 +155,36 @@ def _meta_offsets(spec: TableSpec, header_size: int) -> list[int]:
 
 
 def _rows_offsets(spec: TableSpec) -> list[int]:
+    """Each field's first row, then the segment's size.  "field": each
+    field's rows in an array of their own, on a page of its own; "slot":
+    every field of a slot together (``_in_row``), one row after another."""
+    if spec.row_layout == "slot":
+        return ([ROWS_OFF + o for o in _in_row(spec)]
+                + [_align(ROWS_OFF + spec.capacity * _row_stride(spec), PAGE)])
     pos, out = ROWS_OFF, []
     for f in spec.fields:
         out.append(pos)
         pos = _align(pos + spec.capacity * f.item_bytes, PAGE)
     out.append(pos)                   # segment size
     return out
+
+
+def _in_row(spec: TableSpec) -> list[int]:
+    """A slot layout's field offsets inside a row, in the fields' order, each
+    aligned for its dtype (numpy copies misaligned elements slowly)."""
+    pos, out = 0, []
+    for f in spec.fields:
+        pos = _align(pos, f.dtype.alignment)
+        out.append(pos)
+        pos += f.item_bytes
+    return out
+
+
+def _row_stride(spec: TableSpec) -> int:
+    """Bytes from one slot's row to the next in a slot layout: the fields
+    and their padding, rounded up so every row's fields stay aligned."""
+    end = _in_row(spec)[-1] + spec.fields[-1].item_bytes
+    return _align(end, max(f.dtype.alignment for f in spec.fields))
 
 
 class TableMap:
@@ -179,10 +215,7 @@ class TableMap:
         self.lease_owner = np.ndarray((c,), np.uint64, buffer=buf, offset=lo.lease_owner_off)
         self.lease_start = np.ndarray((c,), np.uint64, buffer=buf, offset=lo.lease_start_off)
         self.words = LiveWords(self.live)
-        self.fields = {
-            f.name: np.ndarray((c, *f.shape), f.dtype, buffer=rows.buf, offset=lo.field_offs[f.name])
-            for f in self.spec.fields
-        }
+        self.fields = {f.name: field_view(rows.buf, lo, f) for f in self.spec.fields}
 
     @classmethod
     def create(cls, name: str, spec: TableSpec, gid: int = -1) -> "TableMap":
@@ -313,6 +346,17 @@ class TableMap:
         self.fields = {}
         self.meta.close()
         self.rows.close()
+
+
+def field_view(buf, layout: TableLayout, f) -> np.ndarray:
+    """Field ``f``'s rows in a rows segment mapped at ``buf``: shape
+    (capacity, *f.shape), each row C-contiguous, rows ``layout.strides``
+    apart (a slot layout's view is not contiguous: gather it with fancy
+    indexing or ``client/gather.py``, never ``ndarray.take``, which would
+    first copy the whole field)."""
+    inner = tuple(f.dtype.itemsize * math.prod(f.shape[i + 1:]) for i in range(len(f.shape)))  # C order
+    return np.ndarray((layout.spec.capacity, *f.shape), f.dtype, buffer=buf,
+                      offset=layout.field_offs[f.name], strides=(layout.strides[f.name], *inner))
 
 
 def meta_mode(mode: int) -> int:

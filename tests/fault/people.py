@@ -18,6 +18,8 @@ from pathlib import Path
 
 import pytest
 
+from shmreplay.client import rowcopy
+
 PREFIX = f"shmr{os.getpid()}"  # at most 12 characters: useradd takes 32
 GROUP, ADMINS = f"{PREFIX}g", f"{PREFIX}a"
 MEMBER, ADMIN, STRANGER = f"{PREFIX}m", f"{PREFIX}d", f"{PREFIX}s"
@@ -103,6 +105,10 @@ def as_user(ident, fn, *args):
     """Run fn(*args) in a forked child that has become another user; return
     its result or raise what it raised."""
     uid, gid, groups = ident
+    # the child may not read root's Python (under /root here) nor write
+    # numba's cache, so it cannot compile what the parent has not: load the
+    # client's gather kernels first (compiled once per machine)
+    rowcopy.warm()
     r, w = os.pipe()
     pid = os.fork()
     if pid == 0:

@@ -59,7 +59,7 @@ class TableLifecycle:
     async def create(self, wire: dict, exist_ok: bool, peer=None) -> dict:
         """``peer`` (an access.Peer) asks; None: the daemon itself."""
         srv = self.srv
-        asked = spec_from_wire(wire)
+        asked = spec_from_wire(wire, asked=True)
         self.set_aside.refuse(asked.name)
         existing = await srv.call(srv.engine.describe, asked.name)
         have = None if existing is None else spec_from_wire(existing["spec"])
@@ -67,6 +67,8 @@ class TableLifecycle:
         if have is not None:
             if asked.storage_dir is None:  # not asked for a place: wherever it lives now
                 have = dataclasses.replace(have, storage_dir=spec.storage_dir)
+            # how its rows lie is not what a table is: it keeps its own
+            have = dataclasses.replace(have, row_layout=spec.row_layout)
             if exist_ok and have == spec:
                 await self._rows_whole(spec.name)  # a client attaches to it next
                 return existing

@@ -52,6 +52,14 @@ from .memory import check_memory
 log = logging.getLogger("shmreplayd.recovery")
 
 
+def same_definition(spec, expected) -> bool:
+    """``spec`` (found) is the table ``expected`` (the config's) declares,
+    wherever its rows are (``storage_dir``) and however they lie
+    (``row_layout``): neither is what a table is.  An adopted table keeps
+    both; a restored one takes the config's."""
+    return dataclasses.replace(spec, storage_dir=expected.storage_dir, row_layout=expected.row_layout) == expected
+
+
 def adopt(name: str, mode: int, gid: int, declared=None, storage_dirs=frozenset()) -> TableMap:
     """Map a table's segments left by a dead daemon, after every check
     (``declared``: the config's tables by name, whose definition an adopted
@@ -60,7 +68,7 @@ def adopt(name: str, mode: int, gid: int, declared=None, storage_dirs=frozenset(
     allows that directory."""
     def check(spec):
         expected = (declared or {}).get(spec.name)
-        if expected is not None and dataclasses.replace(spec, storage_dir=expected.storage_dir) != expected:
+        if expected is not None and not same_definition(spec, expected):
             raise LayoutError(
                 f"segment {name} holds table {spec.name!r} with another definition than the "
                 f"config's ({spec} vs {expected}); restore the old definition, or checkpoint it "
@@ -267,7 +275,7 @@ async def restore_table(srv, path: str, expected=None) -> dict:
     ck = await srv.loop.run_in_executor(None, ckread.load, path)
     # where the rows go is the config's to say, not the checkpoint's: a
     # table moves between /dev/shm and disk by a checkpoint and a restore
-    if expected is not None and dataclasses.replace(ck.spec, storage_dir=expected.storage_dir) != expected:
+    if expected is not None and not same_definition(ck.spec, expected):
         raise LayoutError(f"checkpoint {path} holds table {ck.spec.name!r} with another definition "
                           f"than the config's ({ck.spec} vs {expected})")
     spec = expected

@@ -29,19 +29,23 @@ class RowSource:
 
     def take(self, field, slots: np.ndarray) -> np.ndarray:
         """``field``'s rows of ``slots``, in that order.  Slots next to each
-        other are read in one call (a FIFO table's oldest items usually are)."""
+        other are read in one call (a FIFO table's oldest items usually are);
+        in a slot layout that call reads their whole rows, and the field is
+        cut out of them."""
         n = slots.shape[0]
-        base, ib = self.layout.row_span(field.name)
+        base, stride, ib = self.layout.row_span(field.name)
         order = np.argsort(slots, kind="stable")
         s = slots[order]
-        raw = np.empty((n, ib), np.uint8)
+        raw = np.empty((n, stride), np.uint8)
         starts = np.flatnonzero(np.diff(s, prepend=-2) != 1)
         ends = np.append(starts[1:], n)
         flat = memoryview(raw.reshape(-1))
         for a, b in zip(starts.tolist(), ends.tolist()):
-            self._read(flat[a * ib:b * ib], base + int(s[a]) * ib)
-        out = np.empty_like(raw)
-        out[order] = raw
+            # from this field's first byte: the last slot's read ends at its
+            # own field's end, inside the segment
+            self._read(flat[a * stride:b * stride - (stride - ib)], base + int(s[a]) * stride)
+        out = np.empty((n, ib), np.uint8)
+        out[order] = raw[:, :ib]
         return out.view(field.dtype).reshape(n, *field.shape)
 
     def _read(self, into: memoryview, offset: int) -> None:

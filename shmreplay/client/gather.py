@@ -60,9 +60,40 @@ class SampleBatch:
 
 
 def new_batch(fields, n: int) -> SampleBatch:
-    """An empty batch of n rows of ``fields`` (none: keys, probabilities and weights only)."""
-    return SampleBatch({f.name: np.empty((n, *f.shape), f.dtype) for f in fields},
-                       np.empty(n, np.uint64), np.empty(n), np.empty(n))
+    """An empty batch of n rows of ``fields`` (none: keys, probabilities and
+    weights only).  The fields' arrays are carved from one allocation, each
+    at a 64-byte boundary, so their addresses (what ``take_slot_rows``
+    writes to) follow from its own: asking numpy for an array's address
+    costs ~3 us, 15 us a batch of 5 fields."""
+    plan = _plans.get((id(fields), n))
+    if plan is None or plan[0] is not fields:
+        plan = _plans[(id(fields), n)] = _plan(fields, n)
+    _, size, carve, offs, widths = plan
+    base = np.empty(size, np.uint8)
+    addr = base.ctypes.data
+    skip = -addr % 64
+    arrays = [base[skip + o:skip + o + k].view(dt).reshape(shape) for o, k, dt, shape in carve]
+    # the addresses handed to the batch as what outputs() keeps for them
+    kept = (arrays, offs + (addr + skip), widths, n) if fields else None
+    return SampleBatch({f.name: a for f, a in zip(fields, arrays)}, np.empty(n, np.uint64), np.empty(n),
+                       np.empty(n), 0, kept)
+
+
+# new_batch's layout of a batch, by (id of the fields tuple, rows): the
+# handle passes its spec's one tuple.  Bounded: a program makes a few
+_plans: dict = {}
+
+
+def _plan(fields, n: int) -> tuple:
+    if len(_plans) > 64:
+        _plans.clear()
+    carve, at = [], 0
+    for f in fields:
+        k = n * f.item_bytes
+        carve.append((at, k, f.dtype, (n, *f.shape)))
+        at = (at + k + 63) // 64 * 64
+    return (fields, at + 64, carve, np.array([c[0] for c in carve], np.int64),
+            tuple(f.item_bytes for f in fields))
 
 
 class Rows:

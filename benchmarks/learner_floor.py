@@ -7,8 +7,11 @@ The work one prioritized sample + update must do, in one process, with no
 daemon, no command ring and no Python around it: the daemon's draw kernel
 (``sumtree.tree_draw``: 256 stratified draws from a tree of the table's
 capacity, probabilities and weights), the learner's gather of those rows
-from a table segment in /dev/shm (``np.take`` per field, as the client
-does), and the daemon's tree update for the batch (``sumtree.tree_update``).
+from a table segment in /dev/shm in the layout the table gets
+(``row_layout="auto"``: the client's ``rowcopy.take_slot_rows`` for rows
+of at most 4 KiB, ``np.take`` per field above; the other layout too, for
+comparison), and the daemon's tree update for the batch
+(``sumtree.tree_update``).
 Each part alone repeats one batch (its rows and leaves stay in cache); the
 last cell runs the three in sequence on fresh draws, which is what a
 learner pays.  Prints medians and minima over interleaved rounds, in µs.
@@ -25,8 +28,10 @@ import time
 import numpy as np
 
 from shmreplay.bench.workloads import WORKLOADS
+from shmreplay.client import rowcopy
 from shmreplay.schema import make_spec
 from shmreplay.server.tables.select import sumtree
+from shmreplay.wire.headers import ROWS_OFF
 from shmreplay.wire.layout import TableMap
 
 
@@ -38,23 +43,26 @@ def main(argv=None) -> int:
     w = WORKLOADS[a.workload]
     n, b = w.capacity, w.batch
     spec = make_spec("floor", n, w.fields, sampler="prioritized", alpha=0.6)
-    tm = TableMap.create(f"/shmreplay.floor{os.getpid()}.t", spec)
+    other = "field" if spec.row_layout == "slot" else "slot"
+    maps = {lay: TableMap.create(f"/shmreplay.floor{os.getpid()}.t.{lay}",
+                                 make_spec("floor", n, w.fields, sampler="prioritized", alpha=0.6, row_layout=lay))
+            for lay in ("slot", "field")}
     try:
-        for f in tm.fields.values():
-            f[...] = 1  # every page touched once, as a filled table's are
+        for tm in maps.values():
+            for f in tm.fields.values():
+                f[...] = 1  # every page touched once, as a filled table's are
         rng = np.random.default_rng(0)
         sums, mins = sumtree.new_trees(n)
         sumtree.tree_rebuild(sums, mins, rng.random(n) + 0.1)
-        out = {k: np.empty((b,) + v.shape[1:], v.dtype) for k, v in tm.fields.items()}
+        fields = spec.fields
         slots, probs, weights = np.empty(b, np.int64), np.empty(b), np.empty(b)
         prios = rng.random(b) + 0.1
+        gathers = {lay: _gather(maps[lay], fields, slots, b) for lay in maps}
 
         def draw():
             sumtree.tree_draw(sums, mins, rng.random(b), 0.4, slots, probs, weights)
 
-        def gather():
-            for k, v in tm.fields.items():
-                np.take(v, slots, axis=0, out=out[k], mode="clip")
+        gather = gathers[spec.row_layout]
 
         def update():
             sumtree.tree_update(sums, mins, slots, prios)
@@ -64,7 +72,8 @@ def main(argv=None) -> int:
             gather()
             update()
 
-        cells = {"draw": draw, "gather (same rows)": gather, "update (same leaves)": update,
+        cells = {"draw": draw, f"gather, {spec.row_layout} (same rows)": gather,
+                 f"gather, {other} (same rows)": gathers[other], "update (same leaves)": update,
                  "draw + gather + update": all_three}
         res: dict = {k: [] for k in cells}
         for _ in range(a.rounds):
@@ -78,9 +87,29 @@ def main(argv=None) -> int:
         for k, v in res.items():
             print(f"  {k:<24} median {np.median(v):7.1f}   min {min(v):7.1f}")
     finally:
-        tm.unlink()
-        tm.release()
+        for tm in maps.values():
+            tm.unlink()
+            tm.release()
     return 0
+
+
+def _gather(tm, fields, slots, b):
+    """The client's copy of ``slots``' rows in ``tm``'s layout (draws.py's
+    ``take_rows`` without the batch around it)."""
+    out = {f.name: np.empty((b, *f.shape), f.dtype) for f in fields}
+    lo = tm.layout
+    if lo.row_stride:
+        src = np.ndarray((lo.spec.capacity, lo.row_stride), np.uint8, tm.rows.buf, ROWS_OFF)
+        offs = np.array([lo.field_offs[f.name] - ROWS_OFF for f in fields], np.int64)
+        widths = np.array([f.item_bytes for f in fields], np.int64)
+        addrs = np.array([out[f.name].ctypes.data for f in fields], np.int64)
+        rows = np.arange(b)
+        return lambda: rowcopy.take_slot_rows(src, slots.view(np.uint64), rows, offs, widths, addrs, b)
+
+    def by_field():
+        for f in fields:
+            np.take(tm.fields[f.name], slots, axis=0, out=out[f.name], mode="clip")
+    return by_field
 
 
 if __name__ == "__main__":

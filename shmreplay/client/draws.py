@@ -69,7 +69,7 @@ def draw_batch(pipe, table_id: int, src: gather.Rows, fields, gens: np.ndarray, 
     ReplayTimeout after the pipe's timeout.  Holds are handed back once the
     rows are copied, whatever happens."""
     if out is None:
-        out = new_batch(fields, n)
+        out = new_batch(fields, n, addressed=src.stride > 0)
     elif len(out) != n:
         raise ReplayError(f"out= holds {len(out)} rows, batch_size is {n}")
     holds = []

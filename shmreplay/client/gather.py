@@ -59,12 +59,16 @@ class SampleBatch:
         return self.keys.shape[0]
 
 
-def new_batch(fields, n: int) -> SampleBatch:
+def new_batch(fields, n: int, addressed: bool = False) -> SampleBatch:
     """An empty batch of n rows of ``fields`` (none: keys, probabilities and
-    weights only).  The fields' arrays are carved from one allocation, each
-    at a 64-byte boundary, so their addresses (what ``take_slot_rows``
-    writes to) follow from its own: asking numpy for an array's address
-    costs ~3 us, 15 us a batch of 5 fields."""
+    weights only).  ``addressed`` (for a slot layout's gather): the fields'
+    arrays are carved from one allocation, each at a 64-byte boundary, so
+    their addresses (what ``take_slot_rows`` writes to) follow from its
+    own: asking numpy for an array's address costs ~3 us, 15 us a batch of
+    5 fields.  Otherwise an array each (the carving costs ~5 us more)."""
+    if not (addressed and fields):
+        return SampleBatch({f.name: np.empty((n, *f.shape), f.dtype) for f in fields},
+                           np.empty(n, np.uint64), np.empty(n), np.empty(n))
     plan = _plans.get((id(fields), n))
     if plan is None or plan[0] is not fields:
         plan = _plans[(id(fields), n)] = _plan(fields, n)
@@ -74,7 +78,7 @@ def new_batch(fields, n: int) -> SampleBatch:
     skip = -addr % 64
     arrays = [base[skip + o:skip + o + k].view(dt).reshape(shape) for o, k, dt, shape in carve]
     # the addresses handed to the batch as what outputs() keeps for them
-    kept = (arrays, offs + (addr + skip), widths, n) if fields else None
+    kept = (arrays, offs + (addr + skip), widths, n)
     return SampleBatch({f.name: a for f, a in zip(fields, arrays)}, np.empty(n, np.uint64), np.empty(n),
                        np.empty(n), 0, kept)
 

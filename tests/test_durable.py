@@ -205,7 +205,13 @@ def test_no_slot_listed_on_disk_is_written_before_the_next_sync(start_daemon, tm
     with d.connect() as c:
         t = c.table("f")
         ids = check_rows(t, 0, last)
-        assert len(ids) >= 64 - HEADROOM - 8 and ids[-1] >= last - 8 - HEADROOM, ids
+        # what the last sync's copy listed: all but the free and retired
+        # slots (the headroom, and up to a batch more: a writer evicts for
+        # itself until the retired slots reach the headroom) and a batch
+        # reserved and not yet committed.  The fresh-clone suite under load
+        # saw 32 (on b4635de): the bound of 64 - HEADROOM - 8 held only when
+        # the copy missed those moments
+        assert len(ids) >= 64 - HEADROOM - 2 * 8 and ids[-1] >= last - 8 - HEADROOM, ids
 
 
 def test_sync_from_the_command_line_and_what_status_shows(start_daemon, tmp_path):

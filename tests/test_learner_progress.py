@@ -74,3 +74,47 @@ def test_learner_completes_batches_while_the_whole_table_turns_over_during_each_
         assert st["protected_samples"] >= BATCHES
         assert st["parked_pinned_slots"] > 0, "the writer never reached a pinned slot"
         assert st["held"] == 0 and st["holders"] == [], "every pin is released with its batch"
+
+
+def test_a_learners_sample_is_served_before_other_writers_queued_commits(start_daemon):
+    """Issue 36, item 3: the engine serves a client that samples between
+    the other clients' bursts (engine.py ``_serve_all``), so a learner's
+    SAMPLE waits behind one writer's queued records, not every writer's.
+    Arranged, not timed: the daemon is asleep, then stopped (SIGSTOP) while
+    writer A, writer B and then the learner queue their records (A's and
+    B's lazy COMMITs, the learner's SAMPLE of a LIFO table: its newest item);
+    once it continues, its next pass visits A, then the learner, then B.
+    Served in plain turn, the sample would hold B's items."""
+    import os
+    import signal
+
+    from shmreplay.wire.channel import CTL_DAEMON_SLEEPING
+    d = start_daemon(tables=[{"name": "q", "capacity": 1000, "sampler": "lifo",
+                              "fields": {"id": ("int64", ())}}])
+    a, b, learner = d.connect(), d.connect(), d.connect()  # the engine's order: connection order
+    try:
+        ta, tb, tl = a.table("q"), b.table("q"), learner.table("q")
+        for t in (ta, tb):
+            t.insert(id=0 if t is ta else 100)  # its lease (16 slots): the next inserts need no round trip
+        tl.insert(id=-1)
+        learner.flush()
+        tl.sample(1)  # the daemon knows it for a sampler now (and applied A's and B's commits)
+        ring = learner._session.pipe.req  # the daemon announces its sleep in every ring
+        wait_for(lambda: int(ring.ctl[CTL_DAEMON_SLEEPING]) != 0, "the daemon to sleep")
+        os.kill(d.pid, signal.SIGSTOP)
+        try:
+            for i in range(1, 5):
+                ta.insert(id=i)
+            for i in range(101, 105):
+                tb.insert(id=i)
+            ticket = tl.begin_sample(4, 0.0, HANG_S)
+        finally:
+            os.kill(d.pid, signal.SIGCONT)
+        got = tl.finish_sample(ticket, 4, 0.0, None, HANG_S)
+        # LIFO draws the newest item each time: A's last, not B's
+        assert got.data["id"].tolist() == [4] * 4, got.data["id"]
+        b.flush()
+        assert tl.sample(2).data["id"].tolist() == [104] * 2  # B's commits came right after
+    finally:
+        for c in (learner, b, a):
+            c.close()

@@ -110,6 +110,8 @@ class Commands:
         table = self.table(tid)
         if op == R.RESERVE:
             _may_write(cl, table)
+        else:
+            cl.samples = True
         cl.uses[tid] = cl.uses.get(tid, 0) | (USES_WRITE if op == R.RESERVE else USES_SAMPLE)
         w = Waiter(cl, op, seq, n, beta, _deadline(wait_us), protect)
         if self.parking.queued(tid, op):  # keep the order behind a parked one

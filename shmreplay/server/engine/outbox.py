@@ -37,6 +37,7 @@ class ClientState:
         self.to_daemon, self.to_client = to_daemon, to_client
         self.outbox: collections.deque = collections.deque()
         self.uses: dict[int, int] = {}  # table id -> USES_WRITE | USES_SAMPLE (commands.py), for status
+        self.samples = False  # it has sent a SAMPLE: the engine serves it between writers (engine.py)
 
     def respond(self, reply: Reply) -> None:
         self.outbox.append(reply)

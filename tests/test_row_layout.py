@@ -198,3 +198,17 @@ def test_exist_ok_returns_the_table_in_its_own_layout(start_daemon):
         assert t.spec.row_layout == "field"
         with pytest.raises(shmreplay.TableExists):
             c.create_table("r", capacity=50, fields=ROWS)
+
+
+def test_an_out_batch_too_short_for_its_keys_is_a_clear_error(start_daemon):
+    from shmreplay.client.gather import SampleBatch
+    d = start_daemon()
+    with d.connect() as c:
+        t = c.create_table("r", capacity=100, fields=ROWS)
+        t.insert_batch(rows(np.arange(50)))
+        c.flush()
+        short = SampleBatch({k: np.empty((4, *v.shape[1:]), v.dtype) for k, v in rows(np.arange(8)).items()},
+                            np.empty(8, np.uint64), np.empty(8), np.empty(8))
+        with pytest.raises(shmreplay.ReplayError, match="hold 4 rows for 8 keys"):
+            t.sample(8, out=short)
+        assert exact(t.sample(16).data)  # the table serves on

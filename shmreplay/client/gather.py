@@ -176,8 +176,9 @@ def _take_slots(src, keys, rows, offs, widths, addrs, nrows) -> None:
         other = _helper().submit(take_slot_rows, src, keys, rows[:half], offs, widths, addrs, nrows)
         done = min(take_slot_rows(src, keys, rows[half:], offs, widths, addrs, nrows), other.result())
     if done < 0:
-        raise ReplayError("the daemon named a slot outside the table in a sample reply "
-                          "(a daemon of another build?); reconnect, or report it")
+        raise ReplayError(f"a sampled row does not fit: the out= batch's arrays hold {nrows} rows "
+                          f"for {keys.shape[0]} keys (give arrays of the batch's size), or the daemon "
+                          "named a slot outside the table (a daemon of another build?)")
 
 
 def stale_rows(gens: np.ndarray, out: SampleBatch) -> np.ndarray:

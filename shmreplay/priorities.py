@@ -25,11 +25,29 @@ def first_invalid_priority(priorities):
 MAX_TREE_VALUE = 1e290
 
 
+@numba.njit(**JIT)
+def priorities_fit(priorities, alpha):
+    """True if every priority is finite and >= 0 and the largest one's tree
+    value ``p ** alpha`` is at most MAX_TREE_VALUE: the whole check in one
+    pass and one call (``check_priorities`` took 14 us for 256 priorities as
+    numpy calls, more than the rest of an update_priorities call)."""
+    top = 0.0
+    for k in range(priorities.shape[0]):
+        v = priorities[k]
+        if not (v >= 0.0 and v < np.inf):
+            return False
+        if v > top:
+            top = v
+    return not top ** alpha > MAX_TREE_VALUE
+
+
 def check_priorities(priorities: np.ndarray, n: int, what: str, alpha: float = 1.0) -> None:
     """Raise PriorityError unless there are n finite priorities >= 0 whose
     tree values ``p ** alpha`` stay below MAX_TREE_VALUE."""
     if priorities.shape != (n,):
         raise PriorityError(f"{what}: expected {n} priorities, got shape {priorities.shape}")
+    if priorities_fit(priorities, alpha):
+        return  # the common case; the checks below say what is wrong
     bad = first_invalid_priority(priorities)
     if bad >= 0:
         raise PriorityError(

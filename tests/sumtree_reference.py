@@ -118,6 +118,15 @@ def first_invalid_priority(priorities):
     return int(bad[0]) if bad.size else -1
 
 
+def priorities_fit(priorities, alpha):
+    from shmreplay.priorities import MAX_TREE_VALUE
+    pr = np.asarray(priorities, dtype=np.float64)
+    if first_invalid_priority(pr) >= 0:
+        return False
+    top = pr.max() if pr.size else 0.0
+    return not float(libm_pow(np.array([max(top, 0.0)]), alpha)[0]) > MAX_TREE_VALUE
+
+
 # ---- twins of shmreplay.server.tables.select.treeops ----
 def update_fault(keys, prios, alpha, capacity):
     from shmreplay.priorities import MAX_TREE_VALUE

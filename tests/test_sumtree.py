@@ -8,7 +8,7 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 
-from shmreplay.priorities import first_invalid_priority
+from shmreplay.priorities import first_invalid_priority, priorities_fit
 from shmreplay.server.tables.select import sumtree as fast
 import sumtree_reference as ref
 
@@ -117,6 +117,19 @@ def test_min_tree_ignores_zero_leaves():
 @given(arrays(np.float64, st.integers(0, 50), elements=st.floats(allow_nan=True, allow_infinity=True)))
 def test_first_invalid_priority_matches_reference(p):
     assert first_invalid_priority(p) == ref.first_invalid_priority(p)
+
+
+@settings(max_examples=300, deadline=None)
+@given(arrays(np.float64, st.integers(0, 50), elements=st.floats(allow_nan=True, allow_infinity=True)),
+       st.sampled_from([0.0, 0.5, 0.6, 1.0, 2.0]))
+@example(np.array([1e290]), 1.0)                      # at the limit: fits
+@example(np.array([0.5, np.nextafter(1e290, np.inf)]), 1.0)  # one ulp past it
+@example(np.array([1e150, 2.0]), 2.0)                 # 1e300 once raised
+@example(np.array([-0.0, 0.0]), 0.0)                  # 0 ** 0 is 1: fits
+def test_priorities_fit_matches_reference(p, alpha):
+    """The client's and the daemon's one-call check (``check_priorities``
+    runs its slow, message-building path only when this says no)."""
+    assert priorities_fit(p, alpha) == ref.priorities_fit(p, alpha)
 
 
 # exponents np.power turns into sqrt, square or a reciprocal, at values

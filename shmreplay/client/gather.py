@@ -169,7 +169,7 @@ def _outputs(arrays) -> tuple[np.ndarray, tuple, int]:
 
 def _take_slots(src, keys, rows, offs, widths, addrs, nrows) -> None:
     n = rows.shape[0]
-    if n * src.shape[1] < PARALLEL_GATHER_BYTES or n < 2:
+    if n < 2 or not parallel_gather(n * src.shape[1]):
         done = take_slot_rows(src, keys, rows, offs, widths, addrs, nrows)
     else:  # large rows: two threads, as _take (the kernel holds no GIL)
         half = n // 2
@@ -192,9 +192,21 @@ def stale_rows(gens: np.ndarray, out: SampleBatch) -> np.ndarray:
 # half copies in parallel (dqn-atari rows from /dev/shm: 14.5 -> 20.8 GB/s,
 # as fast as a numba prange kernel, without numba's threading layers, which
 # are process-global and not all fork- or thread-safe).  Below ~1 MiB the
-# hand-off to the helper thread costs more than it saves.
+# hand-off to the helper thread costs more than it saves.  Only where the
+# process may run on 4 CPUs or more: on 2 the helper takes the core the
+# daemon answers on, and a learner's whole sample + update loses (dqn-atari
+# on this 2-core box, 8 s runs: 407-438 batches/s with the helper against
+# 461-524 without; docs/performance.md).
 PARALLEL_GATHER_BYTES = 1 << 20
+PARALLEL_GATHER_CPUS = 4
 _helper_pool: tuple[int, ThreadPoolExecutor] | None = None
+
+
+def parallel_gather(nbytes: int) -> bool:
+    """Whether a gather of ``nbytes`` is split with the helper thread (the
+    CPUs are asked each time, ~1 us against a copy of >= 1 MiB: a learner
+    may be pinned to fewer after it started)."""
+    return nbytes >= PARALLEL_GATHER_BYTES and len(os.sched_getaffinity(0)) >= PARALLEL_GATHER_CPUS
 
 
 def _helper() -> ThreadPoolExecutor:
@@ -207,7 +219,7 @@ def _helper() -> ThreadPoolExecutor:
 def _take(src: np.ndarray, slots: np.ndarray, dst: np.ndarray) -> None:
     # the method, not np.take: the function's dispatch costs ~2 us a call,
     # as much as gathering 128 small rows (a sample of 5 fields paid 10 us)
-    if dst.nbytes < PARALLEL_GATHER_BYTES:
+    if slots.shape[0] < 2 or not parallel_gather(dst.nbytes):
         src.take(slots, 0, dst, "clip")
         return
     half = slots.shape[0] // 2

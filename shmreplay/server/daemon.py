@@ -52,9 +52,9 @@ import uvloop
 
 from ..errors import ReplayError
 from ..numbaconf import exit_without_teardown, without_blas_probe
-from ..priorities import first_invalid_priority
+from ..priorities import first_invalid_priority, priorities_fit
 from ..version import __version__
-from ..wire import atomics
+from ..wire import atomics, records
 from ..wire.segment import shmem_huge_pages
 from .control import descriptors, recovery
 from .control.config import DaemonConfig, check_instance, load_config
@@ -83,6 +83,7 @@ def compile_kernels() -> float:
     sumtree.tree_draw(sums, mins, np.zeros(2), 0.4, idx, vals, np.ones(2))
     sumtree.tree_check(sums, mins)
     first_invalid_priority(vals)
+    priorities_fit(vals, 0.5)
     members.members_add(idx[:0], idx, 0, idx[:0])
     members.members_remove(idx[:0], idx, 0, idx[:0])
     words = np.zeros(16, dtype=np.uint64)
@@ -90,6 +91,8 @@ def compile_kernels() -> float:
     atomics.load(words, 0)
     atomics.store_then_load(words, 0, 1, 8)
     atomics.spin_until_changed(words, 0, 1, 1)
+    u0 = np.uint64(0)
+    records.commit_run(words.reshape(2, 8), 0, 0, 1, u0, u0, u0, 1)
     return time.monotonic() - t0
 
 

@@ -124,6 +124,7 @@ class Ring:
         self.head = int(atomics.load(ctl, head_w))
         self.pay_head = 0
         self.tail = int(atomics.load(ctl, tail_w))
+        self._words = None
 
     # ---- producer side ----
     def room(self) -> int:
@@ -182,6 +183,14 @@ class Ring:
 
     def peek(self, i: int = 0):
         return self.records[(self.tail + i) % self.slots]
+
+    def words(self) -> np.ndarray:
+        """The records as uint64[slots, 8], for kernels that read many
+        (``records.commit_run``); the same memory as ``records``."""
+        w = self._words
+        if w is None:
+            w = self._words = self.records.view(np.uint64).reshape(self.slots, 8)
+        return w
 
     def payload_of(self, rec) -> np.ndarray:
         """The payload bytes a record names, bounds-checked."""

@@ -1,0 +1,93 @@
+"""The engine's read of a run of COMMIT records (``records.read_commit_run``,
+whose payload-free case is the ``records.commit_run`` kernel) against a
+plain-Python twin: the record-by-record loop it replaced.
+
+Records are written into a ring's arrays as a client would, in any order
+of ops, tables, reservations, offsets and counts, wrapped around the ring's
+end; the twin and the kernel must agree on where the run ends and how many
+items it holds, and both must refuse the same bad count."""
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from shmreplay.errors import ProtocolError
+from shmreplay.wire import records as R
+from shmreplay.wire.channel import Ring
+
+SLOTS = 16
+
+
+def twin(recs, tail: int, i: int, n: int):
+    """(index after the run, items) or ("bad", index) of the first record
+    whose count is outside 1..MAX_BATCH: the loop before the kernel."""
+    first = recs[(tail + i) % SLOTS]
+    table, rid, offset = int(first["table"]), int(first["a0"]), int(first["a2"])
+    total, j = 0, i
+    while j < n:
+        rec = recs[(tail + j) % SLOTS]
+        if j > i and (int(rec["op"]) != R.COMMIT or int(rec["table"]) != table
+                      or int(rec["a0"]) != rid or int(rec["a2"]) != offset + total
+                      or int(rec["pay_len"]) != 0):
+            break
+        k = int(rec["a1"])
+        if not 1 <= k <= R.MAX_BATCH:
+            return "bad", j
+        total += k
+        j += 1
+    return j, total
+
+
+def ring_with(rows, tail: int) -> Ring:
+    ctl = np.zeros(8, np.uint64)
+    recs = np.zeros(SLOTS, R.RECORD)
+    ring = Ring(ctl, recs, np.zeros(64, np.uint8), 0, 1, 2, 3)
+    ring.tail = tail
+    for j, (op, table, rid, count, offset, pay_len) in enumerate(rows):
+        recs[(tail + j) % SLOTS] = (op, 0, table, j + 1, rid % 2**64, count, offset % 2**64, 0.0, 0, pay_len)
+    return ring
+
+
+@st.composite
+def runs(draw):
+    """A first payload-free COMMIT and up to 15 records after it, each of
+    which continues the run or breaks it one way."""
+    tail = draw(st.integers(0, 2**40))
+    table = draw(st.integers(0, 3))
+    rid = draw(st.one_of(st.integers(0, 2**40), st.just(2**64 - 1)))  # any 64-bit value a client writes
+    offset = draw(st.one_of(st.integers(0, 2**33), st.just(2**64 - 2)))
+    counts = st.one_of(st.integers(1, 40), st.sampled_from([0, R.MAX_BATCH, R.MAX_BATCH + 1, 2**64 - 1]))
+    rows = [(R.COMMIT, table, rid, draw(counts), offset, 0)]
+    at = offset + max(rows[0][3], 0)
+    for _ in range(draw(st.integers(0, SLOTS - 1))):
+        k = draw(counts)
+        how = draw(st.sampled_from(["continue"] * 6 + ["op", "table", "rid", "offset", "payload"]))
+        rows.append((R.SAMPLE if how == "op" else R.COMMIT,
+                     table + (how == "table"), rid + (how == "rid"), k,
+                     at + (how == "offset"), 8 if how == "payload" else 0))
+        at += k
+    return tail, rows
+
+
+@settings(max_examples=400, deadline=None)
+@given(runs())
+def test_commit_run_kernel_matches_the_record_loop(case):
+    tail, rows = case
+    ring = ring_with(rows, tail)
+    n = len(rows)
+    want = twin(ring.records, tail, 0, n)
+    if want[0] == "bad":
+        with pytest.raises(ProtocolError, match="COMMIT of"):
+            R.read_commit_run(ring, 0, n)
+        return
+    run = R.read_commit_run(ring, 0, n)
+    assert (run.next, run.n) == want
+    assert (run.table, run.rid, run.offset, run.prios, run.pay_end) == (rows[0][1], rows[0][2], rows[0][4],
+                                                                       None, None)
+
+
+def test_a_run_of_ten_single_inserts_is_one_commit_and_stops_at_the_next_op():
+    rows = [(R.COMMIT, 1, 7, 1, 100 + j, 0) for j in range(10)] + [(R.SAMPLE, 1, 128, 0, 0, 0)]
+    run = R.read_commit_run(ring_with(rows, SLOTS - 3), 0, len(rows))  # wraps the ring's end
+    assert (run.next, run.n, run.offset) == (10, 10, 100)

@@ -40,6 +40,7 @@ _LAZY = {
     "connect": "client", "Client": "client", "Server": "client", "ServerFailed": "client",
     "ParameterBoard": "client", "Table": "client", "SampleBatch": "client",
     "SequenceWriter": "client", "NStepWriter": "client", "actor_steps": "client", "learner_batches": "client",
+    "yield_to_learners": "client",
     "InferenceServer": "inference", "InferenceClient": "inference", "InferenceBatch": "inference",
 }
 
@@ -60,7 +61,7 @@ def __dir__():
 
 __all__ = [
     "connect", "Client", "Server", "ServerFailed", "ParameterBoard", "Table", "SampleBatch", "SequenceWriter", "NStepWriter",
-    "actor_steps", "learner_batches", "ReplayError", "ProtocolError", "DaemonUnavailable", "ReplayTimeout", "UnknownTable",
+    "actor_steps", "learner_batches", "yield_to_learners", "ReplayError", "ProtocolError", "DaemonUnavailable", "ReplayTimeout", "UnknownTable",
     "TableExists", "SchemaError", "FieldError", "PriorityError", "CapacityError", "ShmFull",
     "LayoutError", "EmptyTable", "RateLimited", "SlotsBusy", "PermissionDenied", "DiskFull",
     "ForeignObject", "ReservationExpired",

@@ -116,7 +116,7 @@ def test_the_global_step_counts_what_every_actor_inserted(start_daemon):
     with d.connect() as c:
         t = c.table("r")
         assert c.stats()["tables"]["r"]["inserts"] == put
-        assert shmreplay.actor_steps(t).step == shmreplay.learner_batches(t, BATCH).step == put
+        assert shmreplay.actor_steps(t, nice=0).step == shmreplay.learner_batches(t, BATCH).step == put
         rows, _ = committed(t)  # every item once, as each actor counted it
         assert sorted(zip(rows["actor"].tolist(), rows["k"].tolist())) == \
             [(a, k) for a in (0, 1) for k in range(got[a]["put"])]
@@ -191,7 +191,7 @@ def test_a_wait_nobody_can_end_raises_a_clear_error(start_daemon):
     with d.connect() as c:
         a = c.table("a")
         guard = time.monotonic() + HANG_S
-        steps = shmreplay.actor_steps(a, stop=lambda: time.monotonic() > guard, patience=0.5)
+        steps = shmreplay.actor_steps(a, stop=lambda: time.monotonic() > guard, patience=0.5, nice=0)
         with pytest.raises(shmreplay.ReplayTimeout) as exc:
             for _ in steps:
                 steps.insert(actor=0, k=0)
@@ -205,7 +205,7 @@ def test_a_wait_nobody_can_end_raises_a_clear_error(start_daemon):
             tries.append(1)
             a.insert(actor=0, k=0, timeout=0)
         with pytest.raises(shmreplay.ReplayTimeout, match="no learner sampled"):
-            shmreplay.actor_steps(a, patience=0.5).put(at_once)
+            shmreplay.actor_steps(a, patience=0.5, nice=0).put(at_once)
         assert 2 <= len(tries) <= 0.5 / loops.PAUSE_S + 2, len(tries)
         with pytest.raises(shmreplay.ReplayTimeout) as exc:
             with shmreplay.learner_batches(c.table("b"), BATCH, stop=lambda: time.monotonic() > guard,
@@ -223,7 +223,43 @@ def test_bad_loop_arguments_are_refused_with_what_to_do(start_daemon):
         for call, words in [(lambda: shmreplay.actor_steps(t, total=-1), "total must be an int >= 0"),
                             (lambda: shmreplay.actor_steps(None, total=5), "give the table"),
                             (lambda: shmreplay.actor_steps(t, stop=3), "stop must be None, a callable"),
+                            (lambda: shmreplay.actor_steps(t, nice=-1), "give 0 or more"),
                             (lambda: shmreplay.learner_batches(t, 4, updates=1.5), "updates must be an int"),
                             (lambda: shmreplay.learner_batches(t, 4, patience=0), "patience must be > 0")]:
             with pytest.raises(shmreplay.ReplayError, match=words):
                 call()
+
+
+def nice_main(sock, name, nice, out):
+    """A process that runs two actor loops (``nice``: the first's) and
+    reports its nice value before, after the first and after the second."""
+    import os
+    before = os.nice(0)
+    with shmreplay.connect(sock) as c:
+        t = c.table(name)
+        shmreplay.actor_steps(t, stop=lambda: True, nice=nice)
+        first = os.nice(0)
+        shmreplay.actor_steps(t, stop=lambda: True)  # the default, in a process already lowered or not
+        out.put((before, first, os.nice(0)))
+
+
+def test_an_actor_loop_lowers_its_process_priority_once(start_daemon):
+    """Item 3: actors flat out must leave the learner and the daemon their
+    share without nice levels set by hand: an actor loop lowers its own
+    process's priority by ``loops.ACTOR_NICE`` (once however many loops the
+    process runs); ``nice=0`` keeps it as it was, until a loop with the
+    default runs."""
+    d = start_daemon(tables=[table("r")])
+    ctx = worker_context()
+    for nice, after_first in [(None, loops.ACTOR_NICE), (0, 0), (2, 2)]:
+        out = ctx.Queue()
+        kw = loops.ACTOR_NICE if nice is None else nice
+        p = ctx.Process(target=nice_main, args=(d.socket, "r", kw, out))
+        p.start()
+        try:
+            before, first, second = out.get(timeout=HANG_S)
+        finally:
+            reap([p])
+        lowered = min(19, before + after_first)  # a nice value stops at 19
+        assert first == lowered, (nice, before, first)
+        assert second == (lowered if after_first else min(19, before + loops.ACTOR_NICE)), (nice, second)

@@ -22,7 +22,7 @@ modules, never ``server`` or ``inference``.
 _LAZY = {"connect": "client", "Client": "client", "SampleBatch": "gather",
          "ParameterBoard": "parameters", "Server": "private_daemon", "ServerFailed": "private_daemon",
          "Table": "table", "NStepWriter": "writers", "SequenceWriter": "writers",
-         "actor_steps": "loops", "learner_batches": "loops"}
+         "actor_steps": "loops", "learner_batches": "loops", "yield_to_learners": "loops"}
 
 
 def __getattr__(name: str):
@@ -36,4 +36,4 @@ def __getattr__(name: str):
 
 
 __all__ = ["connect", "Client", "Server", "ServerFailed", "ParameterBoard", "Table", "SampleBatch", "SequenceWriter", "NStepWriter",
-           "actor_steps", "learner_batches"]
+           "actor_steps", "learner_batches", "yield_to_learners"]

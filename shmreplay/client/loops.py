@@ -45,6 +45,7 @@ its own connection), with its contract: a batch is valid until the next.
 
 from __future__ import annotations
 
+import os
 import time
 
 from ..errors import RateLimited, ReplayError, ReplayTimeout
@@ -55,6 +56,28 @@ WAIT_S = 0.25
 # A try the rate limiter refused sooner than this (an insert with timeout 0)
 # is followed by a pause up to it, so retries never spin.
 PAUSE_S = 0.01
+# How much an actor loop lowers its process's priority by default: actors
+# flat out on as many cores as the box has otherwise starve the learner and
+# the daemon (2 cores, dqn-atari, 2 actors: the learner 115 batches/s at
+# nice 0, 289 with the actors at +5; cpprb's 264; docs/performance.md).
+# The systemd unit runs the daemon at -5 on top.
+ACTOR_NICE = 5
+_niced: set = set()  # pids whose priority an actor loop lowered: once a process
+
+
+def yield_to_learners(increment: int = ACTOR_NICE) -> int:
+    """Lower this process's CPU priority by ``increment`` (nice), once per
+    process however many actor loops it runs; returns its nice value.
+    ``actor_steps`` calls it; call it yourself in an actor with a loop of
+    its own.  Lowering needs no privilege, and a process cannot raise its
+    priority back without one: call it only in actor processes."""
+    if increment < 0:
+        raise ReplayError(f"nice= lowers an actor's priority: give 0 or more, got {increment!r}")
+    pid = os.getpid()
+    if increment and pid not in _niced:
+        _niced.add(pid)
+        return os.nice(increment)
+    return os.nice(0)
 
 
 def _predicate(stop):
@@ -117,7 +140,7 @@ class ActorSteps:
     or ``insert``; see the module docstring.  Made by ``actor_steps``."""
 
     def __init__(self, table, total: int | None = None, *, stop=None, timeout: float = 0.5,
-                 patience: float | None = 60.0):
+                 patience: float | None = 60.0, nice: int = ACTOR_NICE):
         _check_counts(total, patience)
         if total is not None and table is None:
             raise ReplayError("total= counts the table's inserts: give the table")
@@ -126,6 +149,7 @@ class ActorSteps:
         self.table, self.total, self.timeout = table, total, float(timeout)
         self._stop = _predicate(stop)
         self._patience = Patience(table, patience, _NO_LEARNER)
+        yield_to_learners(nice)  # last: a refused loop leaves its process as it was
         self.local = 0       # this loop's steps
         self.ended = None    # why it ended: "total" or "stop"
 
@@ -256,14 +280,17 @@ class LearnerBatches:
 
 
 def actor_steps(table, total: int | None = None, *, stop=None, timeout: float = 0.5,
-                patience: float | None = 60.0) -> ActorSteps:
+                patience: float | None = 60.0, nice: int = ACTOR_NICE) -> ActorSteps:
     """An actor's loop over ``table`` (a ``Table``; None for one that writes
     elsewhere, e.g. through ``shmreplay.ray``: then the step is its own
     count and there is no total): iterating yields the global step (the
     table's inserts) until the table holds ``total`` items or ``stop`` is
     set; ``put(fn, ...)``/``insert(**fields)`` write, waiting out the rate
-    limiter in tries of ``timeout`` s.  ``patience``: the module docstring."""
-    return ActorSteps(table, total, stop=stop, timeout=timeout, patience=patience)
+    limiter in tries of ``timeout`` s.  ``patience``: the module docstring.
+    ``nice``: how much the loop lowers its process's CPU priority, once per
+    process (``yield_to_learners``), so that actors flat out leave the
+    learner and the daemon their share; 0 keeps it."""
+    return ActorSteps(table, total, stop=stop, timeout=timeout, patience=patience, nice=nice)
 
 
 def learner_batches(table, batch_size: int, updates: int | None = None, *, beta: float = 0.4,

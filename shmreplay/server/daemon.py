@@ -54,7 +54,7 @@ from ..errors import ReplayError
 from ..numbaconf import exit_without_teardown, without_blas_probe
 from ..priorities import first_invalid_priority, priorities_fit
 from ..version import __version__
-from ..wire import atomics, records
+from ..wire import atomics, commitrun
 from ..wire.segment import shmem_huge_pages
 from .control import descriptors, recovery
 from .control.config import DaemonConfig, check_instance, load_config
@@ -92,7 +92,7 @@ def compile_kernels() -> float:
     atomics.store_then_load(words, 0, 1, 8)
     atomics.spin_until_changed(words, 0, 1, 1)
     u0 = np.uint64(0)
-    records.commit_run(words.reshape(2, 8), 0, 0, 1, u0, u0, u0, 1)
+    commitrun.commit_run(words.reshape(2, 8), 0, 0, 1, u0, u0, u0, 1, 2)
     return time.monotonic() - t0
 
 

@@ -63,11 +63,10 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-import numba
 import numpy as np
 
 from ..errors import CapacityError, ProtocolError, ReplayError, error_from_code
-from ..numbaconf import JIT
+from .commitrun import commit_run
 
 # Bump when any record's meaning or payload layout changes; the channel
 # header carries it and both sides refuse a channel of another version.
@@ -224,10 +223,10 @@ def read_commit_run(ring, i: int, n: int) -> CommitRun:
     first = ring.peek(i)
     table, rid, offset = int(first["table"]), int(first["a0"]), int(first["a2"])
     with_prios = int(first["pay_len"]) > 0
-    if not with_prios:  # single inserts: the whole run in one kernel call
+    if not with_prios:  # single inserts: the whole run in one kernel call (commitrun.py)
         # as uint64: a client may put any 64-bit value in a record
         j, total = commit_run(ring.words(), ring.tail, i, n, np.uint64(table), np.uint64(rid),
-                              np.uint64(offset), MAX_BATCH)
+                              np.uint64(offset), MAX_BATCH, COMMIT)
         if j < 0:  # record -j - 1 carries a bad count: raise what the loop below raises
             check_count(ring.peek(-j - 1)["a1"], "COMMIT of {n} items", error=ProtocolError)
             raise ProtocolError("a COMMIT's count changed while it was read")  # its writer's doing
@@ -251,44 +250,6 @@ def read_commit_run(ring, i: int, n: int) -> CommitRun:
         j += 1
     prios = (parts[0] if len(parts) == 1 else np.concatenate(parts)) if with_prios else None
     return CommitRun(table, int(first["seq"]), rid, offset, total, prios, j, end)
-
-
-# records as uint64 words (``Ring.words``): word 0 holds op (bits 0-15) and
-# table (bits 32-63), then seq, a0, a1, a2, f0, pay_off, pay_len
-_W_OP, _W_A0, _W_A1, _W_A2, _W_PAY_LEN = 0, 2, 3, 4, 7
-
-
-@numba.njit(**JIT)
-def commit_run(words, tail, i, n, table, rid, offset, top):
-    """The run of payload-free COMMIT records that starts at pending record
-    ``i`` (of ``n``) and continues reservation ``rid`` of ``table`` from
-    ``offset``: (index after it, items in it), or (-k - 1, 0) if record k's
-    count is outside 1..``top``.  ``read_commit_run``'s loop, in one call: at
-    ~7 us a record from Python, ten single inserts of a lease cost the
-    sample that followed them ~90 us in the daemon.  Each word is read
-    once: a client rewriting its record meanwhile changes only what it
-    asked for.  ``table``, ``rid`` and ``offset`` come as uint64 and every
-    comparison is unsigned (numba compares uint64 with int64 as floats)."""
-    slots = words.shape[0]
-    table_u, rid_u, offset_u, top_u = table, rid, offset, np.uint64(top)
-    op_mask, commit_op, zero, one, shift = np.uint64(0xFFFF), np.uint64(COMMIT), np.uint64(0), np.uint64(1), np.uint64(32)
-    total = zero
-    j = i
-    while j < n:
-        at = (tail + j) % slots
-        head = words[at, _W_OP]
-        a2 = words[at, _W_A2]
-        if j > i and ((head & op_mask) != commit_op or (head >> shift) != table_u
-                      or words[at, _W_A0] != rid_u
-                      or a2 < offset_u or a2 - offset_u != total  # offset + total, never wrapped
-                      or words[at, _W_PAY_LEN] != zero):
-            break
-        k = words[at, _W_A1]
-        if k < one or k > top_u:
-            return -j - 1, 0
-        total += k
-        j += 1
-    return j, np.int64(total)
 
 
 def put_abort(ring, seq: int, table: int, rid: int) -> bool:
@@ -404,3 +365,4 @@ def read_sample_reply(rec, pay, n: int, rows, keys, probs, weights) -> int:
 def read_hold(rec) -> int:
     """The hold id of a SAMPLE reply (0: none)."""
     return int(rec["a1"])
+

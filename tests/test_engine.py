@@ -74,3 +74,64 @@ def _target(fd: str) -> str | None:
         return os.readlink(f"/proc/self/fd/{fd}")
     except OSError:  # closed meanwhile
         return None
+
+
+# ---- how far the engine stays up for a learner (idle.py) ----
+def _idler(learner_spin_us=2000.0, learner_spin_max_us=10000.0):
+    from shmreplay.server.engine.idle import Idler
+    return Idler(os.eventfd(0), spin_us=250.0, idle_timeout=1.0,
+                 learner_spin_us=learner_spin_us, learner_spin_max_us=learner_spin_max_us)
+
+
+def _near(got, want) -> bool:
+    """(until, watched) equal, the time to float rounding."""
+    return got[1] == want[1] and got[0] == pytest.approx(want[0], abs=1e-9)
+
+
+def test_a_slower_learner_keeps_the_engine_up_only_while_its_spin_costs_nobody_a_core():
+    """Issue 36, item 1: the spin follows the learner's rhythm.  A learner
+    sampling more often than ``learner_spin_us`` keeps the engine up as
+    before; one sampling less often but more often than
+    ``learner_spin_max_us`` does too, in a watched spin; once a watched spin
+    was contended (``contended``), none starts for ``BACKOFF_S``, while the
+    fast learner's spin is untouched; slower learners get none.  The clock
+    is given, never read: nothing here depends on timing."""
+    from shmreplay.server.engine.idle import BACKOFF_S
+    idler = _idler()
+    try:
+        t = 100.0
+        idler.sampled(t)
+        idler.sampled(t + 0.001)                        # every 1 ms: under learner_spin_us
+        assert _near(idler.learner_until(t + 0.0012), (t + 0.003, False))
+        idler.sampled(t + 0.005)                        # every 4 ms: under learner_spin_max_us
+        assert _near(idler.learner_until(t + 0.0052), (t + 0.013, True))
+        idler.contended(t + 0.006)                      # that spin took someone's core
+        idler.sampled(t + 0.009)                        # the same learner, within the back-off
+        assert _near(idler.learner_until(t + 0.0092), (0.0, False))
+        idler.sampled(t + 0.010)                        # a fast learner is not backed off
+        assert _near(idler.learner_until(t + 0.0102), (t + 0.012, False))
+        later = t + 0.006 + BACKOFF_S
+        idler.sampled(later)
+        idler.sampled(later + 0.004)                    # after the back-off: watched again
+        assert _near(idler.learner_until(later + 0.0042), (later + 0.012, True))
+        idler.sampled(later + 0.019)                    # every 15 ms: past learner_spin_max_us
+        assert _near(idler.learner_until(later + 0.0192), (0.0, False))
+        assert idler.stats["contended_spins"] == 1
+    finally:
+        idler.close()
+
+
+@pytest.mark.parametrize("spin, spin_max", [(0.0, 10000.0), (2000.0, 0.0)])
+def test_learner_spins_turned_off_stay_off(spin, spin_max):
+    """``learner_spin_us = 0`` turns both spins off (tests that need a
+    sleeping daemon set only it); ``learner_spin_max_us = 0`` only the
+    watched one."""
+    idler = _idler(spin, spin_max)
+    try:
+        idler.sampled(50.0)
+        idler.sampled(50.004)                           # every 4 ms
+        assert _near(idler.learner_until(50.0042), (0.0, False))
+        idler.sampled(50.005)                           # every 1 ms
+        assert _near(idler.learner_until(50.0052), ((50.007, False) if spin else (0.0, False)))
+    finally:
+        idler.close()

@@ -140,7 +140,8 @@ class Daemon:
         # with prefetch_threads = 0 a pool that reads nothing (its stats say so)
         self.prefetcher = Prefetcher(cfg.prefetch_threads, cfg.prefetch_queue, cfg.prefetch_method)
         self.engine = Engine(cfg.spin_us, cfg.idle_timeout_s, prefetch=self.prefetcher,
-                             learner_spin_us=cfg.learner_spin_us)
+                             learner_spin_us=cfg.learner_spin_us,
+                             learner_spin_max_us=cfg.learner_spin_max_us)
         self.control = ControlServer(cfg, self.engine)
         self.control.request_shutdown = lambda: self._stop("shutdown requested")
         self.engine.on_client_error = self.control.on_client_error

@@ -38,6 +38,7 @@ class DaemonConfig:
     segment_mode: int = 0o660
     spin_us: float = 250.0
     learner_spin_us: float = 2000.0
+    learner_spin_max_us: float = 10000.0  # stays up for slower learners while the spin costs nobody a core
     idle_timeout_s: float = 1.0
     metrics_address: str = "127.0.0.1"  # Prometheus /metrics (control/metrics.py)
     metrics_port: int | None = None     # None: off; 0: any free port (logged, and in status)
@@ -157,6 +158,7 @@ def parse_config(doc: dict, where: str = "config") -> DaemonConfig:
         raise SchemaError(f"{where}: segment_mode {mode!r} is not an octal mode") from exc
     cfg.spin_us = _number(d, "spin_us", cfg.spin_us, where, lo=0.0)
     cfg.learner_spin_us = _number(d, "learner_spin_us", cfg.learner_spin_us, where, lo=0.0)
+    cfg.learner_spin_max_us = _number(d, "learner_spin_max_us", cfg.learner_spin_max_us, where, lo=0.0)
     # the longest an idle engine sleeps: a lazy commit is applied by then at
     # the latest, so it must be a finite time (a negative one made epoll wait
     # for ever)

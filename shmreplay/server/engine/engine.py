@@ -57,12 +57,14 @@ def entry_point(method):
 
 class Engine:
     def __init__(self, spin_us: float = 250.0, idle_timeout: float = 1.0, on_client_error=None,
-                 on_crash=None, prefetch=None, learner_spin_us: float = 2000.0):
+                 on_crash=None, prefetch=None, learner_spin_us: float = 2000.0,
+                 learner_spin_max_us: float = 10000.0):
         """``prefetch``: the daemon's ``disk.prefetch.Prefetcher`` (None: no
         read-ahead), told which tables are served and which rows come next.
-        ``spin_us``, ``learner_spin_us``: the idler's budgets (``idle.py``)."""
+        ``spin_us``, ``learner_spin_us``, ``learner_spin_max_us``: the
+        idler's budgets (``idle.py``)."""
         self.bell = new_doorbell()  # the control plane's: private to this process
-        self.idler = Idler(self.bell, spin_us, idle_timeout, learner_spin_us)
+        self.idler = Idler(self.bell, spin_us, idle_timeout, learner_spin_us, learner_spin_max_us)
         self.on_client_error = on_client_error or (lambda cid, exc: None)
         self.on_crash = on_crash or (lambda: None)
         self.tables: dict[int, Table] = {}

@@ -16,9 +16,11 @@ import time
 import traceback
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from shmreplay.client import rowcopy
+from shmreplay.priorities import first_invalid_priority, priorities_fit
 
 PREFIX = f"shmr{os.getpid()}"  # at most 12 characters: useradd takes 32
 GROUP, ADMINS = f"{PREFIX}g", f"{PREFIX}a"
@@ -107,8 +109,11 @@ def as_user(ident, fn, *args):
     uid, gid, groups = ident
     # the child may not read root's Python (under /root here) nor write
     # numba's cache, so it cannot compile what the parent has not: load the
-    # client's gather kernels first (compiled once per machine)
+    # client's gather kernels and its priority checks first (compiled once
+    # per machine)
     rowcopy.warm()
+    priorities_fit(np.ones(1), 1.0)
+    first_invalid_priority(np.ones(1))
     r, w = os.pipe()
     pid = os.fork()
     if pid == 0:

@@ -234,11 +234,13 @@ def test_default_socket_path_is_shared_by_daemon_and_client(monkeypatch):
 @pytest.mark.parametrize("cpus_to_split", [1, 1 << 20], ids=["two-threads", "one-thread"])
 def test_large_rows_are_gathered_intact(client, monkeypatch, cpus_to_split):
     """Batches of >= 1 MiB per field are gathered on two threads where the
-    process has ``PARALLEL_GATHER_CPUS`` CPUs, else on one: both intact."""
+    process has ``PARALLEL_GATHER_CPUS`` CPUs (or from 16 MiB a field on
+    any), else on one: both intact."""
     from shmreplay.client import gather
     monkeypatch.setattr(gather, "PARALLEL_GATHER_CPUS", cpus_to_split)
     assert gather.parallel_gather(1 << 20) == (cpus_to_split == 1)
     assert not gather.parallel_gather((1 << 20) - 1)
+    assert gather.parallel_gather(16 << 20) and not gather.parallel_gather((1 << 20) - 1)
     t = client.create_table("wide", capacity=64, fields={"id": ("int64", ()), "img": ("uint8", (512, 1024))},
                             sampler="uniform")
     ids = np.arange(64)

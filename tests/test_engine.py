@@ -135,3 +135,23 @@ def test_learner_spins_turned_off_stay_off(spin, spin_max):
         assert _near(idler.learner_until(50.0052), ((50.007, False) if spin else (0.0, False)))
     finally:
         idler.close()
+
+
+def test_the_run_queue_a_watched_spin_reads(tmp_path):
+    """``runnable_threads`` counts the machine's runnable threads, the
+    caller's among them (so at least 1), from /proc/loadavg; a file that
+    does not read as one gives 0, which never ends a spin by itself."""
+    from shmreplay.server.engine.idle import runnable_threads
+    fd = os.open("/proc/loadavg", os.O_RDONLY)
+    try:
+        assert runnable_threads(fd) >= 1
+    finally:
+        os.close(fd)
+    for text in (b"0.00 0.01 0.05 7/312 4242\n", b"garbage\n", b""):
+        path = tmp_path / "loadavg"
+        path.write_bytes(text)
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            assert runnable_threads(fd) == (7 if text.startswith(b"0.00") else 0)
+        finally:
+            os.close(fd)

@@ -192,13 +192,16 @@ def stale_rows(gens: np.ndarray, out: SampleBatch) -> np.ndarray:
 # half copies in parallel (dqn-atari rows from /dev/shm: 14.5 -> 20.8 GB/s,
 # as fast as a numba prange kernel, without numba's threading layers, which
 # are process-global and not all fork- or thread-safe).  Below ~1 MiB the
-# hand-off to the helper thread costs more than it saves.  Only where the
-# process may run on 4 CPUs or more: on 2 the helper takes the core the
-# daemon answers on, and a learner's whole sample + update loses (dqn-atari
-# on this 2-core box, 8 s runs: 407-438 batches/s with the helper against
-# 461-524 without; docs/performance.md).
+# hand-off to the helper thread costs more than it saves.  On fewer than 4
+# CPUs only from 16 MiB a field: on 2 the helper takes the core the daemon
+# answers on, which costs a learner of a few MiB a batch more than the split
+# saves (dqn-atari, 7 MiB, 8 s runs: 407-438 batches/s with the helper
+# against 461-524 without), while a gather of tens of MiB outlasts the
+# daemon's part many times over (r2d2-seq, 34 MiB: 181-183 with it against
+# 142-149 without; docs/performance.md).
 PARALLEL_GATHER_BYTES = 1 << 20
 PARALLEL_GATHER_CPUS = 4
+PARALLEL_GATHER_ANY_CPUS_BYTES = 16 << 20
 _helper_pool: tuple[int, ThreadPoolExecutor] | None = None
 
 
@@ -206,7 +209,9 @@ def parallel_gather(nbytes: int) -> bool:
     """Whether a gather of ``nbytes`` is split with the helper thread (the
     CPUs are asked each time, ~1 us against a copy of >= 1 MiB: a learner
     may be pinned to fewer after it started)."""
-    return nbytes >= PARALLEL_GATHER_BYTES and len(os.sched_getaffinity(0)) >= PARALLEL_GATHER_CPUS
+    if nbytes < PARALLEL_GATHER_BYTES:
+        return False
+    return nbytes >= PARALLEL_GATHER_ANY_CPUS_BYTES or len(os.sched_getaffinity(0)) >= PARALLEL_GATHER_CPUS
 
 
 def _helper() -> ThreadPoolExecutor:

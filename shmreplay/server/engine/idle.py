@@ -19,10 +19,14 @@ inserts/s).  Two rules on top:
 * the learner's rhythm decides how far that reaches (``learner_spin_max_us``):
   a learner that samples less often than ``learner_spin_us`` but more
   often than that keeps the engine up too, as long as the spin costs
-  nobody a core.  The engine watches its own thread's CPU time while it
-  spins: once it has lost ``CONTENDED_S`` to other threads (the scheduler
-  ran someone else on its core: torch's workers, actors), it sleeps, and
-  spins for such learners again only after ``BACKOFF_S``.  So a learner
+  nobody a core.  The engine watches while it spins: once more threads
+  are runnable on the machine than it has CPUs (``/proc/loadavg``'s
+  running count, ~2 us a read: a learner's gather helper, torch's
+  workers, actors waiting for the core it holds, whatever their nice), or
+  it has itself lost ``CONTENDED_S`` to other threads, it sleeps, and
+  spins for such learners again only after ``BACKOFF_S``.  (Its own CPU
+  time alone misses the threads it starves: at the unit's nice -5 the
+  scheduler rarely preempts it for them.)  So a learner
   whose gather leaves the other core idle (dqn-atari's 2.2 ms between
   samples on 2 cores) keeps its daemon awake, and one whose training step
   wants every core (the drop-in loop's torch update) gets it back within
@@ -51,6 +55,7 @@ Engine thread only.
 
 from __future__ import annotations
 
+import os
 import select
 import time
 
@@ -63,6 +68,17 @@ BURST_S = 50e-6
 # stop for BACKOFF_S
 CONTENDED_S = 200e-6
 BACKOFF_S = 0.5
+RUNQUEUE_EVERY_S = 100e-6  # how often a watched spin reads the run queue
+
+
+def runnable_threads(fd: int) -> int:
+    """Threads running or waiting for a CPU on the machine now, the calling
+    one included (the 4th field of /proc/loadavg, "running/total"), read
+    through ``fd``; 0 if it does not read."""
+    try:
+        return int(os.pread(fd, 64, 0).split()[3].split(b"/")[0])
+    except (OSError, IndexError, ValueError):
+        return 0
 
 
 class Idler:
@@ -79,6 +95,11 @@ class Idler:
         # 0 learner_spin_us turns learner spins off, the watched ones too
         self.learner_spin_max = learner_spin_max_us * 1e-6 if learner_spin_us > 0 else 0.0
         self.backoff_until = 0.0  # perf_counter before which no watched learner spin starts
+        try:  # kept open: a watched spin reads it every RUNQUEUE_EVERY_S
+            self.loadavg = os.open("/proc/loadavg", os.O_RDONLY | os.O_CLOEXEC)
+        except OSError:
+            self.loadavg = -1  # no /proc: the engine's own CPU time alone decides
+        self.cpus = os.cpu_count() or 1
         self.last_sample = -1.0   # perf_counter of the last pass that answered a SAMPLE
         self.sample_gap = float("inf")
         self.idle_since = 0.0  # when the last fruitless spin began
@@ -131,6 +152,7 @@ class Idler:
         if deadline <= start:
             return False
         cpu0 = time.thread_time() if watched else 0.0
+        look = start + RUNQUEUE_EVERY_S
         while True:
             now = time.perf_counter()
             for r in rings:
@@ -142,12 +164,16 @@ class Idler:
             if now >= deadline:
                 self.idle_since = start
                 return False
-            # past the plain budget, a watched spin ends once the thread has
-            # been off its core CONTENDED_S in all: it costs someone a core
-            if watched and now > plain and (now - start) - (time.thread_time() - cpu0) > CONTENDED_S:
-                self.contended(now)
-                self.idle_since = start
-                return False
+            # past the plain budget, a watched spin ends once it costs someone
+            # a core: more threads runnable than CPUs, or this one kept off
+            # its core CONTENDED_S in all
+            if watched and now > plain and now >= look:
+                look = now + RUNQUEUE_EVERY_S
+                if (self.loadavg >= 0 and runnable_threads(self.loadavg) > self.cpus) or \
+                        (now - start) - (time.thread_time() - cpu0) > CONTENDED_S:
+                    self.contended(now)
+                    self.idle_since = start
+                    return False
 
     def _learn_gap(self, gap: float) -> None:
         self.spin_s = min(self.spin_max, 2 * gap) if gap < self.spin_max else self.spin_min
@@ -163,6 +189,9 @@ class Idler:
 
     def close(self) -> None:
         self.epoll.close()
+        if self.loadavg >= 0:
+            os.close(self.loadavg)
+            self.loadavg = -1
 
     def sleep(self, rings: list, calls, deadline: float | None, waiting: bool = False) -> None:
         """Sleep until a client or a call rings a doorbell, the idle

@@ -186,7 +186,7 @@ class Ring:
 
     def words(self) -> np.ndarray:
         """The records as uint64[slots, 8], for kernels that read many
-        (``records.commit_run``); the same memory as ``records``."""
+        (``commitrun.commit_run``); the same memory as ``records``."""
         w = self._words
         if w is None:
             w = self._words = self.records.view(np.uint64).reshape(self.slots, 8)

@@ -256,15 +256,20 @@ def prefault(buf: mmap.mmap, write: bool) -> bool:
         raise
 
 
+HUGE_PAGE_BYTES = 2 << 20  # a mapping smaller than one huge page gets none
+
+
 def advise_huge_pages(buf) -> None:
     """Ask for transparent huge pages on a table mapping.  A learner gathers
     random rows from gigabytes; with 4 KiB pages each row costs TLB misses
     (dqn-atari gather: 10.6 GB/s on 4 KiB pages, 14.9 GB/s on 2 MiB pages,
     as fast as anonymous memory).  Takes effect only where the kernel allows
     it for shared memory: /sys/kernel/mm/transparent_hugepage/shmem_enabled
-    set to "advise" (or "always"); otherwise it is a no-op."""
+    set to "advise" (or "always"); otherwise it is a no-op.  The daemon's
+    sum trees (private memory, ``sumtree.py``) ask the same way, under
+    .../transparent_hugepage/enabled."""
     advice = getattr(mmap, "MADV_HUGEPAGE", None)
-    if advice is not None and len(buf) >= 2 << 20:
+    if advice is not None and len(buf) >= HUGE_PAGE_BYTES:
         try:
             buf.madvise(advice)
         except OSError:

@@ -43,6 +43,7 @@ import numba
 import numpy as np
 
 from ....numbaconf import JIT
+from ....wire.segment import HUGE_PAGE_BYTES, advise_huge_pages
 
 DRIFT_SAFETY = 4.0
 
@@ -63,23 +64,16 @@ def new_trees(capacity: int) -> tuple[np.ndarray, np.ndarray]:
 
 # a tree of 1M leaves is two 16 MiB arrays read at random: on 4 KiB pages
 # nearly every node below the cached top levels is also a TLB miss
-HUGE_AT = 2 << 20
-
-
 def _private_array(n: int) -> np.ndarray:
     """n float64 in this process's own memory, on transparent huge pages
-    where the kernel gives them (``MADV_HUGEPAGE``; the machine's
+    where the kernel gives them (``advise_huge_pages``, as the table
+    segments; for private memory the machine's
     /sys/kernel/mm/transparent_hugepage/enabled must say "madvise" or
     "always").  The array keeps its mapping alive."""
-    nbytes = n * 8
-    advice = getattr(mmap, "MADV_HUGEPAGE", None)
-    if nbytes < HUGE_AT or advice is None:
+    if n * 8 < HUGE_PAGE_BYTES:
         return np.empty(n, dtype=np.float64)
-    buf = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    try:
-        buf.madvise(advice)
-    except OSError:
-        pass  # a kernel without THP: 4 KiB pages, slower, never wrong
+    buf = mmap.mmap(-1, n * 8, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    advise_huge_pages(buf)
     return np.frombuffer(buf, dtype=np.float64, count=n)
 
 

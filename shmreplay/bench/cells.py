@@ -6,9 +6,9 @@ Prints one JSON line.  Cells:
     sample              prioritized sample (alpha 0.6, beta 0.4) with data and
                         weights, then update_priorities; batches/s (and GB/s)
     sample_it           shmreplay only: the same loop through t.iterate(prefetch=2)
-    mp2, mp4            2 or 4 actor processes inserting chunks of 16 while one
+    mp2, mp4, mpN       2, 4 or N actor processes inserting chunks of 16 while one
                         learner samples and updates; inserts/s and batches/s
-    qmp2, qmp4          the same into a queue (shmreplay: create_queue, each item
+    qmp2, qmp4, qmpN    the same into a queue (shmreplay: create_queue, each item
                         sampled once, in order; a peer without queues: its mp cell)
     gather              numpy ceiling: np.take(ring, idx, out=, mode="clip"); also
                         the same gather split over two threads
@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import re
 import sys
 import time
 
@@ -233,11 +234,12 @@ def run(cell: str, peer_name: str, wkey: str, seconds: float, capacity: int | No
         return cell_sample(peers.make(peer_name), w, seconds)
     if cell == "sample_it":
         return cell_sample(peers.make(peer_name), w, seconds, prefetch=True)
-    if cell in ("mp2", "mp4", "qmp2", "qmp4"):
+    mp = re.fullmatch(r"(q?)mp([1-9][0-9]*)", cell)
+    if mp:
         peer = peers.make(peer_name)
-        if cell.startswith("q") and peer_name == "shmreplay":
+        if mp.group(1) and peer_name == "shmreplay":
             peer.queue = True
-        return cell_mp(peer, w, int(cell[-1]), seconds)
+        return cell_mp(peer, w, int(mp.group(2)), seconds)
     if cell == "gather":
         return cell_gather(w, seconds)
     if cell == "write":

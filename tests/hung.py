@@ -69,10 +69,10 @@ def hung_learner(sock, table, n, how, out):
         else:
             check = gather.stale_rows
 
-            def stop_then_check(gens, batch):
+            def stop_then_check(gens, batch, rows=None):
                 gather.stale_rows = check
                 _stop_self()
-                return check(gens, batch)
+                return check(gens, batch, rows)
 
             gather.stale_rows = stop_then_check
             b = t.sample(n, beta=0.0, timeout=30)

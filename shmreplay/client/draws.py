@@ -6,8 +6,10 @@ that turns a draw into a stable batch.
 draws again the rows whose slot was overwritten meanwhile.  Those redraws
 are *protected*: the daemon pins their slots until the batch is copied
 (``server/tables/slots/holds.py``), so no writer can overwrite them and the
-second gather is stable however fast writers turn the table over.  A
-sample therefore costs at most two draws and two gathers; the deadline
+second gather is stable however fast writers turn the table over; a row
+whose stamp held once is whole for good, so each check after the first
+looks only at the rows copied again (``stale_rows``).  A sample therefore
+costs at most two draws and two gathers; the deadline
 stays for what pins cannot cover (a client at its pin cap, a hold that
 expired while the learner was stopped).  ``Table.sample`` and ``Table.finish_sample`` call it, and so,
 through ``finish_sample``, do ``BatchIterator`` and ``Client.sample_many``.
@@ -83,10 +85,14 @@ def draw_batch(pipe, table_id: int, src: gather.Rows, fields, gens: np.ndarray, 
         out.redraws = 0
         timeout = pipe.timeout
         deadline = time.monotonic() + timeout
+        first = True
         while True:
             # looked up in the module at each pass, not bound at import: a
-            # fault test swaps it to stop a learner between copy and re-check
-            rows = gather.stale_rows(gens, out)
+            # fault test swaps it to stop a learner between copy and re-check.
+            # After the first pass only the rows copied again are checked: a
+            # row that passed once is whole, whatever a writer does later
+            rows = gather.stale_rows(gens, out, None if first else rows)
+            first = False
             k = rows.shape[0]
             if k == 0:
                 return out

@@ -181,11 +181,22 @@ def _take_slots(src, keys, rows, offs, widths, addrs, nrows) -> None:
                           "named a slot outside the table (a daemon of another build?)")
 
 
-def stale_rows(gens: np.ndarray, out: SampleBatch) -> np.ndarray:
-    """Rows of ``out`` whose slot was reserved again since it was drawn (one
-    kernel: numpy's mask, index and nonzero cost ~10 us for 256 keys)."""
-    found = np.empty(out.keys.shape[0], np.int64)
-    return found[:stale_keys(out.keys, gens, found)]
+def stale_rows(gens: np.ndarray, out: SampleBatch, rows: np.ndarray | None = None) -> np.ndarray:
+    """Rows of ``out`` (of ``rows`` only, if given: positions in it, the
+    rows copied last) whose slot was reserved again since it was drawn (one
+    kernel: numpy's mask, index and nonzero cost ~10 us for 256 keys).
+
+    A row whose stamp held once its copy was done is whole for good: a
+    writer bumps the stamp before it writes, so the copy saw none of its
+    bytes.  Only rows copied since the last check need checking; a check of
+    all of them again would redraw rows already whole whenever a writer
+    reached their slots later (in a small table turning over fast, several
+    redraw rounds per batch where one does)."""
+    if rows is None:
+        found = np.empty(out.keys.shape[0], np.int64)
+        return found[:stale_keys(out.keys, gens, found)]
+    found = np.empty(rows.shape[0], np.int64)
+    return rows[found[:stale_keys(out.keys[rows], gens, found)]]
 
 
 # Gathering large rows on two threads: np.take releases the GIL, so each

@@ -10,6 +10,7 @@ import pytest
 
 from items import F, ids, insert_ids
 from shmreplay.server.tables.select.order import CommitOrder
+from shmreplay.wire.layout import COMMITTED, FREE
 
 FIELDS = {"id": ("int64", ())}
 
@@ -151,33 +152,47 @@ def test_uniform_remover_evicts_items_at_random(client):
 
 # ---- the commit order the FIFO and LIFO selectors read ----
 def test_commit_order_skips_dead_keys_at_both_ends_and_compacts():
+    # a key is alive while its slot is COMMITTED with the key's stamp: items
+    # leave by either (a free slot, a slot reserved again), as in a table
     rng = np.random.default_rng(0)
-    dead: set[int] = set()
-    order = CommitOrder(16, lambda keys: np.array([int(k) not in dead for k in keys], bool))
+    state = np.zeros(16, np.uint8)
+    gens = np.zeros(16, np.uint32)
+    order = CommitOrder(16, state, gens, COMMITTED)
     ref: list[int] = []   # the live keys in order: the reference
-    nxt = 0
+    free = list(range(16))
+
+    def leave(key):
+        slot = key & 0xFFFFFFFF
+        if rng.integers(2):
+            state[slot] = FREE
+        else:
+            gens[slot] += 1  # reserved again: the old key is stale even once COMMITTED
+            state[slot] = COMMITTED
+        free.append(slot)
+
     for step in range(3000):
         op = rng.integers(4)
         if op == 0 or not ref:
-            k = min(int(rng.integers(1, 5)), 16 - len(ref))
-            keys = np.arange(nxt, nxt + k, dtype=np.uint64)
-            nxt += k
+            k = min(int(rng.integers(1, 5)), len(free))
+            slots = np.array([free.pop(int(rng.integers(len(free)))) for _ in range(k)], np.int64)
+            gens[slots] += 1
+            state[slots] = COMMITTED
+            keys = (gens[slots].astype(np.uint64) << np.uint64(32)) | slots.astype(np.uint64)
             order.push(keys)
-            ref.extend(keys.tolist())
+            ref.extend(int(x) for x in keys)
         elif op == 1:  # an item leaves out of order
-            victim = ref.pop(int(rng.integers(len(ref))))
-            dead.add(victim)
+            leave(ref.pop(int(rng.integers(len(ref)))))
         elif op == 2:
             back = bool(rng.integers(2))
-            k = int(rng.integers(1, 4))
+            k = int(rng.integers(0, 4))
             want = (ref[::-1] if back else ref)[:k]
             assert order.peek(k, back).tolist() == want
         else:
             back = bool(rng.integers(2))
-            k = int(rng.integers(1, 4))
+            k = int(rng.integers(0, 4))
             want = (ref[::-1] if back else ref)[:k]
             assert order.pop(k, back).tolist() == want
             for key in want:
                 ref.remove(key)
-                dead.add(key)
+                leave(key)
         assert len(order) <= 32

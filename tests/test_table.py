@@ -5,12 +5,14 @@ import os
 
 import numpy as np
 import pytest
+from hypothesis import given, settings, strategies as st
 
 from shmreplay.errors import CapacityError, ProtocolError
 from shmreplay.wire.layout import COMMITTED, FREE, HELD, RESERVED, TableMap
 from shmreplay.wire.records import key_slots
 from shmreplay.schema import make_spec
 from shmreplay.server.tables.counters import Blocked
+from shmreplay.server.tables.slots.slotqueue import is_run
 from shmreplay.server.tables.table import Table
 
 
@@ -262,3 +264,21 @@ def test_pins_of_one_user_over_many_clients_stop_at_a_quarter_and_all_users_at_h
     finally:
         tm.unlink()
         tm.release()
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.integers(-3, 3), max_size=12), st.integers(0, 1 << 40))
+def test_is_run_agrees_with_numpy(steps, first):
+    # slots built from steps of -3..3 from any start: runs (all steps 1),
+    # repeats, gaps and reversals; the twin is numpy's diff
+    slots = np.cumsum([first] + steps).astype(np.int64)
+    assert is_run(slots) == bool(np.all(np.diff(slots) == 1))
+
+
+def test_a_reservation_says_whether_its_slots_are_one_run(make_table):
+    t = make_table(capacity=8)
+    rid, slots, contiguous = t.reserve(1, 3)
+    assert slots.tolist() == [0, 1, 2] and contiguous
+    t.abort(1, rid)  # slots 0-2 go back to the free list behind 3-7
+    rid, slots, contiguous = t.reserve(1, 8)
+    assert slots.tolist() == [3, 4, 5, 6, 7, 0, 1, 2] and not contiguous

@@ -63,7 +63,8 @@ from .control.watchdog import Watchdog, notify
 from .disk import ownership
 from .disk.prefetch import Prefetcher
 from .engine.engine import Engine
-from .tables.select import members, sumtree
+from .tables.select import members, order, sumtree
+from .tables.slots.slotqueue import is_run
 
 log = logging.getLogger("shmreplayd")
 
@@ -93,6 +94,8 @@ def compile_kernels() -> float:
     atomics.spin_until_changed(words, 0, 1, 1)
     u0 = np.uint64(0)
     commitrun.commit_run(words.reshape(2, 8), 0, 0, 1, u0, u0, u0, 1, 2)
+    is_run(idx)
+    order.scan_live(words, 0, 1, 1, False, np.zeros(1, np.uint8), np.zeros(1, np.uint32), 2, words[:1].copy())
     return time.monotonic() - t0
 
 

@@ -40,6 +40,7 @@ from .select import treeops
 from .select.selection import Selection
 from .slots.holds import Holds
 from .slots.ledger import SlotLedger, SlotLimits
+from .slots.slotqueue import is_run
 
 
 class Table:
@@ -114,7 +115,7 @@ class Table:
         rid = led.reserve(owner, slots, pid, start, user)
         self.stats["reservations"] += 1
         self.publish()
-        contiguous = bool(k == 1 or (slots[-1] - slots[0] == k - 1 and np.all(np.diff(slots) == 1)))
+        contiguous = bool(is_run(slots))
         return rid, slots, contiguous
 
     def _evict(self, n: int) -> np.ndarray:

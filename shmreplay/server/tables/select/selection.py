@@ -21,7 +21,7 @@ import numpy as np
 
 from ....schema import TableSpec
 from ....wire.layout import COMMITTED, TableMap
-from ....wire.records import key_slots, make_keys, stale
+from ....wire.records import make_keys
 from .order import CommitOrder
 from .reuse import ReuseLimit
 from .selectors import make_remover, make_sampler
@@ -36,7 +36,7 @@ class Selection:
         self.name = spec.name
         self.map = tmap
         self.capacity = c
-        self.order = CommitOrder(c, self._alive)
+        self.order = CommitOrder(c, tmap.state, tmap.gens, COMMITTED)
         self.sampler = make_sampler(spec.sampler, c, spec.alpha, self.order)
         self.remover = make_remover(spec.remover, c, self.order)
         self.reuse = (ReuseLimit(self.sampler, tmap.times, tmap.prios, spec.max_times_sampled,
@@ -45,11 +45,6 @@ class Selection:
         self.max_priority = 1.0
         self.seqno = 0  # commit number of the newest item
         self.updates_since_check = 0
-
-    def _alive(self, keys: np.ndarray) -> np.ndarray:
-        """Mask of keys that still name the committed item they were made for."""
-        m = self.map
-        return (m.state[key_slots(keys)] == COMMITTED) & ~stale(keys, m.gens)
 
     def keys_of(self, slots: np.ndarray) -> np.ndarray:
         return make_keys(self.map.gens[slots], slots)

@@ -24,6 +24,10 @@ class PinBooks:
         self.of_user: dict[int, int] = {}    # capped user -> slots its clients pin
         self.others = 0                      # slots all capped users' clients pin
 
+    def any(self) -> bool:
+        """Whether any slot is pinned (every pin is counted for its owner)."""
+        return bool(self.of_owner)
+
     def admit(self, owner: int, k: int, user: int | None) -> bool:
         """Count k more pinned slots for ``owner`` if no cap is passed."""
         mine = self.of_owner.get(owner, 0)

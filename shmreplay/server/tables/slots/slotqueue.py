@@ -1,11 +1,27 @@
-"""A fixed-capacity FIFO of integers in a numpy ring (free slots, commit order).
+"""A fixed-capacity FIFO of integers in a numpy ring (free slots, commit order),
+and ``is_run``: whether the slots a reservation hands out are one run.
 
 Engine thread only.  Bulk push/pop are a copy or two, not a Python loop.
 """
 
 from __future__ import annotations
 
+import numba
 import numpy as np
+
+from ....numbaconf import JIT
+
+
+@numba.njit(**JIT)
+def is_run(slots) -> bool:
+    """Whether ``slots`` are s, s + 1, s + 2, ... (a writer then copies its
+    rows with one slice per field).  One kernel: numpy's diff and all cost
+    ~20 us of every reservation of a small table, ~13% of its writer's
+    daemon time."""
+    for i in range(1, slots.shape[0]):
+        if slots[i] != slots[0] + i:
+            return False
+    return True
 
 
 class SlotQueue:

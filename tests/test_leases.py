@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 import shmreplay
+from shmreplay.wire import records as R
 from readback import committed
 from waiting import HANG_S, wait_for, worker_context
 
@@ -75,6 +76,39 @@ def test_a_writer_holds_at_most_two_leases(client):
         assert 0 < peaks[name] <= 2 * 16, (name, peaks[name])  # how close to 32 depends on timing
         assert st["reserved"] == 0
     assert len(t) == 160 and len(n) == 160
+
+
+def test_the_next_lease_is_asked_for_before_the_rows_that_use_up_this_one_are_copied(client):
+    """lease.py: a writer whose call uses up its lease (a 1,000-item table's
+    16 slots, 16 rows a call) sends the RESERVE for the next one before it
+    copies the rows, so the daemon reserves while they go in and the next
+    call finds the reply there (issue 36: flat-out actors of a small table
+    waited for it every call)."""
+    t = client.create_table("small", capacity=1000, fields=FIELDS)
+    assert t.lease_size == 16
+    pipe = client._session.pipe
+    sent, send = [], pipe.send
+
+    def recording(put, *args, **kw):
+        sent.append(put)
+        return send(put, *args, **kw)
+
+    pipe.send = recording
+    calls = []
+    try:
+        for i in range(4):
+            del sent[:]
+            v = np.arange(16 * i, 16 * (i + 1))
+            t.insert_batch({"v": v, "w": np.repeat(v[:, None], 3, axis=1).astype(np.float32)})
+            calls.append([{R.put_reserve: "reserve", R.put_commit: "commit"}.get(p, p.__name__)
+                          for p in sent])
+    finally:
+        pipe.send = send
+    assert calls[0] == ["reserve", "reserve", "commit"], calls  # its own lease, then the next
+    assert calls[1:] == [["reserve", "commit"]] * 3, calls
+    t.flush()
+    got, _ = committed(t)
+    np.testing.assert_array_equal(np.sort(got["v"]), np.arange(64))
 
 
 def test_batches_span_lease_boundaries_in_order(client):

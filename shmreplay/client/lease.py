@@ -127,14 +127,15 @@ class SlotLease:
         self.cur = [rid, slots, 0, contiguous]
         return self.cur
 
-    def _ask_ahead(self, n: int) -> None:
+    def _ask_ahead(self, n: int, used: int | None = None) -> None:
         """Ask for the next reservation at half time, so its reply is there
-        when needed.  It may not wait in the daemon: the call that will use
+        when needed (``used``: the current reservation's slots used once the
+        rows being copied are in, None: as now).  It may not wait in the daemon: the call that will use
         it has a timeout of its own, which the daemon does not know yet.
         (``leasing.writer_reserved`` counts what this rule keeps reserved.)"""
         cur = self.cur
         if (self.ahead is None and 0 < n <= self.size
-                and cur[1].shape[0] - cur[2] < max(n, self.size // 2)):
+                and cur[1].shape[0] - (cur[2] if used is None else used) < max(n, self.size // 2)):
             pipe = self._session.pipe
             # it wakes a sleeping daemon (one wake-up a lease, not an insert):
             # left lazy, its reply was not ready when the lease ran out, and
@@ -160,6 +161,11 @@ class SlotLease:
             rid, slots, pos, contiguous = cur
             k = min(n - lo, slots.shape[0] - pos)
             whole = lo == 0 and k == n  # the usual case: no need to slice the input
+            if lo + k == n:
+                # asked before the copy, the daemon reserves while the rows go
+                # in: a writer whose calls use up a lease each (a small table's
+                # 16 slots, 16 rows a call) found the reply not yet there
+                self._ask_ahead(n, pos + k)
             try:
                 if single or contiguous:
                     s0 = int(slots[pos])

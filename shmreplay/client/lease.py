@@ -161,7 +161,7 @@ class SlotLease:
             rid, slots, pos, contiguous = cur
             k = min(n - lo, slots.shape[0] - pos)
             whole = lo == 0 and k == n  # the usual case: no need to slice the input
-            if lo + k == n:
+            if lo + k == n:  # the call's last part (every call has one)
                 # asked before the copy, the daemon reserves while the rows go
                 # in: a writer whose calls use up a lease each (a small table's
                 # 16 slots, 16 rows a call) found the reply not yet there
@@ -186,7 +186,6 @@ class SlotLease:
             session.pipe.send(R.put_commit, table_id, rid, k, pos,
                               None if prios is None else (prios if whole else prios[lo:lo + k]), wake=False)
             lo += k
-        self._ask_ahead(n)
 
     # ---- writers: items that stay open across calls ----
     def take(self, deadline: float | None) -> tuple[int, int, int]:

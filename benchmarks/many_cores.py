@@ -31,10 +31,9 @@ import statistics
 import sys
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+from shmreplay.bench import runner
 
-from shmreplay.bench import runner  # noqa: E402
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 PEERS = ("shmreplay", "cpprb")
 SMALL = 1_000  # items: issue 22's small dqn table

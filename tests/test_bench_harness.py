@@ -17,6 +17,7 @@ from daemons import checkout_env
     ("insert64", {"items_per_s", "MB_per_s"}),
     ("sample_it", {"batches_per_s", "GB_per_s"}),
     ("qmp2", {"batches_per_s", "inserts_per_s"}),  # a queue fed by 2 actor processes
+    ("mp3", {"batches_per_s", "inserts_per_s"}),   # any number of actors (many_cores.py: 8, 12)
 ])
 def test_a_cell_runs_in_its_own_process_and_reports_json(cell, keys):
     out = subprocess.run([sys.executable, "-m", "shmreplay.bench.cells", cell, "shmreplay",

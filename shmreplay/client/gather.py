@@ -192,11 +192,10 @@ def stale_rows(gens: np.ndarray, out: SampleBatch, rows: np.ndarray | None = Non
     all of them again would redraw rows already whole whenever a writer
     reached their slots later (in a small table turning over fast, several
     redraw rounds per batch where one does)."""
-    if rows is None:
-        found = np.empty(out.keys.shape[0], np.int64)
-        return found[:stale_keys(out.keys, gens, found)]
-    found = np.empty(rows.shape[0], np.int64)
-    return rows[found[:stale_keys(out.keys[rows], gens, found)]]
+    keys = out.keys if rows is None else out.keys[rows]
+    found = np.empty(keys.shape[0], np.int64)
+    found = found[:stale_keys(keys, gens, found)]
+    return found if rows is None else rows[found]
 
 
 # Gathering large rows on two threads: np.take releases the GIL, so each

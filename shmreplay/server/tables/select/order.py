@@ -24,9 +24,10 @@ import numba
 import numpy as np
 
 from ....numbaconf import JIT
+from ....wire.records import SLOT_BITS, SLOT_MASK, key_slots, stale
 
-_SHIFT = np.uint64(32)
-_MASK = np.uint64((1 << 32) - 1)
+_SHIFT = np.uint64(SLOT_BITS)  # the key's layout, records.py's: gen << 32 | slot
+_MASK = np.uint64(SLOT_MASK)
 
 
 @numba.njit(**JIT)
@@ -71,8 +72,7 @@ class CommitOrder:
 
     def alive(self, keys: np.ndarray) -> np.ndarray:
         """Mask of keys that still name the committed item they were made for."""
-        slots = (keys & _MASK).astype(np.intp)
-        return (self.state[slots] == self.committed) & (self.gens[slots].astype(np.uint64) == keys >> _SHIFT)
+        return (self.state[key_slots(keys)] == self.committed) & ~stale(keys, self.gens)
 
     def __len__(self) -> int:
         """Entries, dead ones included."""

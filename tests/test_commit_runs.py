@@ -1,11 +1,17 @@
-"""The engine's read of a run of COMMIT records (``records.read_commit_run``,
-whose payload-free case is the ``records.commit_run`` kernel) against a
-plain-Python twin: the record-by-record loop it replaced.
+"""Both ends of a payload-free COMMIT record against plain-Python twins.
 
-Records are written into a ring's arrays as a client would, in any order
-of ops, tables, reservations, offsets and counts, wrapped around the ring's
-end; the twin and the kernel must agree on where the run ends and how many
-items it holds, and both must refuse the same bad count."""
+The engine's read of a run of them (``records.read_commit_run``, whose
+payload-free case is the ``commitrun.commit_run`` kernel) against the
+record-by-record loop it replaced: records are written into a ring's
+arrays as a client would, in any order of ops, tables, reservations,
+offsets and counts, wrapped around the ring's end; the twin and the kernel
+must agree on where the run ends and how many items it holds, and both
+must refuse the same bad count.
+
+A client's write of one (``Ring.commit_one``, the ``commitrun.put_commit_one``
+kernel) against ``records.put_commit`` then ``Ring.publish``, the path it
+replaces: the same record bytes, head and sleeping word, and with no room
+(or a tail a peer scribbled) nothing written at all."""
 
 import numpy as np
 import pytest
@@ -15,6 +21,7 @@ from hypothesis import strategies as st
 from shmreplay.errors import ProtocolError
 from shmreplay.wire import records as R
 from shmreplay.wire.channel import Ring
+from shmreplay.wire.commitrun import SLEEPING_TOP
 
 SLOTS = 16
 
@@ -91,3 +98,39 @@ def test_a_run_of_ten_single_inserts_is_one_commit_and_stops_at_the_next_op():
     rows = [(R.COMMIT, 1, 7, 1, 100 + j, 0) for j in range(10)] + [(R.SAMPLE, 1, 128, 0, 0, 0)]
     run = R.read_commit_run(ring_with(rows, SLOTS - 3), 0, len(rows))  # wraps the ring's end
     assert (run.next, run.n, run.offset) == (10, 10, 100)
+
+
+def producer_ring(tail_word: int, head: int, sleeping: int) -> Ring:
+    """The client's end of a request ring whose consumer left ``tail_word``
+    in the tail word (anything: a peer may write any value) and sleeping
+    word ``sleeping``; ``head`` records written so far.  Records are filled
+    with a pattern, so a write shows wherever it lands."""
+    ctl = np.zeros(8, np.uint64)
+    ctl[0], ctl[1], ctl[3] = head, tail_word, sleeping
+    recs = np.zeros(SLOTS, R.RECORD)
+    recs.view(np.uint8)[:] = np.arange(recs.nbytes, dtype=np.uint64).astype(np.uint8)
+    return Ring(ctl, recs, np.zeros(64, np.uint8), 0, 1, 2, 3)
+
+
+@settings(max_examples=400, deadline=None)
+@given(head=st.integers(0, 2**40), used=st.one_of(st.integers(0, SLOTS), st.integers(-3, -1),
+                                                   st.integers(SLOTS + 1, SLOTS + 3)),
+       sleeping=st.sampled_from([0, 1, 2, 2**64 - 1]), table=st.integers(0, 2**32 - 1),
+       seq=st.integers(1, 2**62), rid=st.integers(0, 2**62), offset=st.integers(0, 2**33))
+def test_commit_one_writes_what_put_commit_and_publish_write(head, used, sleeping, table, seq, rid, offset):
+    tail_word = (head - used) % 2**64  # used < 0 or > SLOTS: a tail a peer scribbled
+    fast, slow = producer_ring(tail_word, head, sleeping), producer_ring(tail_word, head, sleeping)
+    got = fast.commit_one(table, seq, rid, offset)
+    if R.put_commit(slow, seq, table, rid, 1, offset, None):
+        want = min(slow.publish(), SLEEPING_TOP)  # any value past ASLEEP_WAITING means the same
+    else:
+        want = -1
+    assert got == want
+    assert got == (-1 if not 0 <= used < SLOTS else min(sleeping, 2**62))
+    assert fast.head == slow.head
+    assert fast.records.tobytes() == slow.records.tobytes()
+    assert fast.ctl.tolist() == slow.ctl.tolist()
+    if got >= 0:  # and what the engine reads back is that commit
+        rec = fast.records[head % SLOTS]
+        assert (int(rec["op"]), int(rec["table"]), int(rec["seq"]), int(rec["a0"]), int(rec["a1"]),
+                int(rec["a2"]), int(rec["pay_len"])) == (R.COMMIT, table, seq, rid, 1, offset, 0)

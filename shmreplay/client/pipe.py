@@ -26,7 +26,7 @@ from ..errors import RateLimited, ReplayError, ReplayTimeout
 from ..wire import atomics
 from ..wire.channel import ASLEEP_WAITING, CTL_RESP_HEAD, Channel, drain
 from ..wire.channel import ring as ring_bell
-from ..wire.records import read_error
+from ..wire.records import put_commit, read_error
 from .link import ControlLink
 
 # Spin budget before sleeping on the doorbell, set from how long the last
@@ -99,7 +99,26 @@ class CommandPipe:
                 raise ReplayTimeout(f"command ring stayed full for {self.timeout} s")
             time.sleep(20e-6)
         self.seq = seq
-        sleeping = ring.publish()
+        self._published(ring.publish(), wake)
+        return seq
+
+    def commit_one(self, table: int, rid: int, offset: int) -> None:
+        """``send(records.put_commit, table, rid, 1, offset, None,
+        wake=False)``: a COMMIT of one item with no priority (a step-by-step
+        writer's, one per insert), written and published by one kernel
+        (``Ring.commit_one``) while the ring has room; else ``send``, which
+        waits for room."""
+        seq = self.seq + 1
+        sleeping = self.req.commit_one(table, seq, rid, offset)
+        if sleeping < 0:
+            self.send(put_commit, table, rid, 1, offset, None, wake=False)
+            return
+        self.seq = seq
+        self._published(sleeping, False)
+
+    def _published(self, sleeping: int, wake: bool) -> None:
+        """A record is published and the daemon's sleeping word read back:
+        ring its doorbell, or leave it asleep and owe the ring (``send``)."""
         if (not sleeping or wake or not self.lazy_commits or sleeping >= ASLEEP_WAITING
                 or self.unannounced >= LAZY_MAX):
             # a daemon that reads this record reads every one before it: no
@@ -111,7 +130,6 @@ class CommandPipe:
         else:
             self.owed_bell = True  # rung by the next wait (``wait``)
             self.unannounced += 1
-        return seq
 
     def expect(self, seq: int) -> None:
         """The reply to ``seq`` will be collected later: stash it if it comes

@@ -42,7 +42,7 @@ from .lease import SlotLease
 from .leases import TableLeases
 from .pipe import deadline_of, in_slices
 from .retry import retried, with_retries
-from .rows import check_rows
+from .rows import check_one, check_rows, one_row_fields
 
 
 class Table:
@@ -62,6 +62,7 @@ class Table:
         self.name = self.spec.name
         self._fields = self.spec.fields
         self._names = frozenset(f.name for f in self._fields)
+        self._one = one_row_fields(self.spec)  # rows.check_one's
         self._map = None
         self._draws = TableDraws(session, self._fields)
         self._leases = TableLeases(self.spec, session, self._priorities)
@@ -161,6 +162,12 @@ class Table:
         far.  Waits up to ``timeout`` s (None: no limit) for the rate limiter.
         Values: numpy arrays or anything np.asarray converts (a tensor
         detached and on the CPU), cast per numpy's same_kind rule (rows.py)."""
+        if priority is None:
+            values = check_one(self._one, self._names, fields)
+            if values is not None:  # the usual item (rows.check_one): the short path
+                self._begin()
+                self._lease.write_one(values, deadline_of(timeout))
+                return
         arrays, _ = check_rows(self.spec, self._names, fields, batch=False)
         prios = None if priority is None else self._priorities([priority], 1, "insert")
         self._begin()

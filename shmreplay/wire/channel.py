@@ -59,7 +59,8 @@ import numpy as np
 
 from ..errors import CapacityError, LayoutError, ProtocolError
 from . import atomics, records
-from .records import RECORD
+from .commitrun import put_commit_one
+from .records import COMMIT, RECORD
 from .segment import Segment, prefault
 
 CHANNEL_MAGIC = b"SHMRCHN\x00"
@@ -168,6 +169,17 @@ class Ring:
         or a later wake-up."""
         return int(atomics.store_then_load(self.ctl, self.head_w, self.head, self.sleeping_w))
 
+    def commit_one(self, table: int, seq: int, rid: int, offset: int) -> int:
+        """``records.put_commit(ring, seq, table, rid, 1, offset, None)`` then
+        ``publish()``, in one kernel (``commitrun.put_commit_one``): what
+        ``publish`` returns, or -1 with nothing written when there is no
+        room (``room() <= 0``)."""
+        got = int(put_commit_one(self.words(), self.ctl, self.head, self.tail_w, self.head_w,
+                                 self.sleeping_w, COMMIT, table, seq, rid, offset))
+        if got >= 0:
+            self.head += 1
+        return got
+
     # ---- consumer side ----
     def pending(self) -> int:
         """Records ready to read; raises ProtocolError on a corrupt head."""
@@ -178,8 +190,12 @@ class Ring:
 
     def has_pending(self) -> bool:
         """Cheap check for new records that never raises (a corrupt head
-        counts as pending, so that pending() reports it where it is handled)."""
-        return int(atomics.load(self.ctl, self.head_w)) != self.tail
+        counts as pending, so that pending() reports it where it is handled).
+        A plain read (numpy's, ~0.3 us against the atomic load's ~0.9: a
+        step-by-step writer asks once an insert): an aligned 8-byte load is
+        whole on every CPU this runs on, and what it hints at is read again
+        by ``pending()``'s atomic load before any record is."""
+        return int(self.ctl[self.head_w]) != self.tail
 
     def peek(self, i: int = 0):
         return self.records[(self.tail + i) % self.slots]

@@ -18,6 +18,10 @@ the buffer, so its cost shows more, never less).
 ``SB3Buffer`` is written here as SB3's ``ReplayBuffer`` is (SB3 is not a
 dependency): preallocated per-field arrays, ``np.random.randint`` indices,
 rows copied out and copied again into tensors (``th.tensor``).
+``SB3RoundTripBuffer`` (``--buffers sb3,sb3_roundtrip,shmreplay``) is
+``SB3Buffer`` plus one round trip per sample to a helper process that
+sleeps between samples: the loop's floor for any replay that lives in
+another process, before it does any work.
 ``ShmreplayBuffer`` is what a user writes from the README: a private daemon
 (``shmreplay.Server``) with one table of CleanRL's 10,000 items, ``insert``
 per ``add``, ``sample`` then ``torch.from_numpy`` (a fresh batch is already
@@ -46,6 +50,7 @@ import json
 import os
 import random
 import resource
+import select
 import statistics
 import subprocess
 import sys
@@ -118,6 +123,47 @@ class SB3Buffer:
         return None
 
 
+class SB3RoundTripBuffer(SB3Buffer):
+    """The floor of any replay in another process: ``SB3Buffer``, plus per
+    ``sample`` one round trip to a helper process that sleeps between
+    samples, as the daemon does, and does nothing else (an eventfd each
+    way, the reply awaited as shmreplay's client awaits it: a spin of up
+    to 400 us, then a sleep).  What it costs over ``SB3Buffer`` is what
+    the loop pays for crossing processes at all, before any replay work."""
+
+    HELPER = ("import os, sys\n"
+              "a, b = int(sys.argv[1]), int(sys.argv[2])\n"
+              "while os.eventfd_read(a) < 2:\n"
+              "    os.eventfd_write(b, 1)\n")
+
+    def __init__(self, buffer_size: int, obs_shape: tuple):
+        super().__init__(buffer_size, obs_shape)
+        self.ask, self.reply = os.eventfd(0), os.eventfd(0, os.EFD_NONBLOCK)
+        self.helper = subprocess.Popen([sys.executable, "-c", self.HELPER, str(self.ask), str(self.reply)],
+                                       pass_fds=(self.ask, self.reply))
+
+    def sample(self, batch_size: int) -> Samples:
+        os.eventfd_write(self.ask, 1)
+        spin_until = time.perf_counter() + 400e-6
+        while True:
+            try:
+                os.eventfd_read(self.reply)
+                break
+            except BlockingIOError:
+                if time.perf_counter() > spin_until:
+                    select.select([self.reply], [], [], 10.0)
+        return super().sample(batch_size)
+
+    def close(self) -> None:
+        os.eventfd_write(self.ask, 2)
+        self.helper.wait(10)
+        os.close(self.ask)
+        os.close(self.reply)
+
+    def daemon_pid(self) -> int | None:
+        return self.helper.pid
+
+
 class ShmreplayBuffer:
     """The same interface over a private shmreplay daemon (README: ``Server``,
     ``create_table``'s arguments, ``insert``, ``sample``)."""
@@ -171,7 +217,8 @@ class ShmreplayPrefetchBuffer(ShmreplayBuffer):
         super().close()
 
 
-BUFFERS = {"sb3": SB3Buffer, "shmreplay": ShmreplayBuffer, "shmreplay_prefetch": ShmreplayPrefetchBuffer}
+BUFFERS = {"sb3": SB3Buffer, "sb3_roundtrip": SB3RoundTripBuffer, "shmreplay": ShmreplayBuffer,
+           "shmreplay_prefetch": ShmreplayPrefetchBuffer}
 
 
 def proc_cpu_s(pid: int) -> float:
@@ -286,20 +333,23 @@ ROWS = (("env steps/s", "steps_per_s", "{:,.0f}"), ("add us (mean)", "add_us_mea
 
 
 def table(runs: list, buffers: list) -> str:
+    """Medians per buffer (each seed's in brackets), then each later
+    buffer's ratio to the first."""
     ok = {b: [r for r in runs if r["buffer"] == b and "error" not in r] for b in buffers}
-    head = "| what | " + " | ".join(buffers) + (" | shmreplay/sb3 |" if len(buffers) == 2 else " |")
-    lines = [head, "|---|" + "---:|" * (len(buffers) + (len(buffers) == 2))]
+    base, others = buffers[0], buffers[1:]
+    head = "| what | " + " | ".join(buffers) + "".join(f" | {b}/{base}" for b in others) + " |"
+    lines = [head, "|---|" + "---:|" * (len(buffers) + len(others))]
     for label, key, fmt in ROWS:
         med = {b: statistics.median(v) if (v := [r[key] for r in ok[b] if r.get(key) is not None]) else None
                for b in buffers}
-        cells = [fmt.format(med[b]) if med[b] is not None else "-" for b in buffers]
-        if len(buffers) == 2:
-            cells.append(f"{med['shmreplay'] / med['sb3']:.2f}x" if med["sb3"] and med["shmreplay"] is not None
-                         else "-")
-        seeds = {b: ", ".join(fmt.format(r[key]) for r in ok[b] if r.get(key) is not None) for b in buffers}
-        lines.append(f"| {label} | " + " | ".join(f"{c} ({seeds[b]})" if len(ok[b]) > 1 else c
-                                                   for c, b in zip(cells, buffers))
-                     + (f" | {cells[-1]} |" if len(cells) > len(buffers) else " |"))
+        cells = []
+        for b in buffers:
+            c = fmt.format(med[b]) if med[b] is not None else "-"
+            if len(ok[b]) > 1 and med[b] is not None:
+                c += " (" + ", ".join(fmt.format(r[key]) for r in ok[b] if r.get(key) is not None) + ")"
+            cells.append(c)
+        cells += [f"{med[b] / med[base]:.2f}x" if med[base] and med[b] is not None else "-" for b in others]
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 

@@ -22,7 +22,8 @@ from shmreplay.schema import make_spec
 
 FIELDS = {"obs": ("float32", (4,)), "action": ("int64", ()), "small": ("int32", ()),
           "reward": ("float32", ()), "done": ("bool", ()), "q": ("float64", ()),
-          "img": ("uint8", (2, 2)), "u": ("uint64", ())}
+          "img": ("uint8", (2, 2)), "u": ("uint64", ()), "h": ("float16", ()), "i8": ("int8", ()),
+          "u16": ("uint16", ())}
 SPEC = make_spec("checks", 8, FIELDS, sampler="uniform")
 NAMES = frozenset(FIELDS)
 ONE = one_row_fields(SPEC)
@@ -40,7 +41,10 @@ def values():
         arrays,
         st.builds(_numpy_scalar, st.sampled_from(DTYPES),
                   st.one_of(st.integers(-2**40, 2**40), st.floats(-1e6, 1e6))),
-        st.sampled_from([None, "x", [1.0, 2.0, 3.0, 4.0], [[1, 2], [3, 4]], object()]))
+        st.sampled_from([None, "x", [1.0, 2.0, 3.0, 4.0], [[1, 2], [3, 4]], object(),
+                         np.arange(8, dtype=np.float32)[::2],  # non-contiguous
+                         np.ma.masked_array(np.ones(4, np.float32)),  # a subclass: the full path
+                         np.arange(4, dtype=">f4")]))  # another byte order
 
 
 def _numpy_scalar(dtype, x):
@@ -51,7 +55,8 @@ def _numpy_scalar(dtype, x):
 
 def items():
     good = {"obs": np.arange(4, dtype=np.float32), "action": 1, "small": np.int32(3), "reward": 1.0,
-            "done": False, "q": 0.5, "img": np.zeros((2, 2), np.uint8), "u": np.uint64(7)}
+            "done": False, "q": 0.5, "img": np.zeros((2, 2), np.uint8), "u": np.uint64(7),
+            "h": 0.25, "i8": np.int8(-3), "u16": np.uint16(9)}
     return st.builds(lambda swaps, drop, extra: _item(good, swaps, drop, extra),
                      st.dictionaries(st.sampled_from(sorted(FIELDS)), values(), max_size=4),
                      st.one_of(st.none(), st.sampled_from(sorted(FIELDS))),
@@ -60,9 +65,9 @@ def items():
 
 def _item(good, swaps, drop, extra):
     item = {**good, **swaps}
-    if drop is not None and extra:  # a missing field, or an unknown one beside the rest
+    if drop is not None:  # a missing field
         del item[drop]
-    elif extra and drop is None:
+    if extra:  # an unknown one beside the rest
         item["unknown"] = 1.0
     return item
 
@@ -72,8 +77,9 @@ def stored(values: list):
     exception type the first failing store raised."""
     rows = {name: np.zeros((2, *shape), dtype) for name, dtype, shape, _ in ONE}
     try:
-        for (name, _, _, _), v in zip(ONE, values):
-            rows[name][1] = v
+        with np.errstate(over="ignore", invalid="ignore"):  # 1e300 into a float16: inf, both ways
+            for (name, _, _, _), v in zip(ONE, values):
+                rows[name][1] = v
     except Exception as exc:  # noqa: BLE001 (the type is what is compared)
         return type(exc)
     return [rows[name][1].tobytes() for name, _, _, _ in ONE]
@@ -98,10 +104,11 @@ def test_the_short_path_takes_what_an_sb3_style_add_passes():
     action, a float reward, a bool done, numpy scalars) take the short
     path: the case it is for."""
     item = {"obs": np.ones(4, np.float32), "action": 1, "small": np.int32(2), "reward": 1.0,
-            "done": True, "q": 2.5, "img": np.ones((2, 2), np.uint8), "u": np.uint64(1)}
+            "done": True, "q": 2.5, "img": np.ones((2, 2), np.uint8), "u": np.uint64(1),
+            "h": 0.5, "i8": np.int8(1), "u16": np.uint16(2)}
     got = check_one(ONE, NAMES, item)
     assert got is not None and [type(v) for v in got] == [np.ndarray, int, np.int32, float, bool, float,
-                                                          np.ndarray, np.uint64]
+                                                          np.ndarray, np.uint64, float, np.int8, np.uint16]
     item["action"] = np.int64(1)  # what a gymnasium Discrete space's sample() returns
     assert check_one(ONE, NAMES, item) is not None
 
@@ -117,5 +124,5 @@ def test_values_that_narrow_or_need_numpy_take_the_full_path(field, value):
     for an int, a wrong shape: the full path decides."""
     item = {"obs": np.ones(4, np.float32), "action": 1, "small": np.asarray(2, np.int32), "reward": 1.0,
             "done": True, "q": 2.5, "img": np.ones((2, 2), np.uint8), "u": np.asarray(1, np.uint64),
-            field: value}
+            "h": 0.5, "i8": np.int8(1), "u16": np.uint16(2), field: value}
     assert check_one(ONE, NAMES, item) is None

@@ -23,7 +23,7 @@ import time
 import numpy as np
 
 from ..errors import RateLimited, ReplayError, ReplayTimeout
-from ..wire import atomics
+from ..wire import atomics, commitrun
 from ..wire.channel import ASLEEP_WAITING, CTL_RESP_HEAD, Channel, drain
 from ..wire.channel import ring as ring_bell
 from ..wire.records import put_commit, read_error
@@ -70,6 +70,7 @@ class CommandPipe:
         self.stash: dict[int, tuple] = {}
         self.deferred: ReplayError | None = None
         self.loads_per_s = atomics.loads_per_second()
+        commitrun.warm()  # commit_one's kernel, loaded now rather than at the first insert
         self.spin = int(16 * SPIN_MIN_S * self.loads_per_s)
         self.lazy_commits = True  # the session's choice (Client.lazy_commits)
         self.owed_bell = False  # a lazy record left the daemon asleep: ring before waiting on it

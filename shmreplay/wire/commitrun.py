@@ -8,8 +8,10 @@ writer sends per insert.
   tests/test_commit_runs.py).  Engine thread only, like the ring's consumer
   end; a pure function of its arguments.
 * ``put_commit_one``: a client's write of one, published at once
-  (``records.put_commit_one``, ``pipe.CommandPipe.commit_one``).  The
-  client's thread only, like the ring's producer end.
+  (``channel.Ring.commit_one``, for ``pipe.CommandPipe.commit_one``).  The
+  client's thread only, like the ring's producer end; ``warm`` loads it
+  (from numba's cache, or compiles it) when the pipe is made, so that the
+  first insert does not.
 """
 
 from __future__ import annotations
@@ -76,8 +78,10 @@ def put_commit_one(words, ctl, head, tail_w, head_w, sleeping_w, commit, table, 
     reservation id and an offset are all far below 2**63), cast here: an
     ``np.uint64`` made in Python costs ~1 us each."""
     slots = words.shape[0]
-    used = np.int64(head) - np.int64(load(ctl, tail_w))
-    if used < 0 or used >= slots:
+    # unsigned, as Ring.room compares Python ints: a tail a peer scribbled
+    # past the head (near 2**64, say) is no room, never a small "used"
+    tail, at_head = load(ctl, tail_w), np.uint64(head)
+    if tail > at_head or at_head - tail >= np.uint64(slots):
         return -1
     at = np.int64(head) % slots
     zero = np.uint64(0)
@@ -95,3 +99,10 @@ def put_commit_one(words, ctl, head, tail_w, head_w, sleeping_w, commit, table, 
     # negative int64 (and so as "no room") reads as SLEEPING_TOP, which
     # means what it means (every value >= ASLEEP_WAITING means the same)
     return np.int64(sleeping) if sleeping < np.uint64(SLEEPING_TOP) else np.int64(SLEEPING_TOP)
+
+
+def warm() -> None:
+    """Load ``put_commit_one`` now, on scratch arrays (a client's pipe
+    calls it once: the load or compile, ~0.15-1 s, then falls on connecting
+    rather than on the first insert)."""
+    put_commit_one(np.zeros((1, 8), np.uint64), np.zeros(4, np.uint64), 0, 1, 0, 2, 2, 0, 1, 1, 0)

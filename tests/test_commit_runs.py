@@ -138,3 +138,22 @@ def test_commit_one_writes_what_put_commit_and_publish_write(head, used, sleepin
         rec = fast.records[head % SLOTS]
         assert (int(rec["op"]), int(rec["table"]), int(rec["seq"]), int(rec["a0"]), int(rec["a1"]),
                 int(rec["a2"]), int(rec["pay_len"])) == (R.COMMIT, table, seq, rid, 1, offset, 0)
+
+
+@pytest.mark.parametrize("parts", [1, 3])
+def test_a_commit_runs_priorities_are_the_daemons_copy_not_the_clients_ring(parts):
+    """The table checks a COMMIT's priorities, then writes them into the
+    segment and the sum tree: if they were a view of the client's payload,
+    a client rewriting its ring in between (NaN, a negative) would reach
+    the tree past the check.  One part and several."""
+    ctl = np.zeros(8, np.uint64)
+    recs = np.zeros(SLOTS, R.RECORD)
+    ring = Ring(ctl, recs, np.zeros(4096, np.uint8), 0, 1, 2, 3)
+    for j in range(parts):
+        assert R.put_commit(ring, j + 1, 1, 7, 2, 2 * j, np.array([1.5, 2.5]) + j)
+    ring.publish()
+    client_end = Ring(ctl, recs, ring.payload, 0, 1, 2, 3)  # the daemon's end reads from the same memory
+    run = R.read_commit_run(client_end, 0, parts)
+    assert run.n == 2 * parts and run.prios.tolist() == sum(([1.5 + j, 2.5 + j] for j in range(parts)), [])
+    ring.payload.view(np.float64)[:] = np.nan  # the client scribbles its payload afterwards
+    assert run.prios.tolist() == sum(([1.5 + j, 2.5 + j] for j in range(parts)), [])

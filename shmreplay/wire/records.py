@@ -210,7 +210,7 @@ class CommitRun(NamedTuple):
     rid: int
     offset: int
     n: int          # slots of all records together
-    prios: np.ndarray | None
+    prios: np.ndarray | None  # a private copy (the client may rewrite its ring)
     next: int       # index of the first record after the run
     pay_end: int | None
 
@@ -248,7 +248,9 @@ def read_commit_run(ring, i: int, n: int) -> CommitRun:
             end = ring.payload_end(rec)
         total += k
         j += 1
-    prios = (parts[0] if len(parts) == 1 else np.concatenate(parts)) if with_prios else None
+    # a copy, never a view of the payload: the client may rewrite its ring
+    # after the table has checked the priorities and before it uses them
+    prios = (parts[0].copy() if len(parts) == 1 else np.concatenate(parts)) if with_prios else None
     return CommitRun(table, int(first["seq"]), rid, offset, total, prios, j, end)
 
 

@@ -179,10 +179,9 @@ class Table:
             except PriorityError:
                 self.abort(owner, rid)
                 raise
-        priorities = self.selection.priorities(n, priorities)
-        self.selection.stamp(part, priorities)
+        priorities, keys = self.selection.stamp(part, priorities)
         self.ledger.committed(rid, entry, part)  # the state last: a crash sees whole items
-        self.selection.add(part, priorities)
+        self.selection.add(part, priorities, keys)
         self.counters.committed(n)
         self.publish()
         self.stats["inserts"] += n

@@ -6,7 +6,8 @@ factories), ``samplers.py`` and ``removers.py`` (the kinds), ``order.py``
 (commit order, for fifo and lifo), ``members.py`` (the dense member set
 kernels of uniform selection), ``sumtree.py`` (the sum/min tree kernels),
 ``treeops.py`` (a prioritized table's UPDATE and SAMPLE as one kernel
-each) and ``reuse.py`` (picks under ``max_times_sampled``).
+each), ``stamping.py`` (new items' marks and keys, one kernel per commit)
+and ``reuse.py`` (picks under ``max_times_sampled``).
 
 May import: ``wire`` and the shared root modules; never ``slots/`` nor
 the table above.  Engine thread only, like the table that owns it.

@@ -25,6 +25,7 @@ from ....wire.records import make_keys
 from .order import CommitOrder
 from .reuse import ReuseLimit
 from .selectors import make_remover, make_sampler
+from .stamping import NO_PRIORITIES, stamp_new
 
 log = logging.getLogger("shmreplayd.table")
 _NONE = np.empty(0, np.int64)
@@ -55,29 +56,26 @@ class Selection:
         return self.sampler.mass
 
     # ---- items in and out ----
-    def priorities(self, n: int, given: np.ndarray | None) -> np.ndarray:
-        """The priorities of n new items: ``given`` (checked by the caller),
-        else the largest seen so far, as PER gives a new transition."""
-        if given is None:
-            return np.full(n, self.max_priority)
-        self.max_priority = max(self.max_priority, float(given.max()))
-        return given
-
-    def stamp(self, slots: np.ndarray, priorities: np.ndarray) -> None:
+    def stamp(self, slots: np.ndarray, given: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
         """New items' marks in the segment, written before their state says
-        COMMITTED (a crash sees whole items): priority, no uses, the commit
-        numbers after the newest."""
-        m, n = self.map, slots.shape[0]
-        m.prios[slots] = priorities
-        m.times[slots] = 0
-        m.seqno[slots] = np.arange(self.seqno + 1, self.seqno + n + 1, dtype=np.uint64)
-        self.seqno += n
+        COMMITTED (a crash sees whole items): priority ``given`` (checked by
+        the caller), else the largest seen so far, as PER gives a new
+        transition; no uses; the commit numbers after the newest.  Returns
+        their priorities and keys, for ``add`` (one kernel: stamping.py)."""
+        if given is not None:
+            self.max_priority = max(self.max_priority, float(given.max()))
+        m = self.map
+        prios, keys = stamp_new(slots, NO_PRIORITIES if given is None else given, self.max_priority,
+                                m.prios, m.times, m.seqno, self.seqno, m.gens)
+        self.seqno += slots.shape[0]
+        return prios, keys
 
-    def add(self, slots: np.ndarray, priorities: np.ndarray) -> None:
-        """Newly committed items (in commit order) become selectable."""
+    def add(self, slots: np.ndarray, priorities: np.ndarray, keys: np.ndarray | None = None) -> None:
+        """Newly committed items (in commit order) become selectable
+        (``keys``: theirs, as ``stamp`` returned them; None: from the stamps)."""
         self.sampler.add(slots, priorities)
         self.remover.add(slots, priorities)
-        self.order.push(self.keys_of(slots))
+        self.order.push(self.keys_of(slots) if keys is None else keys)
 
     def restore(self) -> np.ndarray:
         """A recovered table: the segment's committed items become

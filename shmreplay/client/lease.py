@@ -199,7 +199,7 @@ class SlotLease:
         rid, slots, pos, _ = cur
         if self.ahead is None and slots.shape[0] - pos <= self.size // 2 + 1:
             self._ask_ahead(1, pos + 1)  # before the copy, as ``write`` does (it tests again)
-        s0 = int(slots[pos])
+        s0 = slots.item(pos)
         try:
             for view, v in zip(self._view_list, values):
                 view[s0] = v

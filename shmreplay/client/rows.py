@@ -23,13 +23,14 @@ def check_one(fields: list, names: frozenset, data) -> list | None:
     """``check_rows(..., batch=False)``'s arrays for an item made of what a
     step-by-step actor passes (numpy arrays, Python and numpy scalars), or
     None for anything else, which ``check_rows`` then checks and explains.
-    ``fields``: ``one_row_fields(spec)``.  Accepts only what ``check_rows``
+    ``fields``: ``one_row_fields(spec)``; ``data``: a dict (an insert's
+    keyword arguments).  Accepts only what ``check_rows``
     accepts and hands back values that store the same (``view[slot] =
     value``): a Python float or bool is what ``np.asarray`` makes float64
     or bool of, a Python int in int64's range what it makes int64 of, and
     a numpy scalar what it makes a 0-d array of its own dtype of; the
     ``np.asarray`` calls (~0.5 us each) are what it saves."""
-    if not isinstance(data, dict) or data.keys() != names:
+    if data.keys() != names:
         return None
     out = []
     for name, dtype, shape, scalars in fields:

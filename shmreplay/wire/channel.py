@@ -174,8 +174,11 @@ class Ring:
         ``publish()``, in one kernel (``commitrun.put_commit_one``): what
         ``publish`` returns, or -1 with nothing written when there is no
         room (``room() <= 0``)."""
-        got = int(put_commit_one(self.words(), self.ctl, self.head, self.tail_w, self.head_w,
-                                 self.sleeping_w, COMMIT, table, seq, rid, offset))
+        words = self._words
+        if words is None:
+            words = self.words()
+        got = put_commit_one(words, self.ctl, self.head, self.tail_w, self.head_w,
+                             self.sleeping_w, COMMIT, table, seq, rid, offset)
         if got >= 0:
             self.head += 1
         return got

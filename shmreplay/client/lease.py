@@ -192,7 +192,7 @@ class SlotLease:
         largest priority, the call a step-by-step actor makes per env step
         (an SB3-style ``add``).  While the reservation has a slot it skips
         ``write``'s loop over parts, and its COMMIT is one kernel call
-        (``CommandPipe.commit_one``): 31 -> ~15 us a CartPole item."""
+        (``CommandPipe.commit_one``): 31 -> ~17 us a CartPole item."""
         cur = self.cur
         if cur is None or cur[2] == cur[1].shape[0] or self._words.epoch != self._epoch:
             return self.write(values, 1, None, True, deadline)  # reserves; raises on a dead epoch

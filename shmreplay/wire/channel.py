@@ -172,8 +172,8 @@ class Ring:
     def commit_one(self, table: int, seq: int, rid: int, offset: int) -> int:
         """``records.put_commit(ring, seq, table, rid, 1, offset, None)`` then
         ``publish()``, in one kernel (``commitrun.put_commit_one``): what
-        ``publish`` returns, or -1 with nothing written when there is no
-        room (``room() <= 0``)."""
+        ``publish`` returns (capped at ``commitrun.SLEEPING_TOP``), or -1
+        with nothing written when there is no room (``room() <= 0``)."""
         words = self._words
         if words is None:
             words = self.words()

@@ -24,7 +24,7 @@ import numpy as np
 
 from ..errors import RateLimited, ReplayError, ReplayTimeout
 from ..wire import atomics, commitrun
-from ..wire.channel import ASLEEP, ASLEEP_WAITING, CTL_RESP_HEAD, Channel, drain
+from ..wire.channel import ASLEEP_WAITING, CTL_RESP_HEAD, Channel, drain
 from ..wire.channel import ring as ring_bell
 from ..wire.records import put_commit, read_error
 from .link import ControlLink
@@ -115,11 +115,7 @@ class CommandPipe:
             self.send(put_commit, table, rid, 1, offset, None, wake=False)
             return
         self.seq = seq
-        if sleeping == ASLEEP and self.lazy_commits and self.unannounced < LAZY_MAX:
-            self.owed_bell = True  # _published's lazy case, inline: the usual one between samples
-            self.unannounced += 1
-        else:
-            self._published(sleeping, False)
+        self._published(sleeping, False)
 
     def _published(self, sleeping: int, wake: bool) -> None:
         """A record is published and the daemon's sleeping word read back:

@@ -174,10 +174,7 @@ class Ring:
         ``publish()``, in one kernel (``commitrun.put_commit_one``): what
         ``publish`` returns (capped at ``commitrun.SLEEPING_TOP``), or -1
         with nothing written when there is no room (``room() <= 0``)."""
-        words = self._words
-        if words is None:
-            words = self.words()
-        got = put_commit_one(words, self.ctl, self.head, self.tail_w, self.head_w,
+        got = put_commit_one(self.words(), self.ctl, self.head, self.tail_w, self.head_w,
                              self.sleeping_w, COMMIT, table, seq, rid, offset)
         if got >= 0:
             self.head += 1

@@ -4,7 +4,7 @@ in-process numpy ring buffer like stable-baselines3's, and on shmreplay
 behind the same constructor, ``add`` and ``sample``, in one run.
 
     python3 benchmarks/dropin.py [--steps 100000] [--seeds 0,1,2] [--torch-threads N]
-        [--buffers sb3,shmreplay] [--learner-spin-us US] [--out FILE]
+        [--buffers sb3,shmreplay,shmreplay_ahead] [--learner-spin-us US] [--out FILE]
 
 The loop is CleanRL's ``dqn.py`` (the version on SB3's ``ReplayBuffer``):
 one env, epsilon-greedy over a 4-120-84-2 MLP, every step one ``add`` of
@@ -26,9 +26,15 @@ another process, before it does any work.
 (``shmreplay.Server``) with one table of CleanRL's 10,000 items, ``insert``
 per ``add``, ``sample`` then ``torch.from_numpy`` (a fresh batch is already
 a copy).
+``ShmreplayAheadBuffer`` (``shmreplay_ahead``) draws each batch ahead,
+halfway between two samples (``sample(..., ahead=True)``), into the last
+batch's arrays.
+The environment reaches every run: ``GOMP_SPINCOUNT=100000`` (how long
+torch's OpenMP workers spin after an operation) is what docs/guide.md
+advises on a box where the daemon shares the cores with torch.
 
-Each (buffer, seed) runs in its own process, the two buffers alternating
-which goes first for each seed.  Reported per buffer (medians over seeds):
+Each (buffer, seed) runs in its own process, the buffers in their order
+for even seeds and reversed for odd ones.  Reported per buffer (medians over seeds):
 env steps/s of the whole loop, the per-call cost of ``add`` and
 ``sample(128)`` (timed inside the loop, tensors included), CPU seconds of
 the loop (the process's, plus the daemon's from /proc/<pid>/stat), and the
@@ -217,8 +223,26 @@ class ShmreplayPrefetchBuffer(ShmreplayBuffer):
         super().close()
 
 
+class ShmreplayAheadBuffer(ShmreplayBuffer):
+    """The same with ``sample(batch_size, ahead=True, out=...)``: each batch
+    is drawn in the daemon halfway between two samples (sent by ``insert``),
+    while the loop steps the env, and gathered into the last batch's
+    arrays (CleanRL's update is done with them by the next sample)."""
+
+    last = None
+
+    def sample(self, batch_size: int) -> Samples:
+        import torch as th
+        out = self.last if self.last is not None and len(self.last) == batch_size else None
+        b = self.last = self.table.sample(batch_size, out=out, ahead=True)
+        d = b.data
+        return Samples(th.from_numpy(d["obs"]), th.from_numpy(d["action"]).unsqueeze(1),
+                       th.from_numpy(d["next_obs"]), th.from_numpy(d["done"]).unsqueeze(1),
+                       th.from_numpy(d["reward"]).unsqueeze(1))
+
 BUFFERS = {"sb3": SB3Buffer, "sb3_roundtrip": SB3RoundTripBuffer, "shmreplay": ShmreplayBuffer,
-           "shmreplay_prefetch": ShmreplayPrefetchBuffer}
+           "shmreplay_prefetch": ShmreplayPrefetchBuffer,
+           "shmreplay_ahead": ShmreplayAheadBuffer}
 
 
 def proc_cpu_s(pid: int) -> float:
@@ -357,7 +381,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=100_000, help="env steps per run (training from 10,000)")
     ap.add_argument("--seeds", default="0,1,2")
-    ap.add_argument("--buffers", default="sb3,shmreplay")
+    ap.add_argument("--buffers", default="sb3,shmreplay,shmreplay_ahead")
     ap.add_argument("--torch-threads", type=int, help="torch.set_num_threads (default: torch's)")
     ap.add_argument("--learner-spin-us", type=float, help="the daemon's learner_spin_us (default: its own)")
     ap.add_argument("--timeout", type=float, default=1800, help="per run, seconds")

@@ -111,8 +111,9 @@ def draw_batch(pipe, table_id: int, src: gather.Rows, fields, gens: np.ndarray, 
 
 class TableDraws:
     """A table handle's draw side: the table as mapped now (``bind``) and
-    the holds of its ``sample_indices`` batches.  Built from what it uses:
-    the client's ``session.Session`` (the command pipe now, ``max_batch``,
+    the holds of its ``sample_indices`` batches, and the batch it draws
+    ahead for ``sample(ahead=True)``.  Built from what it uses: the
+    client's ``session.Session`` (the command pipe now, ``max_batch``,
     ``begin``, ``check_fork``) and the table's fields."""
 
     def __init__(self, session, fields):
@@ -122,6 +123,15 @@ class TableDraws:
         self._rows: gather.Rows | None = None
         self._gens = None
         self._held: list[int] = []  # holds of sample_indices() batches
+        # the batch drawn ahead: its SAMPLE's seq (None: none sent), its
+        # (n, beta), the handle's insert calls since the last ahead sample
+        # (counted once one was asked for: ``counting``), and the count at
+        # which the next is sent (0: sent, or none armed)
+        self._ahead_seq: int | None = None
+        self._ahead_of = (0, 0.0)
+        self.counting = False
+        self._since = 0
+        self._due = 0
 
     def bind(self, table_id: int, rows: gather.Rows, gens: np.ndarray) -> None:
         """The table as mapped now (called by its handle, again after a
@@ -133,10 +143,15 @@ class TableDraws:
     def retire(self) -> None:
         """No table has this name any more: id 0, so every later draw raises UnknownTable."""
         self._table_id = 0
+        self._ahead_seq = None
+        self._due = 0
 
     def forget(self) -> None:
-        """The connection the holds were taken on is gone (reconnect, fork)."""
+        """The connection the holds (and a batch drawn ahead) were taken on is
+        gone (reconnect, fork)."""
         self._held = []
+        self._ahead_seq = None
+        self._due = 0
 
     def check(self, batch_size, beta) -> tuple[int, float]:
         """A draw's size and beta, checked; then the prologue of a data call."""
@@ -176,3 +191,46 @@ class TableDraws:
         """``Table.finish_sample``: the batch a ``begin`` ticket drew (None: draw now)."""
         return draw_batch(self._session.pipe, self._table_id, self._rows, self._fields, self._gens,
                           ticket, n, beta, out, wait_s)
+
+    # ---- a batch drawn ahead: Table.sample(ahead=True) ----
+    def ahead(self, n: int, beta: float, out: SampleBatch | None, deadline: float | None) -> SampleBatch:
+        """``Table.sample(ahead=True)`` (n, beta checked): the batch sent
+        ahead if it was drawn for this n and beta (else it is dropped and
+        one drawn now, as is one the table's limits refused when it was
+        sent), then the next one armed: ``step`` sends it once the handle
+        has made half as many insert calls as it made since the last
+        ahead sample, or it goes now if it made none (a learner that only
+        samples)."""
+        pipe = self._session.pipe
+        ticket, self._ahead_seq = self._ahead_seq, None
+        if ticket is not None and (n, beta) != self._ahead_of:
+            drop_draw(pipe, self._table_id, ticket, 0.0)
+            ticket = None
+
+        def attempt(wait_s):
+            nonlocal ticket
+            seq, ticket = ticket, None  # a draw that was refused is drawn again, once now
+            return draw_batch(pipe, self._table_id, self._rows, self._fields, self._gens, seq,
+                              n, beta, out, wait_s)
+
+        batch = in_slices(deadline, attempt)
+        self._ahead_of = (n, beta)
+        self.counting = True
+        self._due, self._since = (self._since + 1) // 2, 0
+        if not self._due:
+            self._send_ahead()
+        return batch
+
+    def step(self) -> None:
+        """An insert call on the handle, once ``counting``: the batch armed
+        is sent when it is due."""
+        self._since += 1
+        if self._since == self._due:
+            self._due = 0
+            self._send_ahead()
+
+    def _send_ahead(self) -> None:
+        # sent with no wait in the daemon: limits that refuse it now are
+        # waited for by the sample that collects it, under its own timeout
+        n, beta = self._ahead_of
+        self._ahead_seq = self.begin(n, beta, 0.0)

@@ -167,11 +167,15 @@ class Table:
             if values is not None:  # the usual item (rows.check_one): the short path
                 self._begin()
                 self._lease.write_one(values, deadline_of(timeout))
+                if self._draws.counting:
+                    self._draws.step()
                 return
         arrays, _ = check_rows(self.spec, self._names, fields, batch=False)
         prios = None if priority is None else self._priorities([priority], 1, "insert")
         self._begin()
         self._lease.write(arrays, 1, prios, True, deadline_of(timeout))
+        if self._draws.counting:
+            self._draws.step()
 
     @retried
     def insert_batch(self, data: dict, priorities=None, timeout: float | None = None) -> None:
@@ -189,6 +193,8 @@ class Table:
             hi = min(n, lo + step)
             self._lease.write([a[lo:hi] for a in arrays], hi - lo,
                               None if prios is None else prios[lo:hi], False, deadline)
+        if self._draws.counting:
+            self._draws.step()
 
     def widen_lease(self, slots: int) -> int:
         """Reserve up to ``slots`` at a time from the next reservation on
@@ -236,12 +242,23 @@ class Table:
 
     @retried
     def sample(self, batch_size: int, beta: float = 0.4, out: SampleBatch | None = None,
-               timeout: float | None = None) -> SampleBatch:
+               timeout: float | None = None, ahead: bool = False) -> SampleBatch:
         """Draw ``batch_size`` items.  With ``out=`` (an earlier batch of the
         same size) the rows are gathered into its arrays instead of new ones.
-        Waits up to ``timeout`` s (None: no limit) for the table's limits."""
+        Waits up to ``timeout`` s (None: no limit) for the table's limits.
+
+        ``ahead=True`` (a loop that inserts and samples on one thread, as an
+        SB3- or CleanRL-style loop does): the next batch of this size and
+        beta is drawn in the daemon while the loop steps its env, sent by
+        the handle's insert calls halfway to the next such ``sample`` (as
+        the last interval counted them), and this call collects the one
+        drawn before it.  A batch then lacks the items inserted after it
+        was drawn (the last half interval's) and sees every priority update
+        sent before it; its rows are gathered, and checked, here."""
         draws = self._draws
         n, beta = draws.check(batch_size, beta)
+        if ahead:
+            return draws.ahead(n, beta, out, deadline_of(timeout))
         return in_slices(deadline_of(timeout), lambda w: draws.finish(None, n, beta, out, w))
 
     # ---- pipelined draws (BatchIterator, Client.sample_many) ----

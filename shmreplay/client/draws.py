@@ -18,8 +18,10 @@ The functions work over what they are handed (a ``CommandPipe``, the
 daemon's id for the table, its field views and stamps as mapped now) and
 keep nothing between calls.  ``TableDraws`` is a table handle's draw side:
 what it draws from (the table as mapped now, bound by the handle, again
-after every reconnect) and the holds of its ``sample_indices`` batches;
-its handle (``table.py``) makes it and is its only caller.  All of it runs
+after every reconnect), the holds of its ``sample_indices`` batches and
+the batch it draws ahead for ``sample(ahead=True)`` (sent by the
+handle's insert calls, ``step``); its handle (``table.py``) makes it and
+is its only caller.  All of it runs
 on the thread that owns the pipe (the client's), one call at a time.
 """
 
@@ -29,7 +31,7 @@ import time
 
 import numpy as np
 
-from ..errors import ReplayError, ReplayTimeout
+from ..errors import RateLimited, ReplayError, ReplayTimeout
 from ..wire import records as R
 from . import gather
 from .gather import SampleBatch, new_batch, take_rows
@@ -123,7 +125,7 @@ class TableDraws:
         self._rows: gather.Rows | None = None
         self._gens = None
         self._held: list[int] = []  # holds of sample_indices() batches
-        # the batch drawn ahead: its SAMPLE's seq (None: none sent), its
+        # the batch drawn ahead: its SAMPLE's seq (None: none out), its
         # (n, beta), the handle's insert calls since the last ahead sample
         # (counted once one was asked for: ``counting``), and the count at
         # which the next is sent (0: sent, or none armed)
@@ -132,6 +134,8 @@ class TableDraws:
         self.counting = False
         self._since = 0
         self._due = 0
+        self._interval: int | None = None  # insert calls between the last two ahead samples
+        self._sent_at = 0   # _since when the batch ahead was sent
 
     def bind(self, table_id: int, rows: gather.Rows, gens: np.ndarray) -> None:
         """The table as mapped now (called by its handle, again after a
@@ -195,28 +199,39 @@ class TableDraws:
     # ---- a batch drawn ahead: Table.sample(ahead=True) ----
     def ahead(self, n: int, beta: float, out: SampleBatch | None, deadline: float | None) -> SampleBatch:
         """``Table.sample(ahead=True)`` (n, beta checked): the batch sent
-        ahead if it was drawn for this n and beta (else it is dropped and
-        one drawn now, as is one the table's limits refused when it was
-        sent), then the next one armed: ``step`` sends it once the handle
-        has made half as many insert calls as it made since the last
-        ahead sample, or it goes now if it made none (a learner that only
-        samples)."""
+        ahead, then the next one armed.  ``step`` sends it once the handle
+        has made half as many insert calls as it made since the last ahead
+        sample; it goes now if it made none (a learner that only samples).
+        A draw of another n or beta, or one sent more insert calls ago than
+        the last interval had (at least one; the first interval is not
+        known, and not bounded), is dropped and the call draws now; so is
+        one the table's limits refused when it was sent, under the call's
+        own timeout."""
         pipe = self._session.pipe
         ticket, self._ahead_seq = self._ahead_seq, None
-        if ticket is not None and (n, beta) != self._ahead_of:
+        if ticket is not None and ((n, beta) != self._ahead_of or (
+                self._interval is not None and self._since - self._sent_at > max(1, self._interval))):
             drop_draw(pipe, self._table_id, ticket, 0.0)
             ticket = None
-
-        def attempt(wait_s):
-            nonlocal ticket
-            seq, ticket = ticket, None  # a draw that was refused is drawn again, once now
-            return draw_batch(pipe, self._table_id, self._rows, self._fields, self._gens, seq,
-                              n, beta, out, wait_s)
-
-        batch = in_slices(deadline, attempt)
+        batch = None
+        if ticket is not None:
+            try:
+                batch = draw_batch(pipe, self._table_id, self._rows, self._fields, self._gens, ticket,
+                                   n, beta, out, 0.0)
+            except RateLimited:
+                pass  # refused when it was sent (or a redraw now): drawn below
+            except BaseException:
+                if pipe.outstanding(ticket):  # never collected: the next call collects or drops it
+                    self._ahead_seq = ticket
+                raise
+        if batch is None:
+            batch = in_slices(deadline, lambda wait_s: draw_batch(
+                pipe, self._table_id, self._rows, self._fields, self._gens, None, n, beta, out, wait_s))
         self._ahead_of = (n, beta)
-        self.counting = True
-        self._due, self._since = (self._since + 1) // 2, 0
+        # the first interval is unknown: inserts were not counted before it
+        self._interval = self._since if self.counting else None
+        self.counting, self._since = True, 0
+        self._due = ((self._interval or 0) + 1) // 2
         if not self._due:
             self._send_ahead()
         return batch
@@ -231,6 +246,13 @@ class TableDraws:
 
     def _send_ahead(self) -> None:
         # sent with no wait in the daemon: limits that refuse it now are
-        # waited for by the sample that collects it, under its own timeout
+        # waited for by the sample that collects it, under its own timeout.
+        # Best effort: the insert or sample that sends it has done its work
+        # (a failure here would fail it, and a reconnecting handle would do
+        # it again); without it the next ahead sample draws at the call
         n, beta = self._ahead_of
-        self._ahead_seq = self.begin(n, beta, 0.0)
+        self._sent_at = self._since
+        try:
+            self._ahead_seq = self.begin(n, beta, 0.0)
+        except ReplayError:
+            self._ahead_seq = None

@@ -137,6 +137,10 @@ class CommandPipe:
         while waiting for another."""
         self.expected.add(seq)
 
+    def outstanding(self, seq: int) -> bool:
+        """The reply to ``seq`` (one ``expect``ed) has not been collected yet."""
+        return seq in self.expected or seq in self.stash
+
     def wait(self, seq: int, take, timeout: float = 0.0):
         """Wait for the reply to ``seq`` and return ``take(rec, payload)``
         (a ``wire.records`` decoder, run before the payload is handed back to

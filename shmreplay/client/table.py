@@ -50,7 +50,7 @@ class Table:
     module docstring for who may call what).  One thread at a time.
 
     Composed of its draw side (``draws.TableDraws``: what it draws from,
-    the holds of ``sample_indices``) and its slot leases
+    the holds of ``sample_indices``, the batch drawn ahead) and its slot leases
     (``leases.TableLeases``); it owns the table's mapping and binds both
     to it."""
 
@@ -250,11 +250,14 @@ class Table:
         ``ahead=True`` (a loop that inserts and samples on one thread, as an
         SB3- or CleanRL-style loop does): the next batch of this size and
         beta is drawn in the daemon while the loop steps its env, sent by
-        the handle's insert calls halfway to the next such ``sample`` (as
-        the last interval counted them), and this call collects the one
-        drawn before it.  A batch then lacks the items inserted after it
-        was drawn (the last half interval's) and sees every priority update
-        sent before it; its rows are gathered, and checked, here."""
+        the handle's insert calls (``insert``, ``insert_batch``; not a
+        writer's) halfway to the next such ``sample``, as the last interval
+        counted them, and this call collects the one drawn before it
+        (``draws.TableDraws.ahead`` says when it draws now instead).  A
+        batch then lacks the items inserted after it was drawn and the
+        priority updates sent after that: with no insert between two
+        samples the next is sent at once, before your update of this one.
+        Its rows are gathered, and checked, here."""
         draws = self._draws
         n, beta = draws.check(batch_size, beta)
         if ahead:

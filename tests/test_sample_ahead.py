@@ -25,6 +25,16 @@ def _insert(t, lo, hi):
         t.insert(x=i, y=2 * i)
 
 
+def _paced(t):
+    """Items 0..29 in and two ahead samples of 64 made, 10 inserts apart:
+    the next is sent at the 5th insert from here."""
+    _insert(t, 0, 20)
+    t.sample(64, ahead=True)
+    _insert(t, 20, 30)
+    t.sample(64, ahead=True)
+    return t
+
+
 def _sample_calls(c) -> int:
     c.flush(keep_leases=True)  # every record sent, the SAMPLE too, applied
     return c.stats()["tables"]["t"]["sample_calls"]
@@ -109,13 +119,8 @@ def test_a_draw_sent_more_inserts_ago_than_the_last_interval_is_drawn_again(star
     longer ago (the program sampled without ``ahead`` for a while) is
     dropped and the call draws now (64 draws over 50 items miss the 15
     newest with probability 1e-10)."""
-    d = start_daemon(tables=[{"name": "t", "capacity": 64, "fields": FIELDS}])
-    with d.connect() as c:
-        t = c.table("t")
-        _insert(t, 0, 20)
-        t.sample(64, ahead=True)
-        _insert(t, 20, 30)
-        t.sample(64, ahead=True)  # interval 10: the next is sent at the 5th insert
+    with start_daemon(tables=[{"name": "t", "capacity": 64, "fields": FIELDS}]).connect() as c:
+        t = _paced(c.table("t"))
         _insert(t, 30, 50)  # sent with 0..34 in, then 15 more
         calls = _sample_calls(c)
         b = t.sample(64, ahead=True)
@@ -124,13 +129,8 @@ def test_a_draw_sent_more_inserts_ago_than_the_last_interval_is_drawn_again(star
 
 def test_a_wrong_out_leaves_the_draw_ahead_for_the_next_call(start_daemon):
     from shmreplay import ReplayError
-    d = start_daemon(tables=[{"name": "t", "capacity": 64, "fields": FIELDS}])
-    with d.connect() as c:
-        t = c.table("t")
-        _insert(t, 0, 20)
-        t.sample(64, ahead=True)
-        _insert(t, 20, 30)
-        t.sample(64, ahead=True)
+    with start_daemon(tables=[{"name": "t", "capacity": 64, "fields": FIELDS}]).connect() as c:
+        t = _paced(c.table("t"))
         _insert(t, 30, 35)  # the 5th sent one: 0..34 in
         small = t.sample(8)
         with pytest.raises(ReplayError, match="out= holds 8 rows"):

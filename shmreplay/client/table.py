@@ -162,18 +162,15 @@ class Table:
         far.  Waits up to ``timeout`` s (None: no limit) for the rate limiter.
         Values: numpy arrays or anything np.asarray converts (a tensor
         detached and on the CPU), cast per numpy's same_kind rule (rows.py)."""
-        if priority is None:
-            values = check_one(self._one, self._names, fields)
-            if values is not None:  # the usual item (rows.check_one): the short path
-                self._begin()
-                self._lease.write_one(values, deadline_of(timeout))
-                if self._draws.counting:
-                    self._draws.step()
-                return
-        arrays, _ = check_rows(self.spec, self._names, fields, batch=False)
-        prios = None if priority is None else self._priorities([priority], 1, "insert")
-        self._begin()
-        self._lease.write(arrays, 1, prios, True, deadline_of(timeout))
+        values = None if priority is not None else check_one(self._one, self._names, fields)
+        if values is not None:  # the usual item (rows.check_one): the short path
+            self._begin()
+            self._lease.write_one(values, deadline_of(timeout))
+        else:
+            arrays, _ = check_rows(self.spec, self._names, fields, batch=False)
+            prios = None if priority is None else self._priorities([priority], 1, "insert")
+            self._begin()
+            self._lease.write(arrays, 1, prios, True, deadline_of(timeout))
         if self._draws.counting:
             self._draws.step()
 

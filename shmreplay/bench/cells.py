@@ -43,7 +43,8 @@ from .workloads import WORKLOADS, Workload
 
 
 def _timed(fn, seconds: float, per_call: int = 1) -> float:
-    fn()  # warm-up
+    fn()  # warm-up: the first call of a writer reserves its slots,
+    fn()  # the second is the steady path (shmreplay's compiles its insert kernel on a new machine)
     n, t0 = 0, time.perf_counter()
     while time.perf_counter() - t0 < seconds:
         fn()

@@ -37,8 +37,11 @@ thread at a time, the client's.
 
 from __future__ import annotations
 
+from os import getpid
+
 from ..errors import CapacityError, DaemonUnavailable, RateLimited, ReplayError
 from ..wire import records as R
+from .addone import OneAdd
 from .pipe import in_slices
 
 
@@ -60,6 +63,7 @@ class SlotLease:
         self._table_id = 0
         self._view_list: list = []
         self._words = self._epoch = None
+        self._one = OneAdd()  # add_one's kernel, bound with the views
 
     # ---- state ----
     def bind(self, table_id: int, views: dict, view_list: list, words, epoch: int) -> None:
@@ -70,6 +74,7 @@ class SlotLease:
         self._table_id = table_id
         self.views = views
         self._view_list = view_list
+        self._one.bind(view_list, words)
         self._words, self._epoch = words, epoch
 
     def begin(self) -> None:
@@ -210,6 +215,28 @@ class SlotLease:
         session = self._session
         session.dirty = True
         session.pipe.commit_one(self._table_id, rid, pos)
+
+    def add_one(self, values: tuple) -> bool:
+        """``write_one`` without its row check or the session's prologue,
+        for values in field order: one kernel checks, stores and commits
+        (``addone.OneAdd``).  False with nothing written where that cannot
+        be (no slot leased, a fork, a deferred error, replies waiting, a
+        value of a type or shape the kernel does not take): the caller then
+        checks the row and takes ``write_one``, which handles each."""
+        cur = self.cur
+        session = self._session
+        pipe = session.pipe
+        if (cur is None or pipe is None or pipe.deferred is not None or session.pid != getpid()
+                or session.closed):
+            return False
+        rid, slots, pos, _ = cur
+        if self.ahead is None and slots.shape[0] - pos <= self.size // 2 + 1:
+            self._ask_ahead(1, pos + 1)  # before the copy, as ``write`` does
+        if not self._one.add(pipe, self._table_id, rid, slots, pos, values, self._epoch):
+            return False
+        cur[2] = pos + 1
+        session.dirty = True
+        return True
 
     # ---- writers: items that stay open across calls ----
     def take(self, deadline: float | None) -> tuple[int, int, int]:

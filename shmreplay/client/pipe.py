@@ -26,7 +26,8 @@ from ..errors import RateLimited, ReplayError, ReplayTimeout
 from ..wire import atomics, commitrun
 from ..wire.channel import ASLEEP_WAITING, CTL_RESP_HEAD, Channel, drain
 from ..wire.channel import ring as ring_bell
-from ..wire.records import put_commit, read_error
+from ..wire.records import COMMIT, put_commit, read_error
+from .addone import REPLIES, RING_FULL, add_one
 from .link import ControlLink
 
 # Spin budget before sleeping on the doorbell, set from how long the last
@@ -116,6 +117,33 @@ class CommandPipe:
             return
         self.seq = seq
         self._published(sleeping, False)
+
+    def add_row(self, table: int, rid: int, pos: int, slots, views: tuple, values: tuple,
+                live, epoch: int) -> bool:
+        """``addone.add_one``: store ``values`` as the row of ``slots[pos]``
+        and COMMIT it (``commit_one``'s record), in one kernel, after
+        reading replies that came (``drain``).  False with nothing written
+        when it cannot (a deferred error, the epoch moved, a value does not
+        fit: the caller takes the checked path); a row stored when the ring
+        has no room is committed by ``send``."""
+        resp = self.resp
+        seq = self.seq + 1
+        ring = self.req.kernel_args()
+        got = add_one(views, values, slots, pos, live, epoch, resp.ctl, resp.head_w, resp.tail,
+                      *ring, COMMIT, table, seq, rid)
+        if got == REPLIES:  # read them, as the checked path's prologue would (Session.begin)
+            self.drain()
+            if self.deferred is not None:
+                return False
+            got = add_one(views, values, slots, pos, live, epoch, resp.ctl, resp.head_w, resp.tail,
+                          *ring, COMMIT, table, seq, rid)
+        if got >= 0:
+            self.req.kernel_published()
+            self.seq = seq
+            self._published(got, False)
+        elif got == RING_FULL:
+            self.send(put_commit, table, rid, 1, pos, None, wake=False)
+        return got >= RING_FULL
 
     def _published(self, sleeping: int, wake: bool) -> None:
         """A record is published and the daemon's sleeping word read back:

@@ -45,6 +45,18 @@ def check_one(fields: list, names: frozenset, data) -> list | None:
     return out
 
 
+def in_order(data: dict, order: tuple, names: frozenset) -> tuple | None:
+    """``data``'s values in field order (``order``: the field names in it;
+    ``names``: the same as a set), or None if its keys are not the fields.
+    Keyword arguments come in the caller's order, most often the table's:
+    that case costs one comparison."""
+    if tuple(data) == order:
+        return tuple(data.values())
+    if data.keys() == names:
+        return tuple(map(data.__getitem__, order))
+    return None
+
+
 def one_row_fields(spec: TableSpec) -> list:
     """``check_one``'s view of a table's fields: (name, dtype, shape, the
     scalar types it takes as they are) in field order.  A field of shape ()

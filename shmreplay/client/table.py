@@ -42,7 +42,7 @@ from .lease import SlotLease
 from .leases import TableLeases
 from .pipe import deadline_of, in_slices
 from .retry import retried, with_retries
-from .rows import check_one, check_rows, one_row_fields
+from .rows import check_one, check_rows, in_order, one_row_fields
 
 
 class Table:
@@ -62,6 +62,7 @@ class Table:
         self.name = self.spec.name
         self._fields = self.spec.fields
         self._names = frozenset(f.name for f in self._fields)
+        self._order = tuple(f.name for f in self._fields)
         self._one = one_row_fields(self.spec)  # rows.check_one's
         self._map = None
         self._draws = TableDraws(session, self._fields)
@@ -162,9 +163,11 @@ class Table:
         far.  Waits up to ``timeout`` s (None: no limit) for the rate limiter.
         Values: numpy arrays or anything np.asarray converts (a tensor
         detached and on the CPU), cast per numpy's same_kind rule (rows.py)."""
-        values = None if priority is not None else check_one(self._one, self._names, fields)
-        if values is not None:  # the usual item (rows.check_one): the short path
-            self._begin()
+        if priority is None and (ordered := in_order(fields, self._order, self._names)) and (
+                self._lease.add_one(ordered)):
+            pass  # the usual item, checked, stored and committed by one kernel (addone.py)
+        elif (values := None if priority is not None else check_one(self._one, self._names, fields)):
+            self._begin()  # what that kernel does not take, or not now (SlotLease.add_one)
             self._lease.write_one(values, deadline_of(timeout))
         else:
             arrays, _ = check_rows(self.spec, self._names, fields, batch=False)

@@ -169,6 +169,16 @@ class Ring:
         or a later wake-up."""
         return int(atomics.store_then_load(self.ctl, self.head_w, self.head, self.sleeping_w))
 
+    def kernel_args(self) -> tuple:
+        """(words, ctl, head, tail_w, head_w, sleeping_w): what a kernel that
+        writes and publishes the next record takes, as ``put_commit_one``
+        does (``client.addone``); it calls ``kernel_published`` after."""
+        return self.words(), self.ctl, self.head, self.tail_w, self.head_w, self.sleeping_w
+
+    def kernel_published(self) -> None:
+        """A kernel given ``kernel_args`` wrote and published one record."""
+        self.head += 1
+
     def commit_one(self, table: int, seq: int, rid: int, offset: int) -> int:
         """``records.put_commit(ring, seq, table, rid, 1, offset, None)`` then
         ``publish()``, in one kernel (``commitrun.put_commit_one``): what

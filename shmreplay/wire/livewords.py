@@ -35,9 +35,10 @@ class LiveWords:
     plain Python int (cheaper on a writer's hot path than a numpy scalar);
     the engine thread is the only writer."""
 
-    __slots__ = ("_w", "_mass")
+    __slots__ = ("_w", "_mass", "words")
 
     def __init__(self, words: np.ndarray):
+        self.words = words  # uint64[LIVE_WORDS], for kernels (``client.addone``)
         self._w = memoryview(words).cast("B").cast("Q")
         self._mass = words[LIVE_MASS:LIVE_MASS + 1].view(np.float64)
 

@@ -1,0 +1,202 @@
+"""The one-kernel insert (``client.addone``) against the checked path, its
+reference twin: ``rows.check_rows`` and a numpy store (``view[slot] =
+array``), as ``test_row_checks.py`` holds ``check_one`` to.
+
+* What the kernel takes, decided from numba types (``value_fits``), is
+  only what ``check_rows`` takes: over a grid of values (Python and numpy
+  scalars, arrays of every numeric dtype and a few shapes, in and out of
+  range) and fields of every numeric dtype.
+* What it stores is byte for byte what the checked path stores, for values
+  hypothesis draws (NaN, infinities, integers that wrap), for four fixed
+  combinations of value types (each combination compiles once).
+* Through a real daemon: an SB3-style add takes the kernel and the rows
+  come back whole; values it does not take (a list, an object numba cannot
+  type, a wrong shape) take the checked path, which stores or explains.
+"""
+
+import numba
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from shmreplay.client import addone, pipe as pipemod
+from shmreplay.client.rows import check_rows
+from shmreplay.errors import FieldError
+from shmreplay.schema import make_spec
+
+NUMERIC = ["bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64",
+           "float16", "float32", "float64"]
+
+
+def _grid_values():
+    out = [True, 0, -1, 7, 2**31, 2**63 - 1, 2**63, -2**63, 1.5, float("nan"), 1e300]
+    for dt in NUMERIC:
+        out.append(np.asarray(3).astype(dt)[()])         # a numpy scalar
+        for shape in [(), (4,), (2, 2), (3,)]:
+            out.append(np.ones(shape, dt))
+    out.append(np.arange(8, dtype=np.float32)[::2])      # not contiguous
+    return out
+
+
+def _checked(dtype, shape, value):
+    """Does check_rows take ``value`` for a field of ``dtype`` and ``shape``?"""
+    spec = make_spec("grid", 4, {"f": (dtype, shape)}, sampler="uniform")
+    try:
+        check_rows(spec, frozenset(["f"]), {"f": value}, batch=False)
+    except FieldError:
+        return False
+    return True
+
+
+def test_the_kernel_takes_only_what_the_checked_path_takes():
+    """For every field dtype and shape, and every value of the grid numba can
+    type: if the kernel's rule takes it (a scalar, or an array of the
+    field's shape), check_rows takes it too; float16 is never the kernel's."""
+    taken = 0
+    for dtype in NUMERIC:
+        for shape in [(), (4,), (2, 2)]:
+            view_ty = numba.typeof(np.zeros((2, *shape), dtype))
+            for value in _grid_values():
+                try:
+                    value_ty = numba.typeof(value)
+                except (ValueError, TypeError, OverflowError):
+                    continue  # numba cannot type it: add_one is never called with it
+                fits = addone.value_fits(view_ty, value_ty)
+                if fits == "shape":
+                    fits = np.shape(value) == shape
+                if fits:
+                    taken += 1
+                    assert _checked(dtype, shape, value), (dtype, shape, value)
+                    assert "float16" not in (dtype, getattr(value, "dtype", None))
+    assert taken > 100  # the rule takes the usual cases, not nothing
+
+
+FIELDS = {"obs": ("float32", (4,)), "i8": ("int8", ()), "i32": ("int32", ()), "f32": ("float32", ()),
+          "f64": ("float64", ()), "b": ("bool", ()), "u16": ("uint16", ()), "img": ("uint8", (2, 2))}
+SPEC = make_spec("twin", 4, FIELDS, sampler="uniform")
+ORDER = tuple(FIELDS)
+
+# four combinations of value types (numba compiles one kernel each):
+# arrays of the field's dtype and Python scalars; arrays that narrow and
+# numpy scalars that wrap; 0-d arrays and bools into numbers; arrays that
+# are not C-contiguous
+def _w(x, dtype):
+    """x cast to ``dtype`` as numpy casts (wrapping): a numpy scalar, or an array."""
+    with np.errstate(over="ignore", invalid="ignore"):
+        a = np.asarray(x).astype(dtype)
+    return a[()] if a.ndim == 0 else a
+
+
+COMBOS = [
+    (lambda x, i, f: (np.full(4, f, np.float32), i, i, f, f, bool(i % 2), _w(i, np.uint16),
+                      np.full((2, 2), i % 256, np.uint8))),
+    (lambda x, i, f: (np.full(4, f, np.float64), np.int64(i), np.int64(i), np.float64(f), np.float32(f),
+                      np.bool_(i % 2), _w(i, np.uint8), _w(np.full((2, 2), i), np.uint16))),
+    (lambda x, i, f: (np.arange(4, dtype=np.int16) + x, np.asarray(_w(i, np.int16)), np.asarray(i % 2 == 0),
+                      np.asarray(f), True, np.asarray(i % 3 == 0), _w(x, np.uint8), np.ones((2, 2), np.bool_))),
+    # arrays that are not C-contiguous (numba's strided store, not the flat copy)
+    (lambda x, i, f: (np.full(8, f, np.float32)[::2], i, i, f, f, False, _w(i, np.uint16),
+                      np.asfortranarray(_w(np.arange(4).reshape(2, 2) + i, np.uint8)))),
+]
+
+
+def _scratch():
+    """Views of a 4-slot table and a scratch request ring for the kernel."""
+    views = tuple(np.zeros((4, *shape), dtype) for dtype, shape in FIELDS.values())
+    return views, np.zeros((8, 8), np.uint64), np.zeros(8, np.uint64)
+
+
+def _kernel_store(values):
+    views, words, ctl = _scratch()
+    got = addone.add_one(views, values, np.array([2, 3]), 0, np.zeros(16, np.uint64), 0,
+                         np.zeros(4, np.uint64), 1, 0, words, ctl, 0, 0, 1, 2, 2, 1, 1, 7)
+    return got, [v[2].tobytes() for v in views], words[0]
+
+
+def _numpy_store(values):
+    with np.errstate(over="ignore", invalid="ignore"):
+        arrays, _ = check_rows(SPEC, frozenset(FIELDS), dict(zip(ORDER, values)), batch=False)
+        views, _, _ = _scratch()
+        for view, a in zip(views, arrays):
+            view[2] = a
+    return [v[2].tobytes() for v in views]
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.sampled_from(range(len(COMBOS))), st.integers(-5, 5),
+       st.one_of(st.integers(-2**40, 2**40), st.sampled_from([127, 128, -129, 2**31, 2**32 + 5, 65536])),
+       st.floats(allow_nan=True, allow_infinity=True, width=64))
+def test_the_kernel_stores_what_the_checked_path_stores(combo, x, i, f):
+    values = COMBOS[combo](x, i, f)
+    with np.errstate(over="ignore", invalid="ignore"):
+        got, rows, record = _kernel_store(values)
+    assert got == 0  # stored and published (the scratch consumer is awake)
+    assert rows == _numpy_store(values)
+    assert int(record[0]) & 0xFFFF == 2 and int(record[4]) == 0  # a COMMIT of position 0 (op, a2)
+
+
+def test_the_kernel_writes_nothing_it_refuses():
+    """A wrong shape, a value of a kind that does not cast (a float for an
+    int8), replies waiting, a moved epoch, a position past the reservation,
+    a slot past the table: nothing stored, no record published."""
+    good = COMBOS[0](0, 3, 1.5)
+    cases = {
+        "shape": (good[:7] + (np.zeros((2, 3), np.uint8),), {}),
+        "kind": ((good[0], 1.5) + good[2:], {}),
+        "replies": (good, {"resp_head": 1}),
+        "epoch": (good, {"epoch": 1}),
+        "past": (good, {"pos": 2}),
+        "slot": (good, {"slots": np.array([4, 5])}),
+    }
+    for name, (values, kw) in cases.items():
+        views, words, ctl = _scratch()
+        resp = np.zeros(4, np.uint64)
+        resp[1] = kw.get("resp_head", 0)
+        got = addone.add_one(views, values, kw.get("slots", np.array([2, 3])), kw.get("pos", 0),
+                             np.zeros(16, np.uint64), kw.get("epoch", 0), resp, 1, 0,
+                             words, ctl, 0, 0, 1, 2, 2, 1, 1, 7)
+        assert got in (addone.REFUSED, addone.NOT_NOW, addone.REPLIES), name
+        assert all(not v.any() for v in views) and not words.any() and not ctl.any(), name
+
+
+@pytest.fixture
+def table(client):
+    return client.create_table("t", capacity=4096, sampler="fifo", max_times_sampled=1,
+                               fields={"obs": ("float32", (4,)), "action": ("int64", ()),
+                                       "reward": ("float32", ()), "done": ("bool", ())})
+
+
+def test_an_sb3_style_add_takes_the_kernel_and_what_it_declines_takes_the_checked_path(table, monkeypatch):
+    calls = []
+    kernel = pipemod.add_one
+
+    def counted(*args):
+        calls.append(args[1])  # the values
+        return kernel(*args)
+    monkeypatch.setattr(pipemod, "add_one", counted)
+    obs = np.arange(4, dtype=np.float32)
+    for i in range(200):
+        table.insert(obs=obs + i, action=i, reward=0.5 * i, done=bool(i % 2))
+    in_kernel = len(calls)
+    assert in_kernel > 150  # all but the calls that turn a lease over
+    table.insert(obs=[1.0, 2.0, 3.0, 4.0], action=200, reward=100.0, done=False)  # a list: checked path
+    table.insert(done=True, reward=np.float32(100.5), action=np.int64(201), obs=obs + 201)  # another order
+    with pytest.raises(FieldError, match="obs"):
+        table.insert(obs=np.zeros(3, np.float32), action=1, reward=0.0, done=False)
+    assert len(calls) > in_kernel  # the other order did, through the kernel
+    assert not any(isinstance(v, list) for values in calls for v in values)  # the list never did
+    table.flush()
+    b = table.sample(202, timeout=10)
+    order = np.argsort(b.data["action"])
+    actions = b.data["action"][order]
+    assert actions.tolist() == list(range(202))
+    expect = np.arange(4, dtype=np.float32) + actions[:, None].astype(np.float32)
+    expect[200] = [1.0, 2.0, 3.0, 4.0]
+    assert (b.data["obs"][order] == expect).all()
+    rewards = (0.5 * actions).astype(np.float32)
+    rewards[200], rewards[201] = 100.0, 100.5
+    assert (b.data["reward"][order] == rewards).all()
+    dones = actions % 2 == 1
+    dones[201] = True
+    assert (b.data["done"][order] == dones).all()

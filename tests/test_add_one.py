@@ -14,12 +14,15 @@ array``), as ``test_row_checks.py`` holds ``check_one`` to.
   type, a wrong shape) take the checked path, which stores or explains.
 """
 
+import time
+
 import numba
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import shmreplay
 from shmreplay.client import addone, pipe as pipemod
 from shmreplay.client.rows import check_rows
 from shmreplay.errors import FieldError
@@ -61,7 +64,7 @@ def test_the_kernel_takes_only_what_the_checked_path_takes():
                 try:
                     value_ty = numba.typeof(value)
                 except (ValueError, TypeError, OverflowError):
-                    continue  # numba cannot type it: add_one is never called with it
+                    continue  # numba's dispatch raises, nothing runs (OneAdd then declines them)
                 fits = addone.value_fits(view_ty, value_ty)
                 if fits == "shape":
                     fits = np.shape(value) == shape
@@ -167,25 +170,32 @@ def table(client):
                                        "reward": ("float32", ()), "done": ("bool", ())})
 
 
-def test_an_sb3_style_add_takes_the_kernel_and_what_it_declines_takes_the_checked_path(table, monkeypatch):
-    calls = []
+def _answers(monkeypatch) -> list:
+    """The kernel's answers to every call the client makes of it."""
+    got = []
     kernel = pipemod.add_one
 
     def counted(*args):
-        calls.append(args[1])  # the values
-        return kernel(*args)
+        got.append((args[1], kernel(*args)))
+        return got[-1][1]
     monkeypatch.setattr(pipemod, "add_one", counted)
+    return got
+
+
+def test_an_sb3_style_add_takes_the_kernel_and_what_it_declines_takes_the_checked_path(table, monkeypatch):
+    calls = _answers(monkeypatch)
     obs = np.arange(4, dtype=np.float32)
     for i in range(200):
         table.insert(obs=obs + i, action=i, reward=0.5 * i, done=bool(i % 2))
-    in_kernel = len(calls)
-    assert in_kernel > 150  # all but the calls that turn a lease over
+    assert sum(answer >= 0 for _, answer in calls) > 150  # stored: all but the calls that turn a lease over
     table.insert(obs=[1.0, 2.0, 3.0, 4.0], action=200, reward=100.0, done=False)  # a list: checked path
+    before = len(calls)
     table.insert(done=True, reward=np.float32(100.5), action=np.int64(201), obs=obs + 201)  # another order
+    assert calls[before:] and calls[-1][1] >= 0  # stored by the kernel too
     with pytest.raises(FieldError, match="obs"):
         table.insert(obs=np.zeros(3, np.float32), action=1, reward=0.0, done=False)
-    assert len(calls) > in_kernel  # the other order did, through the kernel
-    assert not any(isinstance(v, list) for values in calls for v in values)  # the list never did
+    assert calls[-1][1] == addone.REFUSED
+    assert not any(isinstance(v, list) for values, _ in calls for v in values)  # the list never reached numba
     table.flush()
     b = table.sample(202, timeout=10)
     order = np.argsort(b.data["action"])
@@ -200,3 +210,77 @@ def test_an_sb3_style_add_takes_the_kernel_and_what_it_declines_takes_the_checke
     dones = actions % 2 == 1
     dones[201] = True
     assert (b.data["done"][order] == dones).all()
+
+
+def test_values_numba_would_store_wrong_take_the_checked_path_and_the_kernel_stays_on(table, monkeypatch):
+    """A big-endian array: numba's dispatch keys a tuple's arrays by dtype
+    number, not byte order, so a kernel compiled for native float32 would
+    store its bytes unswapped; it goes to the checked path, which stores
+    it right.  An int past int64's range for a kernel compiled for int64
+    (numba's unboxing overflows): the checked path too, which wraps it as
+    numpy does.  An object array fails numba's typing and is refused by
+    the checked path.  Later native values of the same Python types still
+    take the kernel."""
+    calls = _answers(monkeypatch)
+    obs = np.arange(4, dtype=np.float32)
+    for i in range(3):
+        table.insert(obs=obs + i, action=i, reward=0.0, done=False)
+    for i in range(3, 6):
+        table.insert(obs=(np.arange(4) + i).astype(">f4"), action=i, reward=0.0, done=False)
+    table.insert(obs=obs + 6, action=2**63 + 6, reward=0.0, done=False)
+    with pytest.raises(FieldError):  # an object array: numba's typing fails, check_rows explains
+        table.insert(obs=np.arange(4).astype(object), action=8, reward=0.0, done=False)
+    tried = len(calls)
+    assert not any(values[0].dtype.byteorder == ">" for values, _ in calls)
+    table.insert(obs=obs + 7, action=7, reward=0.0, done=False)
+    assert len(calls) > tried and calls[-1][1] >= 0
+    table.flush()
+    b = table.sample(8, timeout=10)
+    order = np.argsort(b.data["obs"][:, 0])
+    assert (b.data["obs"][order] == np.arange(4, dtype=np.float32) + np.arange(8)[:, None]).all()
+    assert b.data["action"][order].tolist() == [0, 1, 2, 3, 4, 5, -2**63 + 6, 7]
+
+
+def test_a_bad_timeout_is_refused_on_the_kernels_path_too(table):
+    obs = np.arange(4, dtype=np.float32)
+    table.insert(obs=obs, action=0, reward=0.0, done=False)  # a lease: the next goes to the kernel
+    with pytest.raises(shmreplay.ReplayError, match="timeout"):
+        table.insert(obs=obs, action=1, reward=0.0, done=False, timeout=-1)
+
+
+def test_an_error_reply_waiting_is_raised_by_the_next_insert(start_daemon, monkeypatch):
+    """The daemon voids a stalled writer's lease and refuses the COMMIT
+    the kernel sent for it; once that reply is in the ring, the next
+    insert reads it (as the checked path's prologue does) and raises it,
+    and the one after inserts into a new lease."""
+    fields = {"obs": ("float32", (4,)), "action": ("int64", ())}
+    table = {"capacity": 4096, "fields": fields, "sampler": "fifo", "max_times_sampled": 1}
+    d = start_daemon(tables=[dict(table, name="t"), dict(table, name="warm")], reservation_timeout_s=0.5)
+    calls = _answers(monkeypatch)
+    with d.connect() as c:
+        c.lazy_commits = False  # every COMMIT wakes the daemon: its refusal comes without a flush
+        obs = np.zeros(4, np.float32)
+        try:  # the kernel for these types, compiled before t leases (seconds on a new machine,
+            for i in range(3):  # past reservation_timeout_s: then these items are refused)
+                c.table("warm").insert(obs=obs, action=i)
+            c.flush()
+        except shmreplay.ReservationExpired:
+            pass
+        t = c.table("t")
+        t.insert(obs=obs, action=0)  # leases 16 slots
+        t.insert(obs=obs, action=1)
+        deadline = time.monotonic() + 30
+        while c.stats()["tables"]["t"]["voided"] == 0:
+            assert time.monotonic() < deadline, "the daemon did not void the lease"
+            time.sleep(0.05)
+        t.insert(obs=obs, action=2)  # into the void lease: the kernel stores it, the daemon refuses it
+        assert calls[-1][1] >= 0
+        pipe = c._session.pipe
+        while not pipe.resp.has_pending():
+            assert time.monotonic() < deadline, "no reply to the refused COMMIT"
+            time.sleep(0.01)
+        with pytest.raises(shmreplay.ReservationExpired, match="1 items were not stored"):
+            t.insert(obs=obs, action=3)  # raised before anything is written
+        t.insert(obs=obs, action=4)
+        c.flush()
+        assert sorted(t.sample(3, timeout=10).data["action"].tolist()) == [0, 1, 4]

@@ -20,15 +20,23 @@ numba type against its field's view, never from the value's bytes:
 
 That is what ``rows.check_rows`` accepts of these types, and the row stored
 is the one ``view[slot] = np.asarray(value)`` stores (the casts are the
-same C casts: rounding to nearest, integers wrapping); the twin in
+same C casts: rounding to nearest, integers wrapping; one exception: a bool
+array whose bytes are not 0 or 1, a uint8 array viewed as bool, is stored
+as 0 and 1, where numpy copies its bytes); the twin in
 tests/test_add_one.py holds it to that, byte for byte.  Anything else (a
-float16 field, a list, a tensor) is refused (-2) or cannot be typed at all
-(numba raises): the caller takes ``check_rows``'s path, which converts or
-explains.  Each combination of value types compiles once a machine
-(numba's cache, ~1-5 s the first time); ``OneAdd`` lets only arrays and
-numeric scalars reach numba's typing (a list or a tensor never does, which
-would compile a reflected list or raise on every call), and remembers
-combinations numba cannot type.
+float16 field, a list, a tensor) is refused (-2) or never handed to it:
+the caller takes ``check_rows``'s path, which converts or explains.
+
+``OneAdd`` decides what reaches numba's dispatch, because the dispatch does
+not check everything: it lets only arrays of the native byte order and
+numeric scalars through (a list would compile a reflected list, a tensor
+fail numba's typing, ~2.5 ms a try; and the dispatch keys a tuple's arrays
+by dtype number alone, so a big-endian array would run a kernel compiled
+for native ones and store its bytes unswapped), remembers combinations of
+types numba's typing refused, and takes an int past int64's range (numba's
+unboxing overflows, nothing runs) to ``check_rows`` for that call.  Each
+combination of value types numba sees compiles once a machine (numba's
+cache: 2.7-5.4 s here the first time, ~15 ms to load in a new process).
 
 Who calls it: ``pipe.CommandPipe.add_row`` for ``OneAdd``, for
 ``lease.SlotLease.add_one``, on the client's thread (the ring's producer
@@ -186,37 +194,52 @@ KERNEL_TYPES = frozenset([np.ndarray, float, int, bool]
                          + [np.dtype(c).type for c in "?bhilqBHILQfd"])
 
 
+_UNSEEN = object()
+
+
 class OneAdd:
     """``add_one`` bound to one table's views, for one lease
     (``lease.SlotLease.add_one``): what it owns is the views as a tuple and
-    which Python types of values it has handed to the kernel.  The
+    its verdicts on the Python types of values it was handed.  The
     lease's thread only."""
 
     def __init__(self):
-        self._views: tuple = ()
+        self._views: tuple | None = None
         self._live = None
-        self._kinds: dict = {}  # tuple(map(type, values)) -> whether add_one may be called with them
+        # tuple(map(type, values)) -> the positions of its arrays, or None:
+        # never handed to the kernel (a list, a tensor, or types numba refused)
+        self._kinds: dict = {}
 
     def bind(self, views: list, live) -> None:
         """The table's field views (field order) and its live words
-        (``wire.livewords.LiveWords``), as mapped now."""
-        self._views = tuple(views)
-        self._live = None if live is None else live.words  # none: a retired table (no slot is leased)
+        (``wire.livewords.LiveWords``), as mapped now.  A table with a field
+        no value fits in the kernel (float16, complex, a datetime) never
+        calls it: each insert would pay its dispatch to be refused."""
+        usable = all(v.dtype.kind in "biuf" and v.dtype != np.float16 for v in views)
+        self._views = tuple(views) if usable and views else None
+        self._live = None if live is None else live.words
 
-    def add(self, pipe, table: int, rid: int, slots, pos: int, values: tuple, epoch: int) -> bool:
-        """Store ``values`` as the row of ``slots[pos]`` and COMMIT it on
-        ``pipe`` (``CommandPipe.add_row``); False with nothing written if the
-        kernel does not take them, or not now."""
+    def add(self, pipe, table: int, rid: int, slots, pos: int, values: tuple, epoch: int) -> int:
+        """Store ``values`` as the row of ``slots[pos]`` and publish its
+        COMMIT on ``pipe`` (``CommandPipe.add_row``, whose answer this is),
+        or ``NOT_NOW`` with nothing written if the kernel does not take
+        these values."""
         kinds = tuple(map(type, values))
-        ok = self._kinds.get(kinds)
-        if ok is None:
-            ok = self._kinds[kinds] = all(k in KERNEL_TYPES for k in kinds)
-        if not ok:
-            return False
+        arrays = self._kinds.get(kinds, _UNSEEN)
+        if arrays is _UNSEEN:
+            arrays = self._kinds[kinds] = (
+                tuple(i for i, k in enumerate(kinds) if k is np.ndarray)
+                if all(k in KERNEL_TYPES for k in kinds) else None)
+        if arrays is None or self._views is None:
+            return NOT_NOW
+        for i in arrays:
+            if not values[i].dtype.isnative:  # numba would store another byte order's bytes as they are
+                return NOT_NOW
         try:
             return pipe.add_row(table, rid, pos, slots, self._views, values, self._live, epoch)
-        except NumbaError:  # numba cannot type these values (a structured array, say)
-            self._kinds[kinds] = False
-        except (TypeError, ValueError, OverflowError):  # nor these (an int past uint64): this call only
-            pass
-        return False
+        except OverflowError:  # numba's unboxing of an int past int64: this call only, nothing ran
+            return NOT_NOW
+        except NumbaError:  # its typing refused these values (nothing ran)
+            if not any(type(v) is np.ndarray and v.dtype.hasobject for v in values):
+                self._kinds[kinds] = None  # these types, never again; an object array
+            return NOT_NOW  # (which check_rows refuses) for this call only

@@ -41,7 +41,7 @@ from os import getpid
 
 from ..errors import CapacityError, DaemonUnavailable, RateLimited, ReplayError
 from ..wire import records as R
-from .addone import OneAdd
+from .addone import RING_FULL, OneAdd
 from .pipe import in_slices
 
 
@@ -220,9 +220,10 @@ class SlotLease:
         """``write_one`` without its row check or the session's prologue,
         for values in field order: one kernel checks, stores and commits
         (``addone.OneAdd``).  False with nothing written where that cannot
-        be (no slot leased, a fork, a deferred error, replies waiting, a
-        value of a type or shape the kernel does not take): the caller then
-        checks the row and takes ``write_one``, which handles each."""
+        be (no slot left in the reservation, the epoch moved, a fork, a
+        deferred error, a value of a type or shape the kernel does not
+        take): the caller then checks the row and takes ``write_one``,
+        which handles each."""
         cur = self.cur
         session = self._session
         pipe = session.pipe
@@ -231,11 +232,16 @@ class SlotLease:
             return False
         rid, slots, pos, _ = cur
         if self.ahead is None and slots.shape[0] - pos <= self.size // 2 + 1:
-            self._ask_ahead(1, pos + 1)  # before the copy, as ``write`` does
-        if not self._one.add(pipe, self._table_id, rid, slots, pos, values, self._epoch):
+            if pos >= slots.shape[0] or self._words.epoch != self._epoch:
+                return False  # ``write`` reserves, or raises for a lease a restarted daemon voided
+            self._ask_ahead(1, pos + 1)  # before the copy, as ``write`` does (the kernel
+            # refuses a used-up reservation or a moved epoch whatever the branch)
+        got = self._one.add(pipe, self._table_id, rid, slots, pos, values, self._epoch)
+        if got < RING_FULL:
             return False
-        cur[2] = pos + 1
+        cur[2] = pos + 1  # the slot is written (and its COMMIT out, or owed): never again
         session.dirty = True
+        pipe.row_added(got, self._table_id, rid, pos)
         return True
 
     # ---- writers: items that stay open across calls ----

@@ -119,13 +119,14 @@ class CommandPipe:
         self._published(sleeping, False)
 
     def add_row(self, table: int, rid: int, pos: int, slots, views: tuple, values: tuple,
-                live, epoch: int) -> bool:
+                live, epoch: int) -> int:
         """``addone.add_one``: store ``values`` as the row of ``slots[pos]``
-        and COMMIT it (``commit_one``'s record), in one kernel, after
-        reading replies that came (``drain``).  False with nothing written
-        when it cannot (a deferred error, the epoch moved, a value does not
-        fit: the caller takes the checked path); a row stored when the ring
-        has no room is committed by ``send``."""
+        and write and publish its COMMIT (``commit_one``'s record), in one
+        kernel, after reading replies that came (``drain``).  Returns the
+        kernel's answer: >= 0 (published: the caller advances its lease,
+        then calls ``row_added``), ``RING_FULL`` (the row is stored, the
+        COMMIT not: likewise), or below (nothing written; also after a
+        deferred error came: the checked path raises it)."""
         resp = self.resp
         seq = self.seq + 1
         ring = self.req.kernel_args()
@@ -134,16 +135,22 @@ class CommandPipe:
         if got == REPLIES:  # read them, as the checked path's prologue would (Session.begin)
             self.drain()
             if self.deferred is not None:
-                return False
+                return REPLIES
             got = add_one(views, values, slots, pos, live, epoch, resp.ctl, resp.head_w, resp.tail,
                           *ring, COMMIT, table, seq, rid)
-        if got >= 0:
+        if got >= 0:  # the head and seq as the kernel left them, before anything can raise
             self.req.kernel_published()
             self.seq = seq
+        return got
+
+    def row_added(self, got: int, table: int, rid: int, pos: int) -> None:
+        """After ``add_row`` answered ``got`` >= ``RING_FULL``: ring the
+        daemon's doorbell if it is owed, or send the COMMIT that found the
+        ring full (waiting for room, as ``send`` does)."""
+        if got >= 0:
             self._published(got, False)
-        elif got == RING_FULL:
+        else:
             self.send(put_commit, table, rid, 1, pos, None, wake=False)
-        return got >= RING_FULL
 
     def _published(self, sleeping: int, wake: bool) -> None:
         """A record is published and the daemon's sleeping word read back:

@@ -163,17 +163,18 @@ class Table:
         far.  Waits up to ``timeout`` s (None: no limit) for the rate limiter.
         Values: numpy arrays or anything np.asarray converts (a tensor
         detached and on the CPU), cast per numpy's same_kind rule (rows.py)."""
+        deadline = None if timeout is None else deadline_of(timeout)  # a bad one raises on every path
         if priority is None and (ordered := in_order(fields, self._order, self._names)) and (
                 self._lease.add_one(ordered)):
             pass  # the usual item, checked, stored and committed by one kernel (addone.py)
         elif (values := None if priority is not None else check_one(self._one, self._names, fields)):
             self._begin()  # what that kernel does not take, or not now (SlotLease.add_one)
-            self._lease.write_one(values, deadline_of(timeout))
+            self._lease.write_one(values, deadline)
         else:
             arrays, _ = check_rows(self.spec, self._names, fields, batch=False)
             prios = None if priority is None else self._priorities([priority], 1, "insert")
             self._begin()
-            self._lease.write(arrays, 1, prios, True, deadline_of(timeout))
+            self._lease.write(arrays, 1, prios, True, deadline)
         if self._draws.counting:
             self._draws.step()
 

@@ -14,6 +14,8 @@ array``), as ``test_row_checks.py`` holds ``check_one`` to.
   type, a wrong shape) take the checked path, which stores or explains.
 """
 
+import os
+import signal
 import time
 
 import numba
@@ -24,9 +26,12 @@ from hypothesis import strategies as st
 
 import shmreplay
 from shmreplay.client import addone, pipe as pipemod
+from shmreplay.client.lease import SlotLease
 from shmreplay.client.rows import check_rows
 from shmreplay.errors import FieldError
 from shmreplay.schema import make_spec
+
+from waiting import all_threads_stopped, wait_for
 
 NUMERIC = ["bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64",
            "float16", "float32", "float64"]
@@ -284,3 +289,45 @@ def test_an_error_reply_waiting_is_raised_by_the_next_insert(start_daemon, monke
         t.insert(obs=obs, action=4)
         c.flush()
         assert sorted(t.sample(3, timeout=10).data["action"].tolist()) == [0, 1, 4]
+
+
+def test_single_inserts_ask_for_the_next_lease_without_waking_a_sleeping_daemon(start_daemon, monkeypatch):
+    """The RESERVE a lease asks ahead at half time rides with the lazy
+    COMMITs when the lease outlasts the lazy bound (``LAZY_MAX`` records:
+    a bell comes before the lease runs out), so single inserts wake a
+    sleeping daemon only at that bound; a batch's ask-ahead still rings.
+    The daemon is stopped asleep, so every publish sees it sleeping."""
+    fields = {"obs": ("float32", (4,)), "action": ("int64", ())}
+    d = start_daemon(tables=[{"name": "t", "capacity": 10000, "fields": fields}])  # leases of 39
+    with d.connect() as c:
+        t = c.table("t")
+        obs = np.zeros(4, np.float32)
+        t.insert(obs=obs, action=0)  # leases 39 slots (no flush: it would hand the rest back)
+        ring = c._session.pipe.req
+        wait_for(lambda: int(ring.ctl[ring.sleeping_w]) != 0, "the daemon to sleep")
+        os.kill(d.pid, signal.SIGSTOP)
+        try:
+            wait_for(lambda: all_threads_stopped(d.pid), "the daemon to stop")
+            bells, asking = [], []
+            real_ring, real_ask = pipemod.ring_bell, SlotLease._ask_ahead
+
+            def ring_bell(fd):
+                bells.append(bool(asking))
+                real_ring(fd)
+
+            def ask_ahead(self, *args):
+                asking.append(1)
+                try:
+                    return real_ask(self, *args)
+                finally:
+                    asking.pop()
+            monkeypatch.setattr(pipemod, "ring_bell", ring_bell)
+            monkeypatch.setattr(SlotLease, "_ask_ahead", ask_ahead)
+            for i in range(1, 30):  # past half the lease: the ask-ahead is sent
+                t.insert(obs=obs, action=i)
+            assert t._lease.ahead is not None
+            assert bells and not any(bells)  # the LAZY_MAX bell only, none for the RESERVE
+        finally:
+            os.kill(d.pid, signal.SIGCONT)
+        c.flush()
+        assert c.stats()["tables"]["t"]["size"] == 30

@@ -42,7 +42,7 @@ from os import getpid
 from ..errors import CapacityError, DaemonUnavailable, RateLimited, ReplayError
 from ..wire import records as R
 from .addone import RING_FULL, OneAdd
-from .pipe import in_slices
+from .pipe import LAZY_MAX, in_slices
 
 
 class SlotLease:
@@ -145,8 +145,14 @@ class SlotLease:
             # it wakes a sleeping daemon (one wake-up a lease, not an insert):
             # left lazy, its reply was not ready when the lease ran out, and
             # every lease waited for a wake-up (dqn-atari insert64: 142k
-            # against 189k items/s)
-            self.ahead = pipe.send(R.put_reserve, self._table_id, self.size, R.timeout_us(0.0))
+            # against 189k items/s); but single inserts whose lease outlasts
+            # the pipe's forced bell (LAZY_MAX records) leave it lazy: read at
+            # that bell or at the next sample, a wake-up a lease saved
+            # (docs/performance.md, "The ask-ahead RESERVE rides...")
+            left = cur[1].shape[0] - (cur[2] if used is None else used)
+            lazy = n == 1 and left > LAZY_MAX - pipe.unannounced + 1
+            self.ahead = pipe.send(R.put_reserve, self._table_id, self.size, R.timeout_us(0.0),
+                                   wake=not lazy)
             pipe.expect(self.ahead)
 
     # ---- inserts: copy and commit in one call ----

@@ -377,6 +377,22 @@ def table(runs: list, buffers: list) -> str:
     return "\n".join(lines)
 
 
+def paired(runs: list, buffers: list) -> str:
+    """Each later buffer's env steps/s over the first's, seed by seed: the
+    two runs of a seed go back to back, so a VM whose speed drifts over the
+    minutes of a run (this one's in-process loop moved by a fifth between
+    runs) moves both; the median of these is the ratio to quote."""
+    base = buffers[0]
+    rate = {(r["buffer"], r["seed"]): r["steps_per_s"] for r in runs if "error" not in r}
+    lines = []
+    for b in buffers[1:]:
+        ratios = [rate[(b, s)] / rate[(base, s)] for (bb, s) in rate if bb == base and (b, s) in rate]
+        if ratios:
+            lines.append(f"{b}/{base} env steps/s, seed by seed: median {statistics.median(ratios):.2f}x "
+                         f"(" + ", ".join(f"{x:.2f}" for x in ratios) + ")")
+    return "\n".join(lines)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=100_000, help="env steps per run (training from 10,000)")
@@ -409,6 +425,7 @@ def main(argv=None) -> int:
           f"{a.torch_threads or 'default'}, load average at the end {load[0]:.2f}; medians over seeds "
           f"(per seed in brackets)\n")
     print(table(runs, buffers))
+    print("\n" + paired(runs, buffers))
     from shmreplay.bench import runner
     report = {"machine": runner.machine(), "time": time.strftime("%Y-%m-%dT%H:%M:%S"), "steps": a.steps,
               "seeds": seeds, "torch_threads": a.torch_threads, "loadavg_end": load, "runs": runs}

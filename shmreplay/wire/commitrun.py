@@ -62,6 +62,9 @@ def commit_run(words, tail, i, n, table, rid, offset, top, commit):
     return j, np.int64(total)
 
 
+# client/addone.py's add_one compiles this in: numba's cache checks only the
+# stamp of the file a cached kernel is in, so a change here must also touch
+# addone.py (or clear its cache), else a warm machine runs the old record
 @numba.njit(**JIT)
 def put_commit_one(words, ctl, head, tail_w, head_w, sleeping_w, commit, table, seq, rid, offset):
     """Write a COMMIT (``commit``: ``records.COMMIT``) of one item, no

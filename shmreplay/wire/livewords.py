@@ -26,7 +26,9 @@ LIVE_USES = 6      # samples the committed items can still give (max_times_sampl
 LIVE_MASS = 7      # float64: the sampler's total mass; 0 means nothing can be drawn
 # How many times a daemon adopted or restored this table.  A writer checks
 # it before it copies into slots leased from a daemon: a changed epoch means
-# that daemon died and its leases are void (recovery.py).
+# that daemon died and its leases are void (recovery.py).  client/addone.py's
+# kernel compiles this index in: moving it must touch addone.py too (numba's
+# cache checks only the stamp of the kernel's own file)
 LIVE_EPOCH = 8
 
 

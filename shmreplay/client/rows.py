@@ -45,6 +45,27 @@ def check_one(fields: list, names: frozenset, data) -> list | None:
     return out
 
 
+class RowForm:
+    """A table handle's view of its fields for checking what callers hand
+    in (built once from the spec): their names as a set and in field
+    order, and ``check_one``'s per-field view.  Read-only after it is made."""
+
+    __slots__ = ("names", "order", "one")
+
+    def __init__(self, spec: TableSpec):
+        self.names = frozenset(f.name for f in spec.fields)
+        self.order = tuple(f.name for f in spec.fields)
+        self.one = one_row_fields(spec)
+
+    def in_order(self, data: dict) -> tuple | None:
+        """``in_order`` for these fields."""
+        return in_order(data, self.order, self.names)
+
+    def check_one(self, data) -> list | None:
+        """``check_one`` for these fields."""
+        return check_one(self.one, self.names, data)
+
+
 def in_order(data: dict, order: tuple, names: frozenset) -> tuple | None:
     """``data``'s values in field order (``order``: the field names in it;
     ``names``: the same as a set), or None if its keys are not the fields.

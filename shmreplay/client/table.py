@@ -42,7 +42,7 @@ from .lease import SlotLease
 from .leases import TableLeases
 from .pipe import deadline_of, in_slices
 from .retry import retried, with_retries
-from .rows import check_one, check_rows, in_order, one_row_fields
+from .rows import RowForm, check_rows
 
 
 class Table:
@@ -61,9 +61,7 @@ class Table:
         self.spec = _spec_of(desc)
         self.name = self.spec.name
         self._fields = self.spec.fields
-        self._names = frozenset(f.name for f in self._fields)
-        self._order = tuple(f.name for f in self._fields)
-        self._one = one_row_fields(self.spec)  # rows.check_one's
+        self._form = RowForm(self.spec)  # the fields, for checking what callers hand in
         self._map = None
         self._draws = TableDraws(session, self._fields)
         self._leases = TableLeases(self.spec, session, self._priorities)
@@ -164,14 +162,13 @@ class Table:
         Values: numpy arrays or anything np.asarray converts (a tensor
         detached and on the CPU), cast per numpy's same_kind rule (rows.py)."""
         deadline = None if timeout is None else deadline_of(timeout)  # a bad one raises on every path
-        if priority is None and (ordered := in_order(fields, self._order, self._names)) and (
-                self._lease.add_one(ordered)):
+        if priority is None and (ordered := self._form.in_order(fields)) and self._lease.add_one(ordered):
             pass  # the usual item, checked, stored and committed by one kernel (addone.py)
-        elif (values := None if priority is not None else check_one(self._one, self._names, fields)):
+        elif (values := None if priority is not None else self._form.check_one(fields)):
             self._begin()  # what that kernel does not take, or not now (SlotLease.add_one)
             self._lease.write_one(values, deadline)
         else:
-            arrays, _ = check_rows(self.spec, self._names, fields, batch=False)
+            arrays, _ = check_rows(self.spec, self._form.names, fields, batch=False)
             prios = None if priority is None else self._priorities([priority], 1, "insert")
             self._begin()
             self._lease.write(arrays, 1, prios, True, deadline)
@@ -183,7 +180,7 @@ class Table:
         """Insert n items; every field's leading dimension is n.  On a
         rate-limited table the items go in as the limiter admits them; if
         ``timeout`` runs out part-way, the items before the error are in."""
-        arrays, n = check_rows(self.spec, self._names, data, batch=True)
+        arrays, n = check_rows(self.spec, self._form.names, data, batch=True)
         prios = None if priorities is None else self._priorities(priorities, n, "insert_batch")
         if n == 0:
             return

@@ -14,6 +14,7 @@ array``), as ``test_row_checks.py`` holds ``check_one`` to.
   type, a wrong shape) take the checked path, which stores or explains.
 """
 
+import hashlib
 import os
 import signal
 import time
@@ -30,6 +31,7 @@ from shmreplay.client.lease import SlotLease
 from shmreplay.client.rows import check_rows
 from shmreplay.errors import FieldError
 from shmreplay.schema import make_spec
+from shmreplay.wire.records import RECORD, SAMPLE
 
 from waiting import all_threads_stopped, wait_for
 
@@ -118,7 +120,8 @@ def _scratch():
 def _kernel_store(values):
     views, words, ctl = _scratch()
     got = addone.add_one(views, values, np.array([2, 3]), 0, np.zeros(16, np.uint64), 0,
-                         np.zeros(4, np.uint64), 1, 0, words, ctl, 0, 0, 1, 2, 2, 1, 1, 7)
+                         np.zeros((4, 8), np.uint64), np.zeros(4, np.uint64), 1, 0, words, ctl, 0, 0, 1, 2,
+                         2, 1, 1, 7)
     return got, [v[2].tobytes() for v in views], words[0]
 
 
@@ -144,28 +147,66 @@ def test_the_kernel_stores_what_the_checked_path_stores(combo, x, i, f):
     assert int(record[0]) & 0xFFFF == 2 and int(record[4]) == 0  # a COMMIT of position 0 (op, a2)
 
 
+def test_the_kernels_file_changes_with_what_it_compiles_in():
+    """numba's cache would run an old add_one after a change to the kernels
+    it compiles in (its stamp is addone.py's bytes only): addone.py carries
+    their hash.  If this fails, set ``COMPILED_IN`` to the hash it names."""
+    wire = os.path.join(os.path.dirname(shmreplay.__file__), "wire")
+    data = b"".join(open(os.path.join(wire, f), "rb").read() for f in ("commitrun.py", "livewords.py"))
+    assert addone.COMPILED_IN == hashlib.sha256(data).hexdigest()[:16]
+
+
+def _replies(statuses, head=None):
+    """A scratch response ring (records as words, and its control words,
+    the head at index 1) holding replies with these statuses from tail 0;
+    ``head``: another head, as a peer might scribble."""
+    words, ctl = np.zeros((4, 8), np.uint64), np.zeros(4, np.uint64)
+    for j, status in enumerate(statuses):
+        rec = words[j:j + 1].view(RECORD)
+        rec["op"], rec["status"], rec["seq"] = SAMPLE, status, j + 1
+    ctl[1] = len(statuses) if head is None else head
+    return words, ctl
+
+
 def test_the_kernel_writes_nothing_it_refuses():
     """A wrong shape, a value of a kind that does not cast (a float for an
-    int8), replies waiting, a moved epoch, a position past the reservation,
-    a slot past the table: nothing stored, no record published."""
+    int8), an error reply waiting (behind an answer too), a response head
+    past the ring, a moved epoch, a position past the reservation, a slot
+    past the table: nothing stored, no record published."""
     good = COMBOS[0](0, 3, 1.5)
     cases = {
         "shape": (good[:7] + (np.zeros((2, 3), np.uint8),), {}),
         "kind": ((good[0], 1.5) + good[2:], {}),
-        "replies": (good, {"resp_head": 1}),
+        "error": (good, {"replies": [7]}),
+        "error behind an answer": (good, {"replies": [0, 7]}),
+        "impossible head": (good, {"replies": [], "head": 5}),
         "epoch": (good, {"epoch": 1}),
         "past": (good, {"pos": 2}),
         "slot": (good, {"slots": np.array([4, 5])}),
     }
     for name, (values, kw) in cases.items():
         views, words, ctl = _scratch()
-        resp = np.zeros(4, np.uint64)
-        resp[1] = kw.get("resp_head", 0)
+        resp_words, resp_ctl = _replies(kw.get("replies", []), kw.get("head"))
         got = addone.add_one(views, values, kw.get("slots", np.array([2, 3])), kw.get("pos", 0),
-                             np.zeros(16, np.uint64), kw.get("epoch", 0), resp, 1, 0,
+                             np.zeros(16, np.uint64), kw.get("epoch", 0), resp_words, resp_ctl, 1, 0,
                              words, ctl, 0, 0, 1, 2, 2, 1, 1, 7)
-        assert got in (addone.REFUSED, addone.NOT_NOW, addone.REPLIES), name
+        want = addone.REPLIES if "replies" in kw else (addone.REFUSED, addone.NOT_NOW)
+        assert got == want if "replies" in kw else got in want, name
         assert all(not v.any() for v in views) and not words.any() and not ctl.any(), name
+
+
+def test_answers_waiting_stay_for_their_caller_and_the_row_goes_in():
+    """Replies with status 0 (a drawn-ahead SAMPLE's, an asked-ahead
+    RESERVE's) do not stop the kernel: they are read by the call that
+    waits for them, so the add does not copy them aside first."""
+    good = COMBOS[0](0, 3, 1.5)
+    views, words, ctl = _scratch()
+    resp_words, resp_ctl = _replies([0, 0])
+    got = addone.add_one(views, good, np.array([2, 3]), 0, np.zeros(16, np.uint64), 0, resp_words,
+                         resp_ctl, 1, 0, words, ctl, 0, 0, 1, 2, 2, 1, 1, 7)
+    assert got == 0
+    assert [v[2].tobytes() for v in views] == _numpy_store(good)
+    assert int(ctl[1]) == 1 and int(resp_ctl[1]) == 2  # published; the replies left as they were
 
 
 @pytest.fixture
@@ -331,3 +372,39 @@ def test_single_inserts_ask_for_the_next_lease_without_waking_a_sleeping_daemon(
             os.kill(d.pid, signal.SIGCONT)
         c.flush()
         assert c.stats()["tables"]["t"]["size"] == 30
+
+
+def test_a_reply_already_there_is_collected_without_waking_the_daemon(start_daemon, monkeypatch):
+    """A drawn-ahead SAMPLE's reply waits in the response ring while the
+    loop inserts (the kernel leaves answers for the call that waits for
+    them), and collecting it rings no bell, although lazy COMMITs are owed
+    to the sleeping daemon: the reply needs none of them.  The daemon is
+    stopped asleep, so nothing it does can answer for the client."""
+    fields = {"obs": ("float32", (4,)), "action": ("int64", ())}
+    d = start_daemon(tables=[{"name": "t", "capacity": 10000, "fields": fields}])
+    with d.connect() as c:
+        t = c.table("t")
+        obs = np.zeros(4, np.float32)
+        for i in range(5):  # into a lease of 39 slots (no flush: it would hand the rest back)
+            t.insert(obs=obs, action=i)
+        ticket = t.begin_sample(4, 0.0, 10.0)  # after the COMMITs: the daemon applies them first
+        pipe = c._session.pipe
+        wait_for(pipe.resp.has_pending, "the SAMPLE's reply")
+        ring = pipe.req
+        wait_for(lambda: int(ring.ctl[ring.sleeping_w]) != 0, "the daemon to sleep")
+        os.kill(d.pid, signal.SIGSTOP)
+        try:
+            wait_for(lambda: all_threads_stopped(d.pid), "the daemon to stop")
+            bells = []
+            real_ring = pipemod.ring_bell
+            monkeypatch.setattr(pipemod, "ring_bell", lambda fd: (bells.append(fd), real_ring(fd)))
+            t.insert(obs=obs, action=5)  # lazy: owed to the sleeping daemon
+            t.insert(obs=obs, action=6)
+            assert pipe.resp.has_pending() and pipe.owed_bell  # the answer is still in the ring
+            batch = t.finish_sample(ticket, 4, 0.0, None, 10.0)
+            assert bells == []
+            assert set(batch.data["action"].tolist()) <= set(range(5))
+        finally:
+            os.kill(d.pid, signal.SIGCONT)
+        c.flush()
+        assert c.stats()["tables"]["t"]["size"] == 7

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from shmreplay.wire.channel import CTL_REQ_HEAD, Channel, ChannelLayout
+from shmreplay.wire.records import COMMIT, SAMPLE
 from shmreplay.errors import ProtocolError
 
 LAYOUT = ChannelLayout(req_slots=16, resp_slots=16, req_payload=8192, resp_payload=8192)
@@ -108,3 +109,39 @@ def test_a_client_cannot_resize_its_channel_under_the_daemon(channel):
         with pytest.raises(PermissionError):
             os.ftruncate(channel.fd, size)
     assert os.fstat(channel.fd).st_size == channel.layout.size
+
+
+def _put(ring, op: int, seq: int) -> None:
+    ring.put(op, 0, seq, 7, 1, seq, 0.0, 0, 0, 0)
+    ring.publish()
+
+
+def test_commits_wait_for_a_record_that_wants_an_answer(channel):
+    """The daemon's idle loop (``Ring.wants_service``): fewer than ``limit``
+    pending records, all COMMITs, may wait, and the sleep handshake then
+    counts only what came after them; a record of another op, ``limit``
+    of them, or a limit of 1 (requests parked) want serving; an impossible
+    head does too, and nothing raises (``pending`` reports it)."""
+    ring = channel.requests
+    assert not ring.wants_service(4)
+    for seq in (1, 2, 3):
+        _put(ring, COMMIT, seq)
+        assert not ring.wants_service(4)
+    assert ring.wants_service(1)
+    assert not ring.set_sleeping(1, lazy=True)  # may sleep with the three waiting
+    assert ring.set_sleeping(1)  # a sleeper that counts every record may not
+    ring.clear_sleeping()
+    _put(ring, SAMPLE, 4)
+    assert ring.wants_service(4)
+    assert ring.set_sleeping(1, lazy=True)  # the SAMPLE came: stay up
+    ring.clear_sleeping()
+    ring.consume(4, None)
+    assert not ring.wants_service(4)
+    for seq in (5, 6, 7):
+        _put(ring, COMMIT, seq)
+    assert not ring.wants_service(4)
+    _put(ring, COMMIT, 8)
+    assert ring.wants_service(4)  # the fourth: served now, in one run
+    ring.consume(4, None)
+    channel.ctl[CTL_REQ_HEAD] = 10**9
+    assert ring.wants_service(4)

@@ -137,6 +137,39 @@ def test_learner_spins_turned_off_stay_off(spin, spin_max):
         idler.close()
 
 
+def test_commits_left_waiting_neither_keep_the_engine_up_nor_keep_it_awake():
+    """Lazy COMMITs (idle.py): a spin that finds only COMMITs, fewer than
+    ``LAZY_MAX``, in a real command ring ends empty-handed, and the engine
+    then sleeps (its timeout ends the sleep here) instead of serving them;
+    with requests parked, or once a SAMPLE came, the same ring is work."""
+    from shmreplay.server.engine.calls import Calls
+    from shmreplay.server.engine.idle import Idler
+    from shmreplay.wire.channel import Channel, ChannelLayout
+    from shmreplay.wire.records import COMMIT, SAMPLE
+    ch = Channel.create(ChannelLayout(64, 16, 4096, 4096), os.getpid(), os.getpid())
+    bell = os.eventfd(0)
+    idler = Idler(bell, spin_us=100.0, idle_timeout=0.01)
+    try:
+        ring, calls = ch.requests, Calls()
+        for seq in (1, 2, 3):
+            ring.put(COMMIT, 0, seq, 7, 1, seq, 0.0, 0, 0, 0)
+        ring.publish()
+        assert not idler.spin([ring], calls, worked=True)
+        idler.sleep([ring], calls, None)
+        assert idler.stats["sleeps"] == 1  # slept, with the three still there
+        assert ring.pending() == 3
+        assert idler.spin([ring], calls, worked=True, waiting=True)
+        ring.put(SAMPLE, 0, 4, 1, 0, 0, 0.0, 0, 0, 0)
+        ring.publish()
+        assert idler.wanted([ring], calls, False) and idler.spin([ring], calls, worked=True)
+        idler.sleep([ring], calls, None)
+        assert idler.stats["sleeps"] == 1  # work came: it did not sleep
+    finally:
+        idler.close()
+        os.close(bell)
+        ch.release()
+
+
 def test_the_run_queue_a_watched_spin_reads(tmp_path):
     """``runnable_threads`` counts the machine's runnable threads, the
     caller's among them (so at least 1), from /proc/loadavg; a file that

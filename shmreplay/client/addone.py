@@ -52,14 +52,21 @@ from numba.core.errors import NumbaError
 from numba.extending import overload
 
 from ..numbaconf import JIT
-from ..wire.commitrun import put_commit_one
+from ..wire.commitrun import answers_only, put_commit_one
 from ..wire.livewords import LIVE_EPOCH
+
+# numba's cache stamps a cached kernel by its own file's bytes (a hash of
+# them), and add_one compiles in wire/commitrun.py's kernels and
+# livewords.LIVE_EPOCH: this line carries the hash of both files (the first
+# 16 hex digits of sha256 over commitrun.py then livewords.py), so a change
+# there changes this file and a warm machine compiles add_one again
+COMPILED_IN = "5e0d0a057775f053"
 
 # add_one's answers below 0 (>= 0: the ring's sleeping word, as publish gives it)
 RING_FULL = -1     # the row is stored, its COMMIT is not: send it the way that waits
 REFUSED = -2       # nothing written: a value's type or shape is not the field's
 NOT_NOW = -3       # nothing written: the epoch moved, or the lease is used up
-REPLIES = -4       # nothing written: replies wait on the response ring (read them first)
+REPLIES = -4       # nothing written: an error reply waits on the response ring (read it first)
 
 
 def _fits(view, value):
@@ -164,18 +171,19 @@ def _store_all_typed(views, values, slot):
 
 
 @numba.njit(**JIT)
-def add_one(views, values, slots, pos, live, epoch, resp_ctl, resp_head_w, resp_tail,
+def add_one(views, values, slots, pos, live, epoch, resp_words, resp_ctl, resp_head_w, resp_tail,
             words, ctl, head, tail_w, head_w, sleeping_w, commit, table, seq, rid):
     """Store ``values`` (a tuple, in field order; ``views`` the table's field
     arrays, the same order) as the row of slot ``slots[pos]`` and publish a
     COMMIT of it (``put_commit_one``, ``words`` to ``sleeping_w`` from
     ``Ring.kernel_args``): the ring's sleeping word (>= 0), or
     ``RING_FULL``, ``REFUSED``, ``NOT_NOW``, ``REPLIES``.  Writes
-    nothing when replies wait on the response ring (``resp_*``: the
-    prologue drains them first), when the table's epoch (``live``: its live
+    nothing when an error reply waits on the response ring (``resp_*``,
+    ``commitrun.answers_only``: the prologue drains it first; answers stay
+    for the call that waits for them), when the table's epoch (``live``: its live
     words) is no longer ``epoch`` (a restarted daemon: the slots are void),
     when ``pos`` is past the reservation, or when a value does not fit."""
-    if np.int64(resp_ctl[resp_head_w]) != resp_tail:
+    if not answers_only(resp_words, resp_ctl, resp_head_w, resp_tail):
         return REPLIES
     if np.int64(live[LIVE_EPOCH]) != epoch or pos >= slots.shape[0]:
         return NOT_NOW

@@ -48,7 +48,13 @@ def send_draw(pipe, table_id: int, k: int, beta: float, wait_s: float,
 
 def receive_draw(pipe, seq: int, k: int, rows, out: SampleBatch, wait_s: float) -> int:
     """Wait for the SAMPLE reply ``seq`` (k items) into ``out``'s keys,
-    probabilities and weights at ``rows``; returns the hold id (0: none)."""
+    probabilities and weights at ``rows``; returns the hold id (0: none).
+    A reply of every row that has come already is read by one kernel
+    (``CommandPipe.take_sample``)."""
+    if k == out.keys.shape[0]:  # rows: all of them, in order (arange or slice(None))
+        hid = pipe.take_sample(seq, k, out.keys, out.probabilities, out.weights)
+        if hid is not None:
+            return hid
     return pipe.wait(seq, lambda rec, pay: R.read_sample_reply(rec, pay, k, rows, out.keys,
                                                                out.probabilities, out.weights),
                      wait_s)

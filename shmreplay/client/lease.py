@@ -41,8 +41,9 @@ from os import getpid
 
 from ..errors import CapacityError, DaemonUnavailable, RateLimited, ReplayError
 from ..wire import records as R
+from ..wire.channel import LAZY_MAX
 from .addone import RING_FULL, OneAdd
-from .pipe import LAZY_MAX, in_slices
+from .pipe import in_slices
 
 
 class SlotLease:

@@ -24,9 +24,12 @@ import numpy as np
 
 from ..errors import RateLimited, ReplayError, ReplayTimeout
 from ..wire import atomics, commitrun
-from ..wire.channel import ASLEEP_WAITING, CTL_RESP_HEAD, Channel, drain
-from ..wire.channel import ring as ring_bell
-from ..wire.records import COMMIT, put_commit, read_error
+from ..wire import replytake
+from ..wire.commitrun import answers_only
+from ..wire.channel import ASLEEP_WAITING, CTL_RESP_HEAD, LAZY_MAX, Channel
+from ..wire.doorbell import drain
+from ..wire.doorbell import ring as ring_bell
+from ..wire.records import COMMIT, SAMPLE, put_commit, read_error
 from .addone import REPLIES, RING_FULL, add_one
 from .link import ControlLink
 
@@ -39,14 +42,6 @@ from .link import ControlLink
 # once per process (2.5e9/s on this VM; a fixed guess of 1e9/s made the cap
 # 80 us instead of 200, so every learner round trip slept).
 SPIN_MIN_S, SPIN_MAX_S = 1e-6, 400e-6
-
-
-# lazy records a client leaves a sleeping daemon in a row: the next one
-# rings.  Unbounded, a writer flat out behind a daemon that fell asleep
-# between two of its commits kept it asleep, and it never learned the
-# writer's pace again (sac-mujoco insert64: 1.14-1.37M against 1.6M items/s);
-# 16 is more than a CleanRL loop inserts between two samples (10)
-LAZY_MAX = 16
 
 
 class CommandPipe:
@@ -72,6 +67,8 @@ class CommandPipe:
         self.deferred: ReplayError | None = None
         self.loads_per_s = atomics.loads_per_second()
         commitrun.warm()  # commit_one's kernel, loaded now rather than at the first insert
+        replytake.warm()  # and take_sample's, rather than at the first sample
+        self._resp_pay64 = self.resp.payload.view(np.uint64)  # take_sample reads the payload so
         self.spin = int(16 * SPIN_MIN_S * self.loads_per_s)
         self.lazy_commits = True  # the session's choice (Client.lazy_commits)
         self.owed_bell = False  # a lazy record left the daemon asleep: ring before waiting on it
@@ -122,7 +119,8 @@ class CommandPipe:
                 live, epoch: int) -> int:
         """``addone.add_one``: store ``values`` as the row of ``slots[pos]``
         and write and publish its COMMIT (``commit_one``'s record), in one
-        kernel, after reading replies that came (``drain``).  Returns the
+        kernel, after reading the replies that came if one is an error
+        (``drain``; answers stay for the call that waits for them).  Returns the
         kernel's answer: >= 0 (published: the caller advances its lease,
         then calls ``row_added``), ``RING_FULL`` (the row is stored, the
         COMMIT not: likewise), or below (nothing written; also after a
@@ -130,14 +128,14 @@ class CommandPipe:
         resp = self.resp
         seq = self.seq + 1
         ring = self.req.kernel_args()
-        got = add_one(views, values, slots, pos, live, epoch, resp.ctl, resp.head_w, resp.tail,
-                      *ring, COMMIT, table, seq, rid)
-        if got == REPLIES:  # read them, as the checked path's prologue would (Session.begin)
+        got = add_one(views, values, slots, pos, live, epoch, resp.words(), resp.ctl, resp.head_w,
+                      resp.tail, *ring, COMMIT, table, seq, rid)
+        if got == REPLIES:  # an error came: read it, as the checked path's prologue would (Session.begin)
             self.drain()
             if self.deferred is not None:
                 return REPLIES
-            got = add_one(views, values, slots, pos, live, epoch, resp.ctl, resp.head_w, resp.tail,
-                          *ring, COMMIT, table, seq, rid)
+            got = add_one(views, values, slots, pos, live, epoch, resp.words(), resp.ctl, resp.head_w,
+                          resp.tail, *ring, COMMIT, table, seq, rid)
         if got >= 0:  # the head and seq as the kernel left them, before anything can raise
             self.req.kernel_published()
             self.seq = seq
@@ -185,10 +183,6 @@ class CommandPipe:
         if seq in self.stash:
             self.expected.discard(seq)
             return _finish(*self.stash.pop(seq), take)
-        if self.owed_bell and seq:  # the reply may need a record the daemon was not woken for
-            ring_bell(self.to_daemon)
-            self.owed_bell = False
-            self.unannounced = 0
         ring = self.resp
         started = time.perf_counter()
         deadline = time.monotonic() + self.timeout + timeout
@@ -211,12 +205,43 @@ class CommandPipe:
                     ring.consume(1, ring.payload_end(rec))
             if seq == 0:
                 return None
+            if self.owed_bell:  # not there yet: it may need a record the daemon was not woken for
+                ring_bell(self.to_daemon)
+                self.owed_bell = False
+                self.unannounced = 0
             self._sleep(ring, deadline)
+
+    def take_sample(self, seq: int, n: int, keys, probs, weights) -> int | None:
+        """``wait(seq, records.read_sample_reply ...)`` for a reply of
+        ``n`` items into the first ``n`` of ``keys``, ``probs`` and
+        ``weights``, in one kernel (``replytake``) when the reply is the
+        next record and plain: its hold id; None, with nothing read, when
+        it is not (not yet come, stashed, behind another, an error): the
+        caller then waits for it as before."""
+        resp = self.resp
+        if seq in self.stash:
+            return None
+        hid = replytake.take_sample(resp.words(), resp.ctl, resp.head_w, resp.tail_w, resp.pay_tail_w,
+                                    resp.tail, self._resp_pay64, SAMPLE, seq, n, keys, probs, weights)
+        if hid < 0:
+            return None
+        resp.kernel_consumed()
+        self.expected.discard(seq)
+        return hid
 
     def drain(self) -> None:
         """Read whatever replies arrived (deferred errors among them)."""
         if self.resp.pending():
             self.wait(0, None)
+
+    def errors_waiting(self) -> bool:
+        """Does a reply that carries an error wait on the response ring (a
+        refused COMMIT's, which only ``drain`` reads)?  Answers (status 0)
+        stay for the call that waits for them: read aside first (``drain``
+        copies them into the stash), a drawn-ahead batch's reply cost the
+        call that collected it ~60-90 us more in a CleanRL loop."""
+        resp = self.resp
+        return not answers_only(resp.words(), resp.ctl, resp.head_w, resp.tail)
 
     def raise_deferred(self) -> None:
         if self.deferred is not None:

@@ -144,7 +144,9 @@ class Session:
         pipe = self.pipe
         if pipe is None:
             raise DaemonUnavailable(f"no connection to the daemon at {self.path} (a reconnect failed)")
-        if pipe.resp.has_pending():  # cheaper than drain() when, as usually, nothing came
+        # has_pending first: cheaper when, as usually, nothing came; answers
+        # stay for their callers (errors_waiting)
+        if pipe.resp.has_pending() and pipe.errors_waiting():
             pipe.drain()
         if pipe.deferred is not None:
             self._raise_deferred()

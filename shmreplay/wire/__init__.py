@@ -7,8 +7,11 @@ read from bytes nobody vouches for), ``layout.py`` (a table segment's byte
 map), ``livewords.py`` (the meta segment's live counter words, by name),
 ``rowfile.py`` (a file-backed table's rows file), ``rowranges.py`` (the
 byte ranges of a set of slots' rows), ``channel.py`` (a client's two
-command rings), ``records.py`` (what each record in a ring means, and the
-slot key), ``commitrun.py`` (payload-free COMMIT records: a run read, or one written, in one kernel), ``control.py`` (the control-socket protocol, sans-IO),
+command rings), ``doorbell.py`` (their eventfd doorbells), ``records.py``
+(what each record in a ring means, and the slot key), ``commitrun.py``
+(payload-free COMMIT records: a run read, or one written, in one kernel),
+``replytake.py`` (a SAMPLE reply read off the ring in one kernel),
+``control.py`` (the control-socket protocol, sans-IO),
 ``atomics.py`` (the memory-ordering primitives both ends of a ring use).
 Imports only the shared root modules, never ``client``, ``server`` or
 ``inference``.

@@ -12,6 +12,10 @@ writer sends per insert.
   client's thread only, like the ring's producer end; ``warm`` loads it
   (from numba's cache, or compiles it) when the pipe is made, so that the
   first insert does not.
+* ``answers_only``: whether the replies waiting on a client's response
+  ring are all successes, which the calls that wait for them read, or one
+  is an error the client must read before it writes on (``add_one``'s
+  first test).  The client's thread only, like the ring's consumer end.
 """
 
 from __future__ import annotations
@@ -22,9 +26,11 @@ import numpy as np
 from ..numbaconf import JIT
 from .atomics import load, store
 
-# records as uint64 words (``Ring.words``): word 0 holds op (bits 0-15) and
-# table (bits 32-63), then seq, a0, a1, a2, f0, pay_off, pay_len
+# records as uint64 words (``Ring.words``): word 0 holds op (bits 0-15),
+# status (bits 16-31) and table (bits 32-63), then seq, a0, a1, a2, f0,
+# pay_off, pay_len
 _W_OP, _W_A0, _W_A1, _W_A2, _W_PAY_LEN = 0, 2, 3, 4, 7
+_STATUS_SHIFT, _STATUS_MASK = np.uint64(16), np.uint64(0xFFFF)
 SLEEPING_TOP = 2**62  # put_commit_one's largest sleeping word
 
 
@@ -62,9 +68,10 @@ def commit_run(words, tail, i, n, table, rid, offset, top, commit):
     return j, np.int64(total)
 
 
-# client/addone.py's add_one compiles this in: numba's cache checks only the
-# stamp of the file a cached kernel is in, so a change here must also touch
-# addone.py (or clear its cache), else a warm machine runs the old record
+# client/addone.py's add_one compiles this in: numba's cache stamps a cached
+# kernel by the bytes of its own file alone, so addone.py carries a hash of
+# this file (``COMPILED_IN``, which tests/test_add_one.py checks): a change
+# here changes addone.py too, else a warm machine would run the old record
 @numba.njit(**JIT)
 def put_commit_one(words, ctl, head, tail_w, head_w, sleeping_w, commit, table, seq, rid, offset):
     """Write a COMMIT (``commit``: ``records.COMMIT``) of one item, no
@@ -104,8 +111,32 @@ def put_commit_one(words, ctl, head, tail_w, head_w, sleeping_w, commit, table, 
     return np.int64(sleeping) if sleeping < np.uint64(SLEEPING_TOP) else np.int64(SLEEPING_TOP)
 
 
+# client/addone.py's add_one compiles this in too (``COMPILED_IN``, as above)
+@numba.njit(**JIT)
+def answers_only(words, ctl, head_w, tail):
+    """True when every record waiting on a response ring (``words``, its
+    ``Ring.words``; ``ctl[head_w]`` its head, ``tail`` what the client has
+    read) carries status 0: replies to a RESERVE, SAMPLE or FLUSH, which
+    the call that sent it waits for and reads then.  False when one
+    carries an error (a refused COMMIT's, say, which only the prologue's
+    ``drain`` reads: it becomes the next call's error) or the head is
+    impossible (the Python path raises ProtocolError).  Reads each status
+    once, after the head (an atomic load: the daemon writes a record
+    before it publishes it)."""
+    slots = words.shape[0]
+    n = np.int64(load(ctl, head_w)) - tail
+    if n < 0 or n > slots:
+        return False
+    for j in range(n):
+        if (words[(tail + j) % slots, _W_OP] >> _STATUS_SHIFT) & _STATUS_MASK:
+            return False
+    return True
+
+
 def warm() -> None:
-    """Load ``put_commit_one`` now, on scratch arrays (a client's pipe
-    calls it once: the load or compile, ~0.15-1 s, then falls on connecting
-    rather than on the first insert)."""
-    put_commit_one(np.zeros((1, 8), np.uint64), np.zeros(4, np.uint64), 0, 1, 0, 2, 2, 0, 1, 1, 0)
+    """Load ``put_commit_one`` and ``answers_only`` now, on scratch arrays
+    (a client's pipe calls it once: the load or compile, ~0.15-1 s, then
+    falls on connecting rather than on the first insert or sample)."""
+    words, ctl = np.zeros((1, 8), np.uint64), np.zeros(4, np.uint64)
+    put_commit_one(words, ctl, 0, 1, 0, 2, 2, 0, 1, 1, 0)
+    answers_only(words, ctl, 0, 1)

@@ -27,8 +27,9 @@ LIVE_MASS = 7      # float64: the sampler's total mass; 0 means nothing can be d
 # How many times a daemon adopted or restored this table.  A writer checks
 # it before it copies into slots leased from a daemon: a changed epoch means
 # that daemon died and its leases are void (recovery.py).  client/addone.py's
-# kernel compiles this index in: moving it must touch addone.py too (numba's
-# cache checks only the stamp of the kernel's own file)
+# kernel compiles this index in: numba's cache stamps a kernel by its own
+# file's bytes, so addone.py carries a hash of this file (``COMPILED_IN``,
+# checked by tests/test_add_one.py) and a change here changes it too
 LIVE_EPOCH = 8
 
 

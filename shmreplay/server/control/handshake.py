@@ -21,7 +21,8 @@ import socket
 
 from ...errors import CapacityError, ProtocolError
 from ...wire import records
-from ...wire.channel import Channel, ChannelLayout, new_doorbell
+from ...wire.channel import Channel, ChannelLayout
+from ...wire.doorbell import new_doorbell
 from ...wire.control import PROTOCOL_VERSION
 from ..engine.outbox import ClientState
 

@@ -30,7 +30,7 @@ import threading
 import time
 
 from ...errors import ProtocolError, TableExists, UnknownTable
-from ...wire.channel import new_doorbell, ring
+from ...wire.doorbell import new_doorbell, ring
 from ..tables import tablestats
 from ..tables.table import Table, expire
 from .calls import Calls
@@ -127,15 +127,19 @@ class Engine:
                     self._cut_off_all(self.commands.settle(time.monotonic()))
                 if self.commands.draws != draws:  # served now or from parking: a learner is there
                     self.idler.sampled()
+                rings = [cl.req for cl in self.clients.values()]
+                waiting = self.parking.count > 0
                 if worked:
                     served = True
-                    continue
-                rings = [cl.req for cl in self.clients.values()]
-                if self.idler.spin(rings, self.calls, served):
+                    # what came meanwhile, unless it is only COMMITs, which
+                    # wait as they do for the spin (idle.py, "Lazy COMMITs")
+                    if self.idler.wanted(rings, self.calls, waiting):
+                        continue
+                if self.idler.spin(rings, self.calls, served, waiting):
                     continue
                 served = False
                 self.idler.sleep(rings, self.calls, earliest(self.parking.next_deadline(), slots_free_at),
-                                 waiting=self.parking.count > 0)
+                                 waiting=waiting)
         except BaseException:  # the engine dying silently would hang every client
             log.exception("engine thread crashed; the daemon will exit and keep every table")
             self.calls.failed = True

@@ -38,6 +38,20 @@ inserts/s).  Two rules on top:
   from ~68k to ~121k/s); the daemon's priority (``Nice=-5`` in the unit)
   and the actors' (+5) set that split on purpose.
 
+Lazy COMMITs.  What wakes the spin, or keeps the engine serving after a
+pass, is a record that wants an answer (or a call): a client's COMMITs,
+fewer than ``LAZY_MAX`` in its ring, wait for its next such request
+(a sample, a reservation, a flush), which the engine serves together with
+them, in one run (``Ring.wants_service``; ``LAZY_MAX`` of them are served
+at once).  Served one by one as they came, which a daemon kept up by a
+learner did, a CleanRL loop's single inserts cost ~100 us of daemon CPU
+each, run cold between two env steps: ~4 commit runs per sample where one
+does (docs/performance.md, "Lazy COMMITs wait for the next request").
+While requests are parked every record is served at once: a parked
+sample may be waiting for exactly that commit.  COMMITs left waiting when
+the engine sleeps are served at the next wake, the idle timeout's at the
+latest (a client's ``flush()`` wakes it).
+
 Then the engine announces sleep in every ring and waits in ``epoll`` on
 every client's doorbell (an eventfd only that client and the daemon hold)
 and its own (rung by the control plane), which clients ring when they see
@@ -59,7 +73,8 @@ import os
 import select
 import time
 
-from ...wire.channel import ASLEEP, ASLEEP_WAITING, drain
+from ...wire.channel import ASLEEP, ASLEEP_WAITING, LAZY_MAX
+from ...wire.doorbell import drain
 
 
 BURST_S = 50e-6
@@ -134,10 +149,10 @@ class Idler:
         self.backoff_until = now + BACKOFF_S
         self.stats["contended_spins"] += 1
 
-    def spin(self, rings: list, calls, worked: bool = False) -> bool:
+    def spin(self, rings: list, calls, worked: bool = False, waiting: bool = False) -> bool:
         """Re-check the rings (and the call queue) for up to the spin
         budget (``worked``: the last pass did work); True if something
-        arrived."""
+        arrived that wants serving now (``wanted``)."""
         if not rings:
             return False
         start = time.perf_counter()
@@ -155,11 +170,8 @@ class Idler:
         look = start + RUNQUEUE_EVERY_S
         while True:
             now = time.perf_counter()
-            for r in rings:
-                if r.has_pending():  # never raises: errors surface where rings are served
-                    self._learn_gap(now - start)
-                    return True
-            if not calls.empty():
+            if self.wanted(rings, calls, waiting):
+                self._learn_gap(now - start)
                 return True
             if now >= deadline:
                 self.idle_since = start
@@ -174,6 +186,19 @@ class Idler:
                     self.contended(now)
                     self.idle_since = start
                     return False
+
+    @staticmethod
+    def wanted(rings: list, calls, waiting: bool) -> bool:
+        """Does a ring or the call queue hold something to serve now?
+        COMMITs wait, fewer than ``LAZY_MAX`` of a client, for its next
+        request that wants an answer (``Ring.wants_service``), unless
+        requests are parked (``waiting``: a COMMIT may be what one waits
+        for).  Never raises: errors surface where rings are served."""
+        limit = 1 if waiting else LAZY_MAX
+        for r in rings:
+            if r.wants_service(limit):
+                return True
+        return not calls.empty()
 
     def _learn_gap(self, gap: float) -> None:
         self.spin_s = min(self.spin_max, 2 * gap) if gap < self.spin_max else self.spin_min
@@ -197,10 +222,11 @@ class Idler:
         """Sleep until a client or a call rings a doorbell, the idle
         timeout passes, or ``deadline`` (a parked request's) comes.
         ``waiting``: requests are parked, which any record may unblock, so
-        every client is told to wake the engine even for a lazy COMMIT."""
+        every client is told to wake the engine even for a lazy COMMIT;
+        else COMMITs the spin left waiting do not keep it up."""
         word = ASLEEP_WAITING if waiting else ASLEEP
         try:
-            if any([r.set_sleeping(word) for r in rings]) or not calls.empty():
+            if any([r.set_sleeping(word, not waiting) for r in rings]) or not calls.empty():
                 return
             self.stats["sleeps"] += 1
             timeout = self.idle_timeout

@@ -16,7 +16,7 @@ import collections
 
 from ...errors import ProtocolError
 from ...wire.channel import Channel
-from ...wire.channel import ring as ring_bell
+from ...wire.doorbell import ring as ring_bell
 from ...wire.peer import process_start
 from ...wire.records import Reply, put_reply
 

@@ -7,7 +7,7 @@ import time
 import numpy as np
 import pytest
 
-from shmreplay.wire.channel import CTL_REQ_HEAD, Channel, ChannelLayout
+from shmreplay.wire.channel import CTL_EAGER, CTL_REQ_HEAD, Channel, ChannelLayout
 from shmreplay.wire.records import COMMIT, SAMPLE
 from shmreplay.errors import ProtocolError
 
@@ -143,5 +143,12 @@ def test_commits_wait_for_a_record_that_wants_an_answer(channel):
     _put(ring, COMMIT, 8)
     assert ring.wants_service(4)  # the fourth: served now, in one run
     ring.consume(4, None)
+    _put(ring, COMMIT, 9)
+    assert not ring.wants_service(4)
+    channel.ctl[CTL_EAGER] = 1  # its client's lazy_commits is off: every COMMIT is served at once
+    assert ring.wants_service(4)
+    channel.ctl[CTL_EAGER] = 0
+    assert not channel.responses.wants_service(4)  # a response ring has no eager word to read
+    ring.consume(1, None)
     channel.ctl[CTL_REQ_HEAD] = 10**9
     assert ring.wants_service(4)

@@ -12,7 +12,7 @@ import numpy as np
 
 import shmreplay
 from shmreplay.wire import atomics
-from shmreplay.wire.channel import ASLEEP_WAITING
+from shmreplay.wire.channel import ASLEEP_WAITING, CTL_EAGER
 from waiting import HANG_S, wait_for
 
 FIELDS = {"x": ("int64", ())}
@@ -204,3 +204,22 @@ def test_a_killed_writers_published_commits_are_kept(start_daemon):
     got, _ = committed(t)
     np.testing.assert_array_equal(got["x"], np.arange(6))
     c.close()
+
+
+def test_turning_lazy_commits_off_tells_a_daemon_that_is_up_too(start_daemon):
+    """``lazy_commits = False`` sets the channel's eager word (a daemon that
+    is up then serves every COMMIT at once, ``Ring.wants_service``), back
+    to 0 when turned on again, and the setting holds for a new pipe."""
+    d = start_daemon(tables=[{"name": "t", "capacity": 1000, "fields": FIELDS}])
+    with d.connect() as c:
+        assert int(c._session.pipe.req.ctl[CTL_EAGER]) == 0
+        c.lazy_commits = False
+        assert int(c._session.pipe.req.ctl[CTL_EAGER]) == 1
+        t = c.table("t")
+        t.insert(x=np.int64(5))
+        wait_for(lambda: len(t) == 1, "the eager commit to be applied")
+        c.lazy_commits = True
+        assert int(c._session.pipe.req.ctl[CTL_EAGER]) == 0
+        c.lazy_commits = False
+    with d.connect() as c2:  # a new client starts lazy
+        assert int(c2._session.pipe.req.ctl[CTL_EAGER]) == 0

@@ -253,9 +253,11 @@ class Client:
         CPU than a small commit (measured: ~330-430 us against ~110 us per
         64-row chunk; 35-150 us per single-row insert), so a program that
         inserts every env step and samples every few pays one wake-up per
-        sample, not one per insert.  False: every COMMIT wakes a sleeping
-        daemon, so the item is sampleable within microseconds with nothing
-        else asked.  Kept across reconnects and forks; not carried by
+        sample, not one per insert.  A daemon that is up lets them wait the
+        same way, up to 16 in a row (docs/protocol.md, "Waking").  False:
+        every COMMIT wakes a sleeping daemon, and one that is up serves it
+        at once (the channel's eager word), so the item is sampleable
+        within microseconds with nothing else asked.  Kept across reconnects and forks; not carried by
         pickling."""
         return self._session.lazy_commits
 

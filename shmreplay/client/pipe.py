@@ -26,7 +26,7 @@ from ..errors import RateLimited, ReplayError, ReplayTimeout
 from ..wire import atomics, commitrun
 from ..wire import replytake
 from ..wire.commitrun import answers_only
-from ..wire.channel import ASLEEP_WAITING, CTL_RESP_HEAD, LAZY_MAX, Channel
+from ..wire.channel import ASLEEP_WAITING, CTL_EAGER, CTL_RESP_HEAD, LAZY_MAX, Channel
 from ..wire.doorbell import drain
 from ..wire.doorbell import ring as ring_bell
 from ..wire.records import COMMIT, SAMPLE, put_commit, read_error
@@ -70,7 +70,7 @@ class CommandPipe:
         replytake.warm()  # and take_sample's, rather than at the first sample
         self._resp_pay64 = self.resp.payload.view(np.uint64)  # take_sample reads the payload so
         self.spin = int(16 * SPIN_MIN_S * self.loads_per_s)
-        self.lazy_commits = True  # the session's choice (Client.lazy_commits)
+        self.lazy_commits = True  # the session's choice (Client.lazy_commits): set_lazy
         self.owed_bell = False  # a lazy record left the daemon asleep: ring before waiting on it
         self.unannounced = 0  # lazy records published to a sleeping daemon since the last bell
 
@@ -100,6 +100,13 @@ class CommandPipe:
         self.seq = seq
         self._published(ring.publish(), wake)
         return seq
+
+    def set_lazy(self, on: bool) -> None:
+        """``Client.lazy_commits``: off, every COMMIT wakes a sleeping
+        daemon, and the channel's eager word tells a daemon that is up to
+        serve them at once too (``Ring.wants_service``)."""
+        self.lazy_commits = bool(on)
+        atomics.store(self.req.ctl, CTL_EAGER, 0 if on else 1)
 
     def commit_one(self, table: int, rid: int, offset: int) -> None:
         """``send(records.put_commit, table, rid, 1, offset, None,

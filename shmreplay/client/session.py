@@ -86,7 +86,7 @@ class Session:
             self._lease_key = R.owner_key(self.daemon_pid, hello["client_id"])
             self.max_batch = int(hello["max_batch"])
             pipe = CommandPipe(link, fds)
-            pipe.lazy_commits = self.lazy_commits
+            pipe.set_lazy(self.lazy_commits)
             try:
                 link.ready()
             except BaseException:
@@ -100,7 +100,7 @@ class Session:
     def set_lazy_commits(self, on: bool) -> None:
         self.lazy_commits = bool(on)
         if self.pipe is not None:
-            self.pipe.lazy_commits = self.lazy_commits
+            self.pipe.set_lazy(self.lazy_commits)
 
     def abandon(self) -> None:
         """Drop the link and pipe of a lease that is over (no flush)."""

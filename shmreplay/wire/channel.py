@@ -86,6 +86,10 @@ CTL_RESP_TAIL = 32
 CTL_RESP_PAY_TAIL = 40
 CTL_DAEMON_SLEEPING = 48
 CTL_CLIENT_SLEEPING = 56
+# nonzero: the client's COMMITs want serving at once (its lazy_commits is
+# off); only the client writes it, and it decides only when its own
+# records are served (``Ring.wants_service``)
+CTL_EAGER = 64
 # a sleeping word's values: awake; asleep (a lazy record, which nobody waits
 # for, may leave the daemon asleep); asleep while a parked request waits on
 # the tables (every record wakes it: a lazy COMMIT may be what it waits for)
@@ -123,7 +127,7 @@ class Ring:
     process and one thread of the consumer process; never both ends from
     the same object."""
 
-    def __init__(self, ctl, records, payload, head_w, tail_w, pay_tail_w, sleeping_w):
+    def __init__(self, ctl, records, payload, head_w, tail_w, pay_tail_w, sleeping_w, eager_w=None):
         self.ctl = ctl
         self.records = records
         self.payload = payload
@@ -135,6 +139,7 @@ class Ring:
         self.pay_head = 0
         self.tail = int(atomics.load(ctl, tail_w))
         self.lazy_to = self.tail  # consumer: records before it are COMMITs left to wait (wants_service)
+        self.eager_w = eager_w  # the requests': the producer's CTL_EAGER word (wants_service)
         self._words = None
 
     # ---- producer side ----
@@ -260,11 +265,14 @@ class Ring:
         """Consumer side, for the daemon's idle loop (server/engine/idle.py,
         "Lazy COMMITs"): are records pending that it should serve now?  Not
         while fewer than ``limit`` are, all COMMITs: they wait for a record
-        that wants an answer, or for ``limit`` of them.  Each op is read
+        that wants an answer, or for ``limit`` of them (one, if the
+        producer set its eager word: a client whose ``lazy_commits`` is off).  Each op is read
         once (``lazy_to``), after an atomic load of the head.  Never raises:
         a corrupt head counts as wanting service (``pending`` reports it)."""
         tail = self.tail
         head = int(self.ctl[self.head_w])  # a plain read, as has_pending's
+        if self.eager_w is not None and int(self.ctl[self.eager_w]):
+            limit = 1  # its client wants its COMMITs served at once (lazy_commits off)
         if head == max(tail, self.lazy_to):  # nothing new since the ops were read: COMMITs, if any
             return head - tail >= limit
         head = int(atomics.load(self.ctl, self.head_w))
@@ -304,7 +312,7 @@ class Channel:
         req_pay = np.ndarray((lo.req_payload,), np.uint8, buffer=buf, offset=lo.req_pay_off)
         resp_pay = np.ndarray((lo.resp_payload,), np.uint8, buffer=buf, offset=lo.resp_pay_off)
         self.requests = Ring(self.ctl, req_recs, req_pay, CTL_REQ_HEAD, CTL_REQ_TAIL,
-                             CTL_REQ_PAY_TAIL, CTL_DAEMON_SLEEPING)
+                             CTL_REQ_PAY_TAIL, CTL_DAEMON_SLEEPING, CTL_EAGER)
         self.responses = Ring(self.ctl, resp_recs, resp_pay, CTL_RESP_HEAD, CTL_RESP_TAIL,
                               CTL_RESP_PAY_TAIL, CTL_CLIENT_SLEEPING)
 

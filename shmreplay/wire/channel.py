@@ -59,7 +59,7 @@ import numpy as np
 
 from ..errors import CapacityError, LayoutError, ProtocolError
 from . import atomics, records
-from .commitrun import put_commit_one
+from .commitrun import MASK16, W_OP, put_commit_one
 from .records import COMMIT, RECORD
 from .segment import Segment, prefault
 
@@ -281,7 +281,7 @@ class Ring:
             return n != 0
         w = self.words()
         for pos in range(max(tail, self.lazy_to), head):
-            if int(w[pos % self.slots, 0]) & 0xFFFF != COMMIT:
+            if int(w[pos % self.slots, W_OP] & MASK16) != COMMIT:
                 return True
         self.lazy_to = head
         return False

@@ -29,8 +29,9 @@ from .atomics import load, store
 # records as uint64 words (``Ring.words``): word 0 holds op (bits 0-15),
 # status (bits 16-31) and table (bits 32-63), then seq, a0, a1, a2, f0,
 # pay_off, pay_len
-_W_OP, _W_A0, _W_A1, _W_A2, _W_PAY_LEN = 0, 2, 3, 4, 7
-_STATUS_SHIFT, _STATUS_MASK = np.uint64(16), np.uint64(0xFFFF)
+# (the word indices and masks every kernel over records uses: replytake.py's too)
+W_OP, W_SEQ, W_A0, W_A1, W_A2, W_PAY_OFF, W_PAY_LEN = 0, 1, 2, 3, 4, 6, 7
+MASK16, STATUS_SHIFT = np.uint64(0xFFFF), np.uint64(16)  # op: word 0 & MASK16; status: >> 16 & MASK16
 SLEEPING_TOP = 2**62  # put_commit_one's largest sleeping word
 
 
@@ -48,19 +49,19 @@ def commit_run(words, tail, i, n, table, rid, offset, top, commit):
     comparison is unsigned (numba compares uint64 with int64 as floats)."""
     slots = words.shape[0]
     table_u, rid_u, offset_u, top_u = table, rid, offset, np.uint64(top)
-    op_mask, commit_op, zero, one, shift = np.uint64(0xFFFF), np.uint64(commit), np.uint64(0), np.uint64(1), np.uint64(32)
+    commit_op, zero, one, shift = np.uint64(commit), np.uint64(0), np.uint64(1), np.uint64(32)
     total = zero
     j = i
     while j < n:
         at = (tail + j) % slots
-        head = words[at, _W_OP]
-        a2 = words[at, _W_A2]
-        if j > i and ((head & op_mask) != commit_op or (head >> shift) != table_u
-                      or words[at, _W_A0] != rid_u
+        head = words[at, W_OP]
+        a2 = words[at, W_A2]
+        if j > i and ((head & MASK16) != commit_op or (head >> shift) != table_u
+                      or words[at, W_A0] != rid_u
                       or a2 < offset_u or a2 - offset_u != total  # offset + total, never wrapped
-                      or words[at, _W_PAY_LEN] != zero):
+                      or words[at, W_PAY_LEN] != zero):
             break
-        k = words[at, _W_A1]
+        k = words[at, W_A1]
         if k < one or k > top_u:
             return -j - 1, 0
         total += k
@@ -95,14 +96,14 @@ def put_commit_one(words, ctl, head, tail_w, head_w, sleeping_w, commit, table, 
         return -1
     at = np.int64(head) % slots
     zero = np.uint64(0)
-    words[at, 0] = np.uint64(commit) | (np.uint64(table) << np.uint64(32))
-    words[at, 1] = np.uint64(seq)
-    words[at, _W_A0] = np.uint64(rid)
-    words[at, _W_A1] = np.uint64(1)
-    words[at, _W_A2] = np.uint64(offset)
+    words[at, W_OP] = np.uint64(commit) | (np.uint64(table) << np.uint64(32))
+    words[at, W_SEQ] = np.uint64(seq)
+    words[at, W_A0] = np.uint64(rid)
+    words[at, W_A1] = np.uint64(1)
+    words[at, W_A2] = np.uint64(offset)
     words[at, 5] = zero  # f0: 0.0
-    words[at, 6] = zero  # pay_off
-    words[at, _W_PAY_LEN] = zero
+    words[at, W_PAY_OFF] = zero
+    words[at, W_PAY_LEN] = zero
     store(ctl, head_w, np.uint64(head + 1))
     sleeping = load(ctl, sleeping_w)
     # a peer may leave any 64-bit value there: one that would read as a
@@ -128,7 +129,7 @@ def answers_only(words, ctl, head_w, tail):
     if n < 0 or n > slots:
         return False
     for j in range(n):
-        if (words[(tail + j) % slots, _W_OP] >> _STATUS_SHIFT) & _STATUS_MASK:
+        if (words[(tail + j) % slots, W_OP] >> STATUS_SHIFT) & MASK16:
             return False
     return True
 

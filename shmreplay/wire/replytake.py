@@ -27,11 +27,10 @@ import numpy as np
 
 from ..numbaconf import JIT
 from .atomics import load, store
+from .commitrun import MASK16, STATUS_SHIFT, W_A0, W_A1, W_OP, W_PAY_LEN, W_PAY_OFF, W_SEQ
 
 NOT_TAKEN = -1
 _HID_TOP = np.uint64(2**62)  # a hold id the daemon gives is far below; above: the Python path
-_LOW16 = np.uint64(0xFFFF)
-_SHIFT16 = np.uint64(16)
 
 
 @numba.njit(**JIT)
@@ -50,12 +49,12 @@ def take_sample(words, ctl, head_w, tail_w, pay_tail_w, tail, payload64, op, seq
     if pending <= 0 or pending > slots:
         return NOT_TAKEN
     at = tail % slots
-    w0 = words[at, 0]
-    if ((w0 & _LOW16) != np.uint64(op) or (w0 >> _SHIFT16) & _LOW16 != np.uint64(0)
-            or words[at, 1] != np.uint64(seq) or words[at, 2] != np.uint64(n)
-            or words[at, 3] >= _HID_TOP):
+    w0 = words[at, W_OP]
+    if ((w0 & MASK16) != np.uint64(op) or (w0 >> STATUS_SHIFT) & MASK16 != np.uint64(0)
+            or words[at, W_SEQ] != np.uint64(seq) or words[at, W_A0] != np.uint64(n)
+            or words[at, W_A1] >= _HID_TOP):
         return NOT_TAKEN
-    off, length = words[at, 6], words[at, 7]
+    off, length = words[at, W_PAY_OFF], words[at, W_PAY_LEN]
     size = np.uint64(payload64.shape[0] * 8)
     if length != np.uint64(24 * n) or length > size:
         return NOT_TAKEN
@@ -66,7 +65,7 @@ def take_sample(words, ctl, head_w, tail_w, pay_tail_w, tail, payload64, op, seq
     keys[:n] = payload64[i:i + n]
     probs[:n] = payload64[i + n:i + 2 * n].view(np.float64)
     weights[:n] = payload64[i + 2 * n:i + 3 * n].view(np.float64)
-    hid = np.int64(words[at, 3])
+    hid = np.int64(words[at, W_A1])
     store(ctl, pay_tail_w, off + length)
     store(ctl, tail_w, np.uint64(tail + 1))
     return hid

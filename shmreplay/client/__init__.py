@@ -5,7 +5,8 @@
 reconnecting, the "may be lost" notice), ``link.py`` (control socket),
 ``pipe.py`` (command channel), ``table.py`` (the table handle),
 ``rows.py`` (checking the rows a caller hands in), ``addone.py`` (a one-item insert's check,
-copy and COMMIT in one kernel), ``lease.py`` (slot leases for every writer),
+copy and COMMIT in one kernel), ``lease.py`` (slot leases for every writer), ``binding.py`` (the table as a
+lease writes into it),
 ``leases.py`` (a table handle's leases, and their size), ``draws.py`` (SAMPLE, the
 one draw-gather-redraw loop, a table handle's draw side), ``gather.py`` (rows out of the segment:
 functions over arrays), ``rowcopy.py`` (its kernels for a slot layout: the row copy and the

@@ -25,8 +25,10 @@ client's session (``session.Session``: the command pipe now, ``max_batch``,
 the ``dirty`` mark, and ``begin``/``check_fork``/``recover``) and the
 table's priority check; its table handle makes it (``Table.lease``) and
 binds it to the table as mapped now (``bind``: the daemon's id for the
-table, the field views, the counters whose epoch it checks), again after
-every reconnect, and voids it (``void``) when the connection goes.
+table, the field views, the counters whose epoch it checks, kept by a
+``binding.LeaseBinding``), again after every reconnect, and voids it
+(``void``) when the connection goes.  The lease itself owns the
+reservation state: the current and next reservation, the slots handed out.
 
 Who calls it: its table handle (``bind``, ``void``, ``resize``; ``write`` for
 ``insert``/``insert_batch``; ``release`` at the client's flush) and its
@@ -42,7 +44,8 @@ from os import getpid
 from ..errors import CapacityError, DaemonUnavailable, RateLimited, ReplayError
 from ..wire import records as R
 from ..wire.channel import LAZY_MAX
-from .addone import RING_FULL, OneAdd
+from .addone import RING_FULL
+from .binding import LeaseBinding
 from .pipe import in_slices
 
 
@@ -57,26 +60,22 @@ class SlotLease:
         self.ahead: int | None = None   # seq of a RESERVE sent for the next reservation
         self.taken = 0                  # slots handed to a writer, not committed or abandoned
         self.renewed = False            # voided since the writer last looked
-        self.views: dict = {}           # the table's field arrays, as mapped now (bind)
-        self._name = table_name
         self._session = session
         self._priorities = priorities
-        self._table_id = 0
-        self._view_list: list = []
-        self._words = self._epoch = None
-        self._one = OneAdd()  # add_one's kernel, bound with the views
+        self._at = LeaseBinding(table_name)  # the table as mapped now (bind)
 
     # ---- state ----
     def bind(self, table_id: int, views: dict, view_list: list, words, epoch: int) -> None:
         """The table as mapped now (called by its handle, again after a
         reconnect): the daemon's id for it, its field views (a dict, and a
         list in field order), and its counters with the epoch they must
-        still show for this lease's slots to be ours."""
-        self._table_id = table_id
-        self.views = views
-        self._view_list = view_list
-        self._one.bind(view_list, words)
-        self._words, self._epoch = words, epoch
+        still show for this lease's slots to be ours (``binding.py``)."""
+        self._at.bind(table_id, views, view_list, words, epoch)
+
+    @property
+    def views(self) -> dict:
+        """The table's field arrays, as mapped now (a writer copies its items into them)."""
+        return self._at.views
 
     def begin(self) -> None:
         """Prologue of a writer's call: fork check, deferred errors."""
@@ -84,9 +83,7 @@ class SlotLease:
 
     def check(self) -> None:
         """Before a copy into leased slots: are they still ours?"""
-        if self._words.epoch != self._epoch:
-            raise DaemonUnavailable(f"table {self._name!r} was taken over by a restarted daemon; "
-                                    "this client's slot leases died with the old one")
+        self._at.check()
 
     def resize(self, size: int) -> int:
         """Reserve ``size`` slots at a time from the next reservation on
@@ -116,7 +113,7 @@ class SlotLease:
     # ---- reserving ----
     def _reserve(self, n: int, deadline: float | None) -> list:
         pipe = self._session.pipe
-        table_id = self._table_id
+        table_id = self._at.table_id
         got = None
         if self.ahead is not None:
             seq, self.ahead = self.ahead, None
@@ -152,7 +149,7 @@ class SlotLease:
             # (docs/performance.md, "The ask-ahead RESERVE rides...")
             left = cur[1].shape[0] - (cur[2] if used is None else used)
             lazy = n == 1 and left > LAZY_MAX - pipe.unannounced + 1
-            self.ahead = pipe.send(R.put_reserve, self._table_id, self.size, R.timeout_us(0.0),
+            self.ahead = pipe.send(R.put_reserve, self._at.table_id, self.size, R.timeout_us(0.0),
                                    wake=not lazy)
             pipe.expect(self.ahead)
 
@@ -162,8 +159,8 @@ class SlotLease:
         unbatched) into leased slots and commit them with ``prios``."""
         self.check()
         session = self._session
-        table_id = self._table_id
-        views = self._view_list
+        table_id = self._at.table_id
+        views = self._at.view_list
         lo = 0
         while lo < n:
             cur = self.cur
@@ -206,14 +203,14 @@ class SlotLease:
         ``write``'s loop over parts, and its COMMIT is one kernel call
         (``CommandPipe.commit_one``): 31 -> ~17 us a CartPole item."""
         cur = self.cur
-        if cur is None or cur[2] == cur[1].shape[0] or self._words.epoch != self._epoch:
+        if cur is None or cur[2] == cur[1].shape[0] or not self._at.current():
             return self.write(values, 1, None, True, deadline)  # reserves; raises on a dead epoch
         rid, slots, pos, _ = cur
         if self.ahead is None and slots.shape[0] - pos <= self.size // 2 + 1:
             self._ask_ahead(1, pos + 1)  # before the copy, as ``write`` does (it tests again)
         s0 = slots.item(pos)
         try:
-            for view, v in zip(self._view_list, values):
+            for view, v in zip(self._at.view_list, values):
                 view[s0] = v
         except BaseException:
             self.release()  # the row may be half written
@@ -221,7 +218,7 @@ class SlotLease:
         cur[2] = pos + 1
         session = self._session
         session.dirty = True
-        session.pipe.commit_one(self._table_id, rid, pos)
+        session.pipe.commit_one(self._at.table_id, rid, pos)
 
     def add_one(self, values: tuple) -> bool:
         """``write_one`` without its row check or the session's prologue,
@@ -239,16 +236,17 @@ class SlotLease:
             return False
         rid, slots, pos, _ = cur
         if self.ahead is None and slots.shape[0] - pos <= self.size // 2 + 1:
-            if pos >= slots.shape[0] or self._words.epoch != self._epoch:
+            if pos >= slots.shape[0] or not self._at.current():
                 return False  # ``write`` reserves, or raises for a lease a restarted daemon voided
             self._ask_ahead(1, pos + 1)  # before the copy, as ``write`` does (the kernel
             # refuses a used-up reservation or a moved epoch whatever the branch)
-        got = self._one.add(pipe, self._table_id, rid, slots, pos, values, self._epoch)
+        at = self._at
+        got = at.one.add(pipe, at.table_id, rid, slots, pos, values, at.epoch)
         if got < RING_FULL:
             return False
         cur[2] = pos + 1  # the slot is written (and its COMMIT out, or owed): never again
         session.dirty = True
-        pipe.row_added(got, self._table_id, rid, pos)
+        pipe.row_added(got, at.table_id, rid, pos)
         return True
 
     # ---- writers: items that stay open across calls ----
@@ -269,7 +267,7 @@ class SlotLease:
         prio = None if priority is None else self._priorities([priority], 1, "commit")
         session = self._session
         session.dirty = True
-        session.pipe.send(R.put_commit, self._table_id, rid, 1, pos, prio, wake=False)
+        session.pipe.send(R.put_commit, self._at.table_id, rid, 1, pos, prio, wake=False)
         self.taken -= 1
 
     def release(self, abandoned=(), timeout: float | None = None) -> None:
@@ -295,5 +293,5 @@ class SlotLease:
         if cur is not None and cur[2] < cur[1].shape[0]:
             rids.add(cur[0])
         for rid in sorted(rids):
-            session.pipe.send(R.put_abort, self._table_id, rid)
+            session.pipe.send(R.put_abort, self._at.table_id, rid)
 

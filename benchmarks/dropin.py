@@ -29,9 +29,10 @@ a copy).
 ``ShmreplayAheadBuffer`` (``shmreplay_ahead``) draws each batch ahead,
 halfway between two samples (``sample(..., ahead=True)``), into the last
 batch's arrays.
-The environment reaches every run: ``GOMP_SPINCOUNT=100000`` (how long
-torch's OpenMP workers spin after an operation) is what docs/guide.md
-advises on a box where the daemon shares the cores with torch.
+The environment reaches every run: ``GOMP_SPINCOUNT`` (how long torch's
+OpenMP workers spin after an operation) or ``--torch-threads 1``, what
+docs/guide.md advises on a box where the daemon shares the cores with
+torch, apply to both buffers alike.
 
 Each (buffer, seed) runs in its own process, the buffers in their order
 for even seeds and reversed for odd ones.  Reported per buffer (medians over seeds):

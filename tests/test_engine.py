@@ -2,6 +2,7 @@
 
 import os
 import threading
+import time
 
 import pytest
 
@@ -188,3 +189,51 @@ def test_the_run_queue_a_watched_spin_reads(tmp_path):
             assert runnable_threads(fd) == (7 if text.startswith(b"0.00") else 0)
         finally:
             os.close(fd)
+
+
+def test_no_learner_spin_takes_a_core_a_runnable_thread_waits_for():
+    """Issue 36, item 1: with more threads runnable than CPUs, the engine
+    does not stay up for a learner, however often it samples: the spin is
+    cut back to the plain budget (which follows the gaps between commands),
+    and a watched learner spin backs off as a contended one does.
+    Measured: a CleanRL loop sampling every ~1 ms (under
+    ``learner_spin_us``) kept the daemon spinning on the core its torch
+    update wanted (docs/performance.md, "A spin that takes nobody's
+    core").  The machine is crowded for real: one busy process per CPU and
+    one more, seen runnable before each spin (they never block, so they
+    stay so)."""
+    import subprocess
+    import sys
+
+    from shmreplay.server.engine.calls import Calls
+    from shmreplay.server.engine.idle import runnable_threads
+    from shmreplay.wire.channel import Channel, ChannelLayout
+    cpus = os.cpu_count() or 1
+    busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(cpus + 1)]
+    ch = Channel.create(ChannelLayout(64, 16, 4096, 4096), os.getpid(), os.getpid())
+    idler = _idler()
+    fd = os.open("/proc/loadavg", os.O_RDONLY)
+    try:
+        deadline = time.monotonic() + 30
+        while runnable_threads(fd) <= cpus:  # the busy ones are up (bounded)
+            assert time.monotonic() < deadline, "busy processes never showed as runnable"
+            time.sleep(0.01)
+        rings, calls = [ch.requests], Calls()
+        now = time.perf_counter()
+        idler.sampled(now - 0.001)
+        idler.sampled(now)                                       # a learner every 1 ms
+        assert not idler.spin(rings, calls)
+        assert idler.stats["learner_spins"] == 1
+        assert idler.stats["crowded_spins"] == 1 and idler.stats["contended_spins"] == 0
+        idler.sampled(time.perf_counter() + 0.004)              # every 4 ms: a watched spin
+        assert not idler.spin(rings, calls)
+        assert idler.stats["watched_learner_spins"] == 1
+        assert idler.stats["crowded_spins"] == 2 and idler.stats["contended_spins"] == 1
+    finally:
+        for p in busy:
+            p.kill()
+        for p in busy:
+            p.wait()
+        os.close(fd)
+        idler.close()
+        ch.release()

@@ -15,7 +15,7 @@ inserts/s).  Two rules on top:
   apart), the engine busy-polls until twice that interval has passed since
   the last SAMPLE: the learner's next UPDATE and SAMPLE find it awake.  A
   learner that stops, or samples less often, gets the plain budget, so an
-  idle daemon still sleeps;
+  idle daemon still sleeps (and so does a crowded one: the last rule);
 * the learner's rhythm decides how far that reaches (``learner_spin_max_us``):
   a learner that samples less often than ``learner_spin_us`` but more
   often than that keeps the engine up too, as long as the spin costs
@@ -31,6 +31,20 @@ inserts/s).  Two rules on top:
   samples on 2 cores) keeps its daemon awake, and one whose training step
   wants every core (the drop-in loop's torch update) gets it back within
   a fraction of a millisecond, at most once per back-off.
+* no learner spin takes a core a runnable thread waits for, however
+  often the learner samples: while more threads are runnable than the
+  machine has CPUs (read as the spin starts, then every
+  ``RUNQUEUE_EVERY_S`` past the plain budget; ``crowded_spins`` counts
+  them) the spin is cut back to the plain budget, and a watched one backs
+  off.  A CleanRL loop on a faster 2-core box samples every ~1 ms, under
+  ``learner_spin_us``: that spin held a core through every torch update
+  (which wants both) and every env step (torch's OpenMP worker spins on
+  the other core between operations), and the loop ran at 0.58-0.82x the
+  in-process buffer's env steps/s against 0.80-1.11x with this rule
+  (docs/performance.md, "A learner spin that takes nobody's core").  The
+  plain budget is left alone: cut when crowded as well, the prefetching
+  learner (its gather thread, its update, the daemon) lost 7% of its
+  batches.
   The spin does not yield the CPU: measured on
   2 cores with 2 actors flat out (dqn rows), a spin that called
   ``sched_yield`` after 20 us handed a whole time slice to an actor each
@@ -128,7 +142,7 @@ class Idler:
         # for every stats/status call, the monitor's look once a second, a
         # sync: those wake the engine too, and are not a client's)
         self.stats = {"wakeups": 0, "client_wakeups": 0, "sleeps": 0, "learner_spins": 0,
-                      "watched_learner_spins": 0, "contended_spins": 0}
+                      "watched_learner_spins": 0, "contended_spins": 0, "crowded_spins": 0}
 
     def sampled(self, now: float | None = None) -> None:
         """The engine answered a SAMPLE in this pass (at ``now``, perf_counter)."""
@@ -170,6 +184,11 @@ class Idler:
             watched = False
         if deadline <= start:
             return False
+        if deadline > plain and self.crowded():  # staying up for a learner would take a core
+            self._crowded_out(start, watched)     # a runnable thread waits for: the plain spin only
+            deadline, watched = plain, False
+            if deadline <= start:
+                return False
         cpu0 = time.thread_time() if watched else 0.0
         look = start + RUNQUEUE_EVERY_S
         left = sum([r.lazy_to for r in rings])  # COMMITs left waiting so far
@@ -189,16 +208,31 @@ class Idler:
             if now >= deadline:
                 self.idle_since = start
                 return False
-            # past the plain budget, a watched spin ends once it costs someone
-            # a core: more threads runnable than CPUs, or this one kept off
-            # its core CONTENDED_S in all
-            if watched and now > plain and now >= look:
+            # any spin ends once it costs someone a core (more threads
+            # runnable than CPUs); a watched one past the plain budget also
+            # once this thread was kept off its core CONTENDED_S in all
+            if now > plain and now >= look:
                 look = now + RUNQUEUE_EVERY_S
-                if (self.loadavg >= 0 and runnable_threads(self.loadavg) > self.cpus) or \
-                        (now - start) - (time.thread_time() - cpu0) > CONTENDED_S:
+                if self.crowded():
+                    return self._crowded_out(start, watched)
+                if watched and (now - start) - (time.thread_time() - cpu0) > CONTENDED_S:
                     self.contended(now)
                     self.idle_since = start
                     return False
+
+    def crowded(self) -> bool:
+        """More threads runnable on the machine than it has CPUs (this one
+        included): a spin would keep one of them off a core."""
+        return self.loadavg >= 0 and runnable_threads(self.loadavg) > self.cpus
+
+    def _crowded_out(self, start: float, watched: bool) -> bool:
+        """A spin ends (or never starts) because the machine is crowded; a
+        watched learner spin backs off too.  Returns False (nothing came)."""
+        self.stats["crowded_spins"] += 1
+        if watched:
+            self.contended(time.perf_counter())
+        self.idle_since = start
+        return False
 
     @staticmethod
     def wanted(rings: list, calls, waiting: bool) -> bool:

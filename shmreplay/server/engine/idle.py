@@ -208,9 +208,10 @@ class Idler:
             if now >= deadline:
                 self.idle_since = start
                 return False
-            # any spin ends once it costs someone a core (more threads
-            # runnable than CPUs); a watched one past the plain budget also
-            # once this thread was kept off its core CONTENDED_S in all
+            # past the plain budget (a learner's spin, or one a writer's
+            # COMMITs kept going) a spin ends once it costs someone a core
+            # (more threads runnable than CPUs); a watched one also once
+            # this thread was kept off its core CONTENDED_S in all
             if now > plain and now >= look:
                 look = now + RUNQUEUE_EVERY_S
                 if self.crowded():

@@ -185,7 +185,7 @@ class Idler:
         if deadline <= start:
             return False
         if deadline > plain and self.crowded():  # staying up for a learner would take a core
-            self._crowded_out(start, watched)     # a runnable thread waits for: the plain spin only
+            self._crowded_out(watched)            # a runnable thread waits for: the plain spin only
             deadline, watched = plain, False
             if deadline <= start:
                 return False
@@ -215,7 +215,9 @@ class Idler:
             if now > plain and now >= look:
                 look = now + RUNQUEUE_EVERY_S
                 if self.crowded():
-                    return self._crowded_out(start, watched)
+                    self._crowded_out(watched)
+                    self.idle_since = start
+                    return False
                 if watched and (now - start) - (time.thread_time() - cpu0) > CONTENDED_S:
                     self.contended(now)
                     self.idle_since = start
@@ -226,14 +228,12 @@ class Idler:
         included): a spin would keep one of them off a core."""
         return self.loadavg >= 0 and runnable_threads(self.loadavg) > self.cpus
 
-    def _crowded_out(self, start: float, watched: bool) -> bool:
-        """A spin ends (or never starts) because the machine is crowded; a
-        watched learner spin backs off too.  Returns False (nothing came)."""
+    def _crowded_out(self, watched: bool) -> None:
+        """A spin past the plain budget is cut because the machine is
+        crowded: counted, and a watched learner spin backs off too."""
         self.stats["crowded_spins"] += 1
         if watched:
             self.contended(time.perf_counter())
-        self.idle_since = start
-        return False
 
     @staticmethod
     def wanted(rings: list, calls, waiting: bool) -> bool:

@@ -25,6 +25,11 @@ from shmreplay.wire.names import lock_path
 _counter = itertools.count()
 CHECKOUT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DAEMON_COMMAND = [sys.executable, "-m", "shmreplay.server.daemon"]
+# how the last line of a faulthandler dump of a test daemon ends: its main
+# thread's outermost frame, started (``-m``) or forked from the zygote
+MAIN_THREAD_OUTERMOST = re.compile(
+    r'( in _run_module_as_main|/' + re.escape(os.path.basename(zygote.__file__))
+    + r'", line \d+ in <module>)\n\Z')
 _zygote: zygote.Zygote | None = None
 
 
@@ -234,14 +239,26 @@ class DaemonProcess:
             os.kill(self.pid, signal.SIGUSR1)
         except ProcessLookupError:
             return "\n".join(out)
-        deadline = time.monotonic() + 10.0  # a hang guard: faulthandler writes at once
-        size = -1
-        while time.monotonic() < deadline:  # until the dump has begun and stopped growing
+        # faulthandler writes line by line from whichever thread took the
+        # signal, and on a loaded machine that thread can be preempted
+        # between two lines for longer than any quiet window: so the dump is
+        # read once it is whole. It lists the main thread last, so the dump
+        # ends with the main thread's outermost frame: runpy's for a daemon
+        # started with ``python -m``, the zygote's ``<module>`` for a forked
+        # one. A dump that never ends so (a daemon started another way) is
+        # read after it stopped growing for a second; a hang guard bounds
+        # the wait.
+        deadline = time.monotonic() + 10.0
+        size, quiet_since = -1, time.monotonic()
+        while time.monotonic() < deadline:
             time.sleep(0.05)
-            now = len(self.log())
-            if now == size and "Thread 0x" in self.log()[before:]:
+            dump = self.log()[before:]
+            if MAIN_THREAD_OUTERMOST.search(dump):
                 break
-            size = now
+            if len(dump) != size:
+                size, quiet_since = len(dump), time.monotonic()
+            elif "Thread 0x" in dump and time.monotonic() - quiet_since > 1.0:
+                break
         out.append("Python stacks (SIGUSR1):\n" + self.log()[before:])
         return "\n".join(out)
 

@@ -104,7 +104,9 @@ def _gather(tm, fields, slots, b):
         widths = np.array([f.item_bytes for f in fields], np.int64)
         addrs = np.array([out[f.name].ctypes.data for f in fields], np.int64)
         rows = np.arange(b)
-        return lambda: rowcopy.take_slot_rows(src, slots.view(np.uint64), rows, offs, widths, addrs, b)
+        # ``out`` rides along: the kernel writes through its addresses, so
+        # the arrays must outlive this call (they did not, and it crashed)
+        return lambda out=out: rowcopy.take_slot_rows(src, slots.view(np.uint64), rows, offs, widths, addrs, b)
 
     def by_field():
         for f in fields:

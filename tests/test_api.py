@@ -1,7 +1,11 @@
 """The client API against a real daemon: tables, insert, sample (one
 table or several at once), priorities, stats."""
 
+import json
 import re
+import subprocess
+import sys
+import threading
 
 import numpy as np
 import pytest
@@ -235,12 +239,23 @@ def test_default_socket_path_is_shared_by_daemon_and_client(monkeypatch):
 def test_large_rows_are_gathered_intact(client, monkeypatch, cpus_to_split):
     """Batches of >= 1 MiB per field are gathered on two threads where the
     process has ``PARALLEL_GATHER_CPUS`` CPUs (or from 16 MiB a field on
-    any), else on one: both intact."""
+    any; on fewer, from 4 MiB in a thread that waits for its batch, not in
+    a prefetch thread), else on one: both intact."""
     from shmreplay.client import gather
     monkeypatch.setattr(gather, "PARALLEL_GATHER_CPUS", cpus_to_split)
     assert gather.parallel_gather(1 << 20) == (cpus_to_split == 1)
     assert not gather.parallel_gather((1 << 20) - 1)
     assert gather.parallel_gather(16 << 20) and not gather.parallel_gather((1 << 20) - 1)
+    assert gather.parallel_gather(4 << 20) and gather.parallel_gather((4 << 20) - 1) == (cpus_to_split == 1)
+
+    def background():
+        gather.gather_in_background()
+        seen.extend(gather.parallel_gather(n) for n in (4 << 20, 16 << 20))
+    seen: list = []
+    helper = threading.Thread(target=background)
+    helper.start()
+    helper.join()
+    assert seen == [cpus_to_split == 1, True]
     t = client.create_table("wide", capacity=64, fields={"id": ("int64", ()), "img": ("uint8", (512, 1024))},
                             sampler="uniform")
     ids = np.arange(64)
@@ -251,6 +266,56 @@ def test_large_rows_are_gathered_intact(client, monkeypatch, cpus_to_split):
         b = t.sample(9)  # 9 x 512 KiB: both halves of the split are exercised, odd count
         assert b.data["img"].nbytes >= (1 << 20)
         np.testing.assert_array_equal(b.data["img"], img[b.data["id"]])
+
+
+_SMALL_BOX_GATHER = r"""
+import json, os, sys, threading
+import numpy as np
+import shmreplay
+os.sched_setaffinity(0, sorted(os.sched_getaffinity(0))[:2])  # a 2-CPU box, whatever this one is
+def helpers():
+    return sum(t.name.startswith("shmreplay-gather") for t in threading.enumerate())
+def wide(c):
+    return c.stats()["engine"]["wide_samples"]
+with shmreplay.connect(sys.argv[1]) as c:
+    t = c.create_table("big", capacity=32, fields={"id": ("int64", ()), "img": ("uint8", (640, 512))},
+                       sampler="uniform")
+    ids = np.arange(32)
+    img = np.broadcast_to((ids * 7 % 251).astype(np.uint8)[:, None, None], (32, 640, 512)).copy()
+    t.insert_batch({"id": ids, "img": img})
+    c.flush()
+    it = t.iterate(16, prefetch=1)  # 16 x 320 KiB: 5 MiB a batch
+    w0 = wide(c)
+    intact = []
+    for _ in range(4):
+        b = next(it)
+        intact.append(bool(np.array_equal(b.data["img"], img[b.data["id"]])))
+    it.close()
+    prefetched, w1 = helpers(), wide(c)
+    for _ in range(3):
+        b = t.sample(16)
+        intact.append(bool(np.array_equal(b.data["img"], img[b.data["id"]])))
+    small = t.sample(2)  # 640 KiB: one thread, and no WIDE flag
+    print(json.dumps({"prefetched": prefetched, "sampled": helpers(), "intact": intact,
+                      "wide_while_prefetching": w1 - w0, "wide_sampled": wide(c) - w1}))
+"""
+
+
+def test_on_a_small_box_a_waiting_sample_splits_its_gather_and_a_prefetch_thread_does_not(daemon):
+    """gather.py: on fewer than 4 CPUs a 5 MiB batch is copied on two
+    threads by ``sample`` (its caller waits for it), on one by ``iterate``'s
+    prefetch thread (its caller trains meanwhile, and a helper would take
+    its core); both intact.  On 2 CPUs ``sample``'s SAMPLE says so
+    (``records.WIDE``), and the daemon counts it (``wide_samples``: no
+    learner spin follows it), the prefetch thread's and a small batch's do
+    not.  A client process of its own, pinned to 2 CPUs: the helper thread
+    is process-wide and is seen by its name."""
+    r = subprocess.run([sys.executable, "-c", _SMALL_BOX_GATHER, daemon.socket], capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    got = json.loads(r.stdout.strip().splitlines()[-1])
+    assert got == {"prefetched": 0, "sampled": 1, "intact": [True] * 7, "wide_while_prefetching": 0,
+                   "wide_sampled": 3}, got
 
 
 def test_table_names_holding_the_segment_markers_do_not_collide(client):

@@ -122,6 +122,26 @@ def test_a_slower_learner_keeps_the_engine_up_only_while_its_spin_costs_nobody_a
         idler.close()
 
 
+def test_no_learner_spin_follows_a_wide_sample_until_a_plain_one():
+    """A SAMPLE whose client copies the batch on every CPU (``records.WIDE``:
+    a large batch on a 2-CPU box) is followed by no learner spin, fast or
+    watched, however often its learner samples: the spin would take a core
+    from that copy.  The next plain SAMPLE brings the spin back.  The
+    clock is given, never read."""
+    idler = _idler()
+    try:
+        idler.sampled(70.0)
+        idler.sampled(70.001, wide=True)                # every 1 ms, wide
+        assert _near(idler.learner_until(70.0012), (0.0, False))
+        idler.sampled(70.005, wide=True)                # every 4 ms (a watched one), wide
+        assert _near(idler.learner_until(70.0052), (0.0, False))
+        idler.sampled(70.006)                           # plain, 1 ms later
+        assert _near(idler.learner_until(70.0062), (70.008, False))
+        assert idler.stats["wide_samples"] == 2
+    finally:
+        idler.close()
+
+
 @pytest.mark.parametrize("spin, spin_max", [(0.0, 10000.0), (2000.0, 0.0)])
 def test_learner_spins_turned_off_stay_off(spin, spin_max):
     """``learner_spin_us = 0`` turns both spins off (tests that need a

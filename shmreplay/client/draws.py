@@ -39,11 +39,12 @@ from .pipe import deadline_of, in_slices
 
 
 def send_draw(pipe, table_id: int, k: int, beta: float, wait_s: float,
-              protect: bool = False) -> int:
+              protect: bool = False, wide: bool = False) -> int:
     """Send a SAMPLE of k items the daemon may hold ``wait_s`` for the
-    table's limits (``protect``: pinned until released); returns its
-    sequence number."""
-    return pipe.send(R.put_sample, table_id, k, R.timeout_us(wait_s), beta, protect)
+    table's limits (``protect``: pinned until released; ``wide``: this
+    thread will copy the rows on every CPU, ``gather.gathers_wide``);
+    returns its sequence number."""
+    return pipe.send(R.put_sample, table_id, k, R.timeout_us(wait_s), beta, protect, wide)
 
 
 def receive_draw(pipe, seq: int, k: int, rows, out: SampleBatch, wait_s: float) -> int:
@@ -85,7 +86,8 @@ def draw_batch(pipe, table_id: int, src: gather.Rows, fields, gens: np.ndarray, 
     holds = []
     try:
         rows = np.arange(n)
-        seq = send_draw(pipe, table_id, n, beta, wait_s) if ticket is None else ticket
+        seq = (send_draw(pipe, table_id, n, beta, wait_s, wide=gather.gathers_wide(src, fields, n))
+               if ticket is None else ticket)
         hid = receive_draw(pipe, seq, n, rows, out, wait_s)
         if hid:
             holds.append(hid)
@@ -107,7 +109,8 @@ def draw_batch(pipe, table_id: int, src: gather.Rows, fields, gens: np.ndarray, 
             if time.monotonic() > deadline:
                 raise ReplayTimeout(f"could not draw {n} stable rows within {timeout} s")
             out.redraws += k
-            seq = send_draw(pipe, table_id, k, beta, wait_s, protect=True)
+            seq = send_draw(pipe, table_id, k, beta, wait_s, protect=True,
+                            wide=gather.gathers_wide(src, fields, k))
             hid = receive_draw(pipe, seq, k, rows, out, wait_s)
             if hid:
                 holds.append(hid)
@@ -192,7 +195,8 @@ class TableDraws:
     def begin(self, n: int, beta: float, wait_s: float) -> int:
         """``Table.begin_sample``: send a SAMPLE (n, beta checked) now; its ticket."""
         pipe = self._session.pipe
-        seq = send_draw(pipe, self._table_id, n, beta, wait_s)
+        seq = send_draw(pipe, self._table_id, n, beta, wait_s,
+                        wide=gather.gathers_wide(self._rows, self._fields, n))
         pipe.expect(seq)
         return seq
 

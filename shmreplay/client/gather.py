@@ -16,6 +16,7 @@ one helper thread that copies half of them).
 from __future__ import annotations
 
 import os
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -172,7 +173,7 @@ def _take_slots(src, keys, rows, offs, widths, addrs, nrows) -> None:
     if n < 2 or not parallel_gather(n * src.shape[1]):
         done = take_slot_rows(src, keys, rows, offs, widths, addrs, nrows)
     else:  # large rows: two threads, as _take (the kernel holds no GIL)
-        half = n // 2
+        half = _helper_share(n)
         other = _helper().submit(take_slot_rows, src, keys, rows[:half], offs, widths, addrs, nrows)
         done = min(take_slot_rows(src, keys, rows[half:], offs, widths, addrs, nrows), other.result())
     if done < 0:
@@ -203,16 +204,29 @@ def stale_rows(gens: np.ndarray, out: SampleBatch, rows: np.ndarray | None = Non
 # as fast as a numba prange kernel, without numba's threading layers, which
 # are process-global and not all fork- or thread-safe).  Below ~1 MiB the
 # hand-off to the helper thread costs more than it saves.  On fewer than 4
-# CPUs only from 16 MiB a field: on 2 the helper takes the core the daemon
-# answers on, which costs a learner of a few MiB a batch more than the split
-# saves (dqn-atari, 7 MiB, 8 s runs: 407-438 batches/s with the helper
-# against 461-524 without), while a gather of tens of MiB outlasts the
-# daemon's part many times over (r2d2-seq, 34 MiB: 181-183 with it against
-# 142-149 without; docs/performance.md).
+# CPUs a call that waits for its batch (``sample``) splits from 4 MiB: the
+# daemon answers the learner's next request, not this one, and leaves the
+# cores to a gather it finds running (server/engine/idle.py), so the split
+# pays there (dqn-atari's 7 MiB on 2 CPUs, sample + update: 1,303-1,556
+# against 1,243-1,426 batches/s, five rounds in pairs, each pair 1.03-1.11;
+# docs/performance.md, ninth pass).  A prefetch thread (``iterator.py``)
+# gathers while the caller trains, and on such a box a helper would take
+# the trainer's core: it splits only from 16 MiB, where the gather outlasts
+# everything else many times over (r2d2-seq, 34 MiB: 181-183 batches/s with
+# it against 142-149 without), and so does everyone on 4 CPUs or more.
 PARALLEL_GATHER_BYTES = 1 << 20
 PARALLEL_GATHER_CPUS = 4
+PARALLEL_GATHER_SMALL_BOX_BYTES = 4 << 20
 PARALLEL_GATHER_ANY_CPUS_BYTES = 16 << 20
 _helper_pool: tuple[int, ThreadPoolExecutor] | None = None
+_background = threading.local()  # .on: this thread gathers while its process trains
+
+
+def gather_in_background() -> None:
+    """Mark the calling thread as one that gathers while the rest of its
+    process works (a prefetch thread): on a small box its gathers stay on
+    one thread (``parallel_gather``)."""
+    _background.on = True
 
 
 def parallel_gather(nbytes: int) -> bool:
@@ -221,7 +235,30 @@ def parallel_gather(nbytes: int) -> bool:
     may be pinned to fewer after it started)."""
     if nbytes < PARALLEL_GATHER_BYTES:
         return False
-    return nbytes >= PARALLEL_GATHER_ANY_CPUS_BYTES or len(os.sched_getaffinity(0)) >= PARALLEL_GATHER_CPUS
+    if nbytes >= PARALLEL_GATHER_ANY_CPUS_BYTES or len(os.sched_getaffinity(0)) >= PARALLEL_GATHER_CPUS:
+        return True
+    return nbytes >= PARALLEL_GATHER_SMALL_BOX_BYTES and not getattr(_background, "on", False)
+
+
+def gathers_wide(src: Rows, fields, n: int) -> bool:
+    """Whether ``take_rows`` of n rows of ``fields`` from ``src``, in this
+    thread, will copy on every CPU the process has: split with the helper
+    (``parallel_gather``) on a box of at most 2.  The SAMPLE says so
+    (``records.WIDE``), and the daemon then leaves the CPUs to the copy."""
+    if src is None:  # not bound to a table yet: the SAMPLE fails anyway
+        return False
+    unit = src.stride if src.stride else max([f.item_bytes for f in fields], default=0)
+    if n < 2 or n * unit < PARALLEL_GATHER_BYTES:  # the usual batch: no system call
+        return False
+    return len(os.sched_getaffinity(0)) <= 2 and parallel_gather(n * unit)
+
+
+def _helper_share(n: int) -> int:
+    """How many of ``n`` rows the helper copies: 45%, as it starts a
+    hand-off (~20-50 us) after the caller, which copies the rest (dqn-atari
+    on 2 CPUs, four rounds in pairs: 1,440-1,598 batches/s against
+    1,356-1,462 with halves; a 40% share was no better)."""
+    return n * 9 // 20
 
 
 def _helper() -> ThreadPoolExecutor:
@@ -237,7 +274,7 @@ def _take(src: np.ndarray, slots: np.ndarray, dst: np.ndarray) -> None:
     if slots.shape[0] < 2 or not parallel_gather(dst.nbytes):
         src.take(slots, 0, dst, "clip")
         return
-    half = slots.shape[0] // 2
+    half = _helper_share(slots.shape[0])
     other = _helper().submit(src.take, slots[:half], 0, dst[:half], "clip")
     src.take(slots[half:], 0, dst[half:], "clip")
     other.result()

@@ -34,6 +34,7 @@ import sys
 import threading
 
 from ..errors import RateLimited, ReplayError, ReplayTimeout
+from .gather import gather_in_background
 
 # with no timeout, the prefetch thread waits for the table's limits in slices
 # of this length, so close() never waits on a request parked in the daemon
@@ -81,6 +82,7 @@ class BatchIterator:
         # keep one SAMPLE in flight: send the request for the next batch,
         # then gather the current one while the daemon draws
         t, n, beta = self._table, self._n, self._beta
+        gather_in_background()  # the caller trains meanwhile: leave it its core
         ahead = None
         try:
             while not self._stop.is_set():

@@ -40,10 +40,11 @@ import msgpack
 
 from ..errors import ProtocolError, ReplayError, error_from_name
 
-PROTOCOL_VERSION = 7  # 2: checkpoint and shutdown ops; access control; 3: channel passed as fds; 4: sync op;
+PROTOCOL_VERSION = 8  # 2: checkpoint and shutdown ops; access control; 3: channel passed as fds; 4: sync op;
 # 5: writers="creator" tables (spec keys writers, writer_uid; their rows passed as fds);
 # 6: a ring's sleeping word ASLEEP_WAITING (requests parked: lazy records wake the daemon too),
-# which lazy commits by default rely on; 7: the spec key row_layout (slot-by-slot rows)
+# which lazy commits by default rely on; 7: the spec key row_layout (slot-by-slot rows);
+# 8: the SAMPLE flag WIDE (the client gathers on every CPU: no learner spin for it)
 MAX_FRAME = 1 << 20
 # an error message may quote what the peer sent; cut it here so that the
 # reply fits a frame whatever the request held (it could not be sent else)

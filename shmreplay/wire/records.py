@@ -263,20 +263,25 @@ def read_abort(rec) -> int:
 
 
 PROTECT = 1  # SAMPLE flag (a2): pin the drawn slots until the hold is released
+# SAMPLE flag (a2): the client copies this batch on every CPU it has (a large
+# batch on a small box, client/gather.py): the daemon leaves them to it
+# instead of spinning for the learner's next request (server/engine/idle.py)
+WIDE = 2
 
 
 def put_sample(ring, seq: int, table: int, n: int, wait_us: int, beta: float,
-               protect: bool = False) -> bool:
-    return _put(ring, (), SAMPLE, table, seq, n, wait_us, PROTECT if protect else 0, beta)
+               protect: bool = False, wide: bool = False) -> bool:
+    return _put(ring, (), SAMPLE, table, seq, n, wait_us, (PROTECT if protect else 0) | (WIDE if wide else 0),
+                beta)
 
 
-def read_sample(rec) -> tuple[int, int, float, bool]:
-    """(n, timeout in us, beta, protect)."""
+def read_sample(rec) -> tuple[int, int, float, bool, bool]:
+    """(n, timeout in us, beta, protect, wide)."""
     n, beta = check_draw(rec["a0"], rec["f0"])
     flags = int(rec["a2"])
-    if flags & ~PROTECT:
-        raise ProtocolError(f"SAMPLE flags {flags:#x}: only {PROTECT} (protect) is defined")
-    return n, _deadline_us(rec), beta, bool(flags & PROTECT)
+    if flags & ~(PROTECT | WIDE):
+        raise ProtocolError(f"SAMPLE flags {flags:#x}: only {PROTECT} (protect) and {WIDE} (wide) are defined")
+    return n, _deadline_us(rec), beta, bool(flags & PROTECT), bool(flags & WIDE)
 
 
 def put_release(ring, seq: int, table: int, hid: int) -> bool:

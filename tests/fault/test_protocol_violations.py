@@ -251,6 +251,7 @@ def test_fuzzed_command_rings(victims, capsys):
     (C.RESERVE, 0, 0, 0, (), "RESERVE of 0 items"),
     (C.RESERVE, C.MAX_BATCH + 1, 0, 0, (), f"allowed 1..{C.MAX_BATCH}"),
     (C.SAMPLE, 2**40, 0, 0, (), "SAMPLE of"),
+    (C.SAMPLE, 1, 0, 4, (), r"SAMPLE flags 0x4: only 1 \(protect\) and 2 \(wide\) are defined"),
     (C.COMMIT, 12345, 1, 0, (), "reservation 12345 is not yours"),
     (C.COMMIT, 1, 0, 0, (), "COMMIT of 0 items"),
     (C.ABORT, 777, 0, 0, (), "reservation 777 is not yours"),

@@ -44,6 +44,7 @@ class Commands:
         self.parking = Parking()
         self.count = 0            # records applied
         self.draws = 0            # SAMPLE requests answered with items
+        self.wide_draws = 0       # those whose client gathers on every CPU (records.WIDE)
         # per table id: the engine's time per SAMPLE, a log2 histogram of
         # microseconds (bucket k: < 1.024 us * 2**k) and the sum in ns, for
         # the metrics (control/metrics.py): two clock reads per SAMPLE
@@ -104,16 +105,16 @@ class Commands:
     def _on_draw(self, cl, rec, pay, op, tid, seq) -> None:
         """RESERVE and SAMPLE: run now, or park behind the table's limits."""
         if op == R.RESERVE:
-            (n, wait_us), beta, protect = R.read_reserve(rec), 0.0, False
+            (n, wait_us), beta, protect, wide = R.read_reserve(rec), 0.0, False, False
         else:
-            n, wait_us, beta, protect = R.read_sample(rec)
+            n, wait_us, beta, protect, wide = R.read_sample(rec)
         table = self.table(tid)
         if op == R.RESERVE:
             _may_write(cl, table)
         else:
             cl.samples = True
         cl.uses[tid] = cl.uses.get(tid, 0) | (USES_WRITE if op == R.RESERVE else USES_SAMPLE)
-        w = Waiter(cl, op, seq, n, beta, _deadline(wait_us), protect)
+        w = Waiter(cl, op, seq, n, beta, _deadline(wait_us), protect, wide)
         if self.parking.queued(tid, op):  # keep the order behind a parked one
             self.parking.park(table, w)
             return
@@ -158,6 +159,7 @@ class Commands:
             hist[HIST_BUCKETS] += dt
             w.cl.respond(R.sample_reply(w.seq, keys, probs, weights, hid))
             self.draws += 1
+            self.wide_draws += w.wide
             slots = None
         if self.prefetch is not None:
             self.prefetch.read(table.id, slots, keys)

@@ -117,7 +117,7 @@ class Engine:
         try:
             served = False  # the last pass served a command
             while not self.stopping:
-                draws = self.commands.draws
+                draws, wide = self.commands.draws, self.commands.wide_draws
                 # the rings first: a call (stats, a detach) then sees every
                 # record a client published before it, lazy COMMITs included
                 worked = self._serve_all()
@@ -126,7 +126,7 @@ class Engine:
                 if self.parking.count:
                     self._cut_off_all(self.commands.settle(time.monotonic()))
                 if self.commands.draws != draws:  # served now or from parking: a learner is there
-                    self.idler.sampled()
+                    self.idler.sampled(wide=self.commands.wide_draws != wide)
                 rings = [cl.req for cl in self.clients.values()]
                 waiting = self.parking.count > 0
                 if worked:

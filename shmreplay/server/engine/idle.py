@@ -45,6 +45,14 @@ inserts/s).  Two rules on top:
   plain budget is left alone: cut when crowded as well, the prefetching
   learner (its gather thread, its update, the daemon) lost 7% of its
   batches.
+* no learner spin follows a wide SAMPLE (``records.WIDE``): its client
+  copies the batch on every CPU it has (a large batch on a small box,
+  client/gather.py), so the spin would take a core from that copy for as
+  long as it lasted, and the run queue, read as the spin starts, cannot
+  see a copy that the reply is only about to start (a dqn-atari sample +
+  update on 2 CPUs gained 10-18% with the split and this rule, and nothing
+  with the split alone; docs/performance.md, ninth pass).  The plain
+  budget stays: the learner's next request wakes the engine.
   The spin does not yield the CPU: measured on
   2 cores with 2 actors flat out (dqn rows), a spin that called
   ``sched_yield`` after 20 us handed a whole time slice to an actor each
@@ -135,6 +143,7 @@ class Idler:
         self.cpus = os.cpu_count() or 1
         self.last_sample = -1.0   # perf_counter of the last pass that answered a SAMPLE
         self.sample_gap = float("inf")
+        self.wide = False  # the last SAMPLE answered was a wide one (sampled)
         self.idle_since = 0.0  # when the last fruitless spin began
         self.idle_timeout = idle_timeout
         # wakeups: sleeps a doorbell ended (not the timeout); client_wakeups:
@@ -142,20 +151,28 @@ class Idler:
         # for every stats/status call, the monitor's look once a second, a
         # sync: those wake the engine too, and are not a client's)
         self.stats = {"wakeups": 0, "client_wakeups": 0, "sleeps": 0, "learner_spins": 0,
-                      "watched_learner_spins": 0, "contended_spins": 0, "crowded_spins": 0}
+                      "watched_learner_spins": 0, "contended_spins": 0, "crowded_spins": 0,
+                      "wide_samples": 0}
 
-    def sampled(self, now: float | None = None) -> None:
-        """The engine answered a SAMPLE in this pass (at ``now``, perf_counter)."""
+    def sampled(self, now: float | None = None, wide: bool = False) -> None:
+        """The engine answered a SAMPLE in this pass (at ``now``,
+        perf_counter); ``wide``: one whose client copies it on every CPU
+        (``records.WIDE``), which no learner spin may take one of until the
+        next SAMPLE is answered."""
         now = time.perf_counter() if now is None else now
         if self.last_sample >= 0:
             self.sample_gap = now - self.last_sample
         self.last_sample = now
+        self.wide = wide
+        self.stats["wide_samples"] += wide
 
     def learner_until(self, now: float) -> tuple[float, bool]:
         """Until when to stay up for a learner: (perf_counter time, watched),
         0.0 for not at all; ``watched``: a spin past ``learner_spin_us``,
         which ends once it costs another thread its core (``contended``)."""
         gap = self.sample_gap
+        if self.wide:  # the learner copies its batch on every CPU now: leave them to it
+            return 0.0, False
         if gap < self.learner_spin:
             return self.last_sample + 2 * gap, False
         if gap < self.learner_spin_max and now >= self.backoff_until:

@@ -25,12 +25,13 @@ from ..tables.counters import Blocked
 class Waiter:
     """A parked RESERVE or SAMPLE."""
 
-    __slots__ = ("cl", "op", "seq", "n", "beta", "deadline", "protect")
+    __slots__ = ("cl", "op", "seq", "n", "beta", "deadline", "protect", "wide")
 
     def __init__(self, cl, op: int, seq: int, n: int, beta: float, deadline: float,
-                 protect: bool = False):
+                 protect: bool = False, wide: bool = False):
         self.cl, self.op, self.seq, self.n, self.beta, self.deadline = cl, op, seq, n, beta, deadline
         self.protect = protect
+        self.wide = wide  # a SAMPLE whose client gathers on every CPU (records.WIDE)
 
 
 class Parking:

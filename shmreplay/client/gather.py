@@ -245,8 +245,8 @@ def gathers_wide(src: Rows, fields, n: int) -> bool:
     thread, will copy on every CPU the process has: split with the helper
     (``parallel_gather``) on a box of at most 2.  The SAMPLE says so
     (``records.WIDE``), and the daemon then leaves the CPUs to the copy."""
-    if src is None:  # not bound to a table yet: the SAMPLE fails anyway
-        return False
+    if src is None or getattr(_background, "on", False):  # not bound yet (the SAMPLE fails
+        return False  # anyway), or a prefetch thread's: one thread, and no system call
     unit = src.stride if src.stride else max([f.item_bytes for f in fields], default=0)
     if n < 2 or n * unit < PARALLEL_GATHER_BYTES:  # the usual batch: no system call
         return False

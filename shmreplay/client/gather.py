@@ -173,7 +173,7 @@ def _take_slots(src, keys, rows, offs, widths, addrs, nrows) -> None:
     if n < 2 or not parallel_gather(n * src.shape[1]):
         done = take_slot_rows(src, keys, rows, offs, widths, addrs, nrows)
     else:  # large rows: two threads, as _take (the kernel holds no GIL)
-        half = _helper_share(n)
+        half = _helper_share(n, n * src.shape[1])
         other = _helper().submit(take_slot_rows, src, keys, rows[:half], offs, widths, addrs, nrows)
         done = min(take_slot_rows(src, keys, rows[half:], offs, widths, addrs, nrows), other.result())
     if done < 0:
@@ -253,12 +253,18 @@ def gathers_wide(src: Rows, fields, n: int) -> bool:
     return len(os.sched_getaffinity(0)) <= 2 and parallel_gather(n * unit)
 
 
-def _helper_share(n: int) -> int:
-    """How many of ``n`` rows the helper copies: 45%, as it starts a
-    hand-off (~20-50 us) after the caller, which copies the rest (dqn-atari
-    on 2 CPUs, four rounds in pairs: 1,440-1,598 batches/s against
-    1,356-1,462 with halves; a 40% share was no better)."""
-    return n * 9 // 20
+# what the caller copies while the helper thread wakes up for its part
+# (~50 us at ~15 GB/s): the helper takes that much less than half
+HANDOFF_BYTES = 3 << 18
+
+
+def _helper_share(n: int, nbytes: int) -> int:
+    """How many of ``n`` rows (``nbytes`` in all) the helper copies: half,
+    less what the caller copies while the helper starts (``HANDOFF_BYTES``).
+    dqn-atari's 7 MiB on 2 CPUs: 45%, 1,440-1,598 batches/s against
+    1,356-1,462 with halves (four pairs; 40% was no better); r2d2-seq's
+    34 MiB: 49%, where 45% ran 0.95-0.98x of halves (three pairs)."""
+    return max(1, int(n * (0.5 - HANDOFF_BYTES / (2 * nbytes))))  # n >= 2: both get rows
 
 
 def _helper() -> ThreadPoolExecutor:
@@ -274,7 +280,7 @@ def _take(src: np.ndarray, slots: np.ndarray, dst: np.ndarray) -> None:
     if slots.shape[0] < 2 or not parallel_gather(dst.nbytes):
         src.take(slots, 0, dst, "clip")
         return
-    half = _helper_share(slots.shape[0])
+    half = _helper_share(slots.shape[0], dst.nbytes)
     other = _helper().submit(src.take, slots[:half], 0, dst[:half], "clip")
     src.take(slots[half:], 0, dst[half:], "clip")
     other.result()

@@ -10,7 +10,7 @@ are read only after the rows: a writer's reservation bumps the stamp before
 the writer learns the slot.
 
 Called from the thread that owns the table handle (and, for large rows,
-one helper thread that copies half of them).
+one helper thread that copies about half of them).
 """
 
 from __future__ import annotations
@@ -207,8 +207,8 @@ def stale_rows(gens: np.ndarray, out: SampleBatch, rows: np.ndarray | None = Non
 # CPUs a call that waits for its batch (``sample``) splits from 4 MiB: the
 # daemon answers the learner's next request, not this one, and leaves the
 # cores to a gather it finds running (server/engine/idle.py), so the split
-# pays there (dqn-atari's 7 MiB on 2 CPUs, sample + update: 1,303-1,556
-# against 1,243-1,426 batches/s, five rounds in pairs, each pair 1.03-1.11;
+# pays there (dqn-atari's 7 MiB on 2 CPUs, sample + update: 1,353 -> 1,557
+# batches/s, medians of three rounds in one compare run, 1.19x cpprb's;
 # docs/performance.md, ninth pass).  A prefetch thread (``iterator.py``)
 # gathers while the caller trains, and on such a box a helper would take
 # the trainer's core: it splits only from 16 MiB, where the gather outlasts
@@ -263,7 +263,7 @@ def _helper_share(n: int, nbytes: int) -> int:
     less what the caller copies while the helper starts (``HANDOFF_BYTES``).
     dqn-atari's 7 MiB on 2 CPUs: 45%, 1,440-1,598 batches/s against
     1,356-1,462 with halves (four pairs; 40% was no better); r2d2-seq's
-    34 MiB: 49%, where 45% ran 0.95-0.98x of halves (three pairs)."""
+    34 MiB: 48%, where 45% ran 0.95-0.98x of halves (three pairs)."""
     return max(1, int(n * (0.5 - HANDOFF_BYTES / (2 * nbytes))))  # n >= 2: both get rows
 
 

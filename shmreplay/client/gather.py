@@ -229,13 +229,15 @@ def gather_in_background() -> None:
     _background.on = True
 
 
-def parallel_gather(nbytes: int) -> bool:
+def parallel_gather(nbytes: int, cpus: int | None = None) -> bool:
     """Whether a gather of ``nbytes`` is split with the helper thread (the
     CPUs are asked each time, ~1 us against a copy of >= 1 MiB: a learner
-    may be pinned to fewer after it started)."""
+    may be pinned to fewer after it started; ``cpus``: already asked)."""
     if nbytes < PARALLEL_GATHER_BYTES:
         return False
-    if nbytes >= PARALLEL_GATHER_ANY_CPUS_BYTES or len(os.sched_getaffinity(0)) >= PARALLEL_GATHER_CPUS:
+    if nbytes >= PARALLEL_GATHER_ANY_CPUS_BYTES:
+        return True
+    if (len(os.sched_getaffinity(0)) if cpus is None else cpus) >= PARALLEL_GATHER_CPUS:
         return True
     return nbytes >= PARALLEL_GATHER_SMALL_BOX_BYTES and not getattr(_background, "on", False)
 
@@ -250,7 +252,8 @@ def gathers_wide(src: Rows, fields, n: int) -> bool:
     unit = src.stride if src.stride else max([f.item_bytes for f in fields], default=0)
     if n < 2 or n * unit < PARALLEL_GATHER_BYTES:  # the usual batch: no system call
         return False
-    return len(os.sched_getaffinity(0)) <= 2 and parallel_gather(n * unit)
+    cpus = len(os.sched_getaffinity(0))
+    return cpus <= 2 and parallel_gather(n * unit, cpus)
 
 
 # what the caller copies while the helper thread wakes up for its part

@@ -170,9 +170,9 @@ class Idler:
         """Until when to stay up for a learner: (perf_counter time, watched),
         0.0 for not at all; ``watched``: a spin past ``learner_spin_us``,
         which ends once it costs another thread its core (``contended``)."""
-        gap = self.sample_gap
         if self.wide:  # the learner copies its batch on every CPU now: leave them to it
             return 0.0, False
+        gap = self.sample_gap
         if gap < self.learner_spin:
             return self.last_sample + 2 * gap, False
         if gap < self.learner_spin_max and now >= self.backoff_until:

@@ -14,7 +14,8 @@ processes and a learner over shared memory, no daemon.
 
 Shared pure logic sits at the root: ``errors.py`` (every exception),
 ``schema.py`` (table definitions and their checks), ``fields.py`` (the
-forms a table's fields take), ``ratelimiter.py`` (the rate limiter's
+forms a table's fields take), ``framespec.py`` (a frame table's
+declaration and its rings' sizes), ``ratelimiter.py`` (the rate limiter's
 predicates), ``leasing.py`` (writers' lease sizes, and what they leave
 samplers), ``priorities.py`` (priority checks), ``numbaconf.py`` (numba
 flags), ``version.py``.  Tools over the client: ``cli.py`` (the

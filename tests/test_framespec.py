@@ -1,0 +1,85 @@
+"""A frame table's declaration (``shmreplay/framespec.py``, docs/frames.md):
+the forms it takes, its canonical form, every refusal saying what to
+write, and the frame rings' sizes."""
+
+import pytest
+
+from shmreplay.errors import SchemaError
+from shmreplay.fields import parse_fields
+from shmreplay.framespec import (MAX_FRAMES, Frames, check_frame_capacity, frame_bytes,
+                                 frame_capacity, most_frame_items, parse_frames)
+
+ATARI = parse_fields({"obs": ("uint8", (4, 84, 84)), "action": ("int64", ()),
+                      "next_obs": ("uint8", (4, 84, 84)), "reward": ("float32", ()),
+                      "depth": ("float32", (2, 8, 8)), "next_depth": ("float32", (2, 8, 8))})
+
+
+@pytest.mark.parametrize("given", [
+    {"next_obs": "obs", "obs": 4},                   # a mapping, in any order
+    [["obs", 4], ["next_obs", "obs"]],               # the wire form
+    (("next_obs", "obs"), ("obs", 4)),               # pairs as tuples
+])
+def test_the_forms_give_one_canonical_declaration_in_field_order(given):
+    fr = parse_frames(given, ATARI)
+    assert fr.decl == (("obs", 4), ("next_obs", "obs"))
+    assert fr.to_wire() == [["obs", 4], ["next_obs", "obs"]]
+    assert parse_frames(fr.to_wire(), ATARI) == fr  # the wire form round-trips
+
+
+def test_what_a_declaration_says_about_each_field():
+    fr = parse_frames({"obs": 4, "next_obs": "obs", "depth": 2, "next_depth": "depth"}, ATARI)
+    assert fr.bases == ("obs", "depth")
+    assert [fr.base_of(n) for n in ("obs", "next_obs", "depth", "next_depth")] == \
+        ["obs", "obs", "depth", "depth"]
+    assert [fr.depth(n) for n in ("obs", "next_obs", "depth", "next_depth")] == [4, 4, 2, 2]
+    assert fr.refs_per_item == 4 + 4 + 2 + 2
+    assert frame_bytes(ATARI[0]) == 84 * 84          # one uint8 frame
+    assert frame_bytes(ATARI[4]) == 8 * 8 * 4        # one float32 (8, 8) frame
+
+
+def test_no_frames_is_a_table_of_rows():
+    for nothing in (None, {}, []):
+        fr = parse_frames(nothing, ATARI)
+        assert not fr and fr == Frames() and fr.refs_per_item == 0
+
+
+@pytest.mark.parametrize("given, says", [
+    ({"pixels": 4}, ["'pixels'", "not a field", "obs, action, next_obs"]),
+    ({"obs": 3}, ["frames['obs'] is 3", "(4, 84, 84)", "frames={'obs': 4}"]),
+    ({"action": 1}, ["'action' has shape ()", "first axis"]),
+    ({"obs": True}, ["frames['obs'] is True", "depth (an int)"]),
+    ({"obs": 4.0}, ["frames['obs'] is 4.0", "depth (an int)"]),
+    ({"obs": 0}, ["frames['obs'] is 0", "frames={'obs': 4}"]),
+    ({"next_obs": "obs"}, ["follows on from 'obs'", "no depth", "frames={'obs': 4, 'next_obs': 'obs'}"]),
+    ({"obs": 4, "next_obs": "next_obs"}, ["follows on from itself"]),
+    ({"obs": 4, "next_obs": "pixels"}, ["'pixels'", "not a field"]),
+    ({"obs": 4, "next_depth": "obs"}, ["'next_depth' (float32, shape (2, 8, 8))",
+                                       "the dtype uint8 and the shape (4, 84, 84)"]),
+    ({"obs": 4, "reward": "obs"}, ["'reward'", "the dtype uint8 and the shape (4, 84, 84)"]),
+    (5, ["frames must be a mapping", 'frames={"obs": 4, "next_obs": "obs"}']),
+    ([["obs", 4, 1]], ["frames must be a mapping"]),
+    ({4: "obs"}, ["frames names 4", "not a field"]),
+])
+def test_a_wrong_declaration_says_what_to_write(given, says):
+    with pytest.raises(SchemaError) as e:
+        parse_frames(given, ATARI)
+    for words in says:
+        assert words in str(e.value)
+
+
+def test_a_field_named_twice_in_the_wire_form_is_refused():
+    with pytest.raises(SchemaError, match="field 'obs' twice"):
+        parse_frames([["obs", 4], ["obs", 4]], ATARI)
+
+
+def test_frame_rings_hold_one_frame_an_item_and_a_sixteenth_more():
+    assert frame_capacity(1) == 1 + 64             # at least 64 more
+    assert frame_capacity(1024) == 1024 + 64       # 1024 // 16 == 64
+    assert frame_capacity(1_000_000) == 1_062_500  # the Nature-DQN buffer: 7.5 GB of Atari frames
+    most = most_frame_items()
+    assert frame_capacity(most) <= MAX_FRAMES < frame_capacity(most + 1)
+    fr = parse_frames({"obs": 4}, ATARI)
+    check_frame_capacity("t", most, fr)
+    with pytest.raises(SchemaError, match=f"at most {most} items"):
+        check_frame_capacity("t", most + 1, fr)
+    check_frame_capacity("t", most + 1, Frames())  # a table of rows: no frame references

@@ -10,7 +10,8 @@ lease writes into it),
 ``leases.py`` (a table handle's leases, and their size), ``draws.py`` (SAMPLE, the
 one draw-gather-redraw loop, a table handle's draw side), ``gather.py`` (rows out of the segment:
 functions over arrays), ``rowcopy.py`` (its kernels for a slot layout: the row copy and the
-stamp check), ``iterator.py`` (prefetching learner loop),
+stamp check), ``framecopy.py`` (a frame table's stacks rebuilt from its
+frame ring; not used yet, docs/frames.md), ``iterator.py`` (prefetching learner loop),
 ``writers.py`` (sequence and n-step writers), ``loops.py`` (an actor's and a
 learner's loop: the global step, a stop), ``retry.py`` (the calls that
 run again after a reconnect), ``private_daemon.py`` (``Server``: a daemon

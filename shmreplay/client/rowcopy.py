@@ -29,7 +29,7 @@ _SHIFT = np.uint64(32)
 
 
 @intrinsic
-def _copy_bytes(typingctx, dst_addr, src, src_at, n):
+def copy_bytes(typingctx, dst_addr, src, src_at, n):
     """memcpy(dst_addr, src's data + src_at, n): an address and byte offsets,
     no bounds check (the caller's)."""
     sig = types.void(types.int64, src, types.intp, types.intp)
@@ -45,7 +45,7 @@ def _copy_bytes(typingctx, dst_addr, src, src_at, n):
 
 
 @intrinsic
-def _prefetch(typingctx, arr, at):
+def prefetch_line(typingctx, arr, at):
     """Ask the CPU to bring the cache line of byte ``at`` of ``arr``'s data
     in (``llvm.prefetch``: a hint, never a fault, whatever the address)."""
     sig = types.void(arr, types.intp)
@@ -109,17 +109,17 @@ def take_slot_rows(src, keys, rows, offs, widths, addrs, nrows) -> int:
     # negative index costs the loop half its speed (47 us against 23)
     for i in range(min(AHEAD, m)):
         at = np.intp(keys[rows[i]] & _MASK) * stride
-        _prefetch(src, at)
-        _prefetch(src, at + stride - 1)
+        prefetch_line(src, at)
+        prefetch_line(src, at + stride - 1)
     for i in range(m):
         if i + AHEAD < m:
             at = np.intp(keys[rows[i + AHEAD]] & _MASK) * stride
-            _prefetch(src, at)  # a row of up to 4 KiB: its first and last lines;
-            _prefetch(src, at + stride - 1)  # the hardware prefetcher fills between
+            prefetch_line(src, at)  # a row of up to 4 KiB: its first and last lines;
+            prefetch_line(src, at + stride - 1)  # the hardware prefetcher fills between
         r = rows[i]
         at = np.intp(keys[r] & _MASK) * stride
         for f in range(nf):
-            _copy_bytes(addrs[f] + r * widths[f], src, at + offs[f], widths[f])
+            copy_bytes(addrs[f] + r * widths[f], src, at + offs[f], widths[f])
     return m
 
 

@@ -1,0 +1,74 @@
+"""The numba kernel that rebuilds sampled items' frame stacks from a frame
+ring (docs/frames.md): for each drawn item, its ``depth`` frame references
+(the daemon's copy, in the meta segment) name the frames to copy, one
+``memcpy`` each, into the item's row of a contiguous ``(B, depth,
+*frame)`` output.  Its twin is ``tests/test_frame_copy.py``'s numpy
+indexing.  Stamps are re-checked after it, as for rows
+(``rowcopy.stale_keys``): the frames of an item that was live through the
+copy were not handed out again (``server/tables/frames/book.py``).
+
+Not called by ``gather.py`` yet: frame tables are not served yet.  Pure
+functions over arrays; any thread, none holds the GIL.
+"""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+
+from ..numbaconf import JIT
+from .rowcopy import AHEAD, copy_bytes, prefetch_line
+
+_MASK = np.uint64(0xFFFFFFFF)
+
+
+@numba.njit(**JIT)
+def _fits(refs, keys, rows, col0, depth, nrows) -> bool:
+    """Every row inside the output, every key's slot inside the table,
+    the stack's columns inside a reference row: checked before any copy."""
+    if col0 < 0 or depth < 1 or col0 + depth > refs.shape[1]:
+        return False
+    for i in range(rows.shape[0]):
+        r = rows[i]
+        if r < 0 or r >= nrows or r >= keys.shape[0] or np.intp(keys[r] & _MASK) >= refs.shape[0]:
+            return False
+    return True
+
+
+@numba.njit(**JIT)
+def take_stacks(ring, refs, keys, rows, col0, depth, addr, nrows) -> int:
+    """For each r in ``rows``: the stack of the item in slot ``keys[r] &
+    0xFFFFFFFF``, frames ``refs[slot, col0 : col0 + depth]`` of ``ring``
+    (uint8[frames, frame bytes]), copied into row r of the C-contiguous
+    output at address ``addr`` (``nrows`` rows of ``depth`` frames).  The
+    next rows' first frames are asked for AHEAD rows before.  Returns the
+    rows copied, or -1: a row, a slot or the columns outside the arrays
+    (nothing copied), or a reference outside the ring (rows before it
+    copied; the batch is void).
+
+    One signature for every table (the output is an address): compiled
+    once.  The caller keeps the array behind ``addr`` alive and writable."""
+    if not _fits(refs, keys, rows, col0, depth, nrows):
+        return -1
+    nframes, fb = ring.shape[0], ring.shape[1]
+    m = rows.shape[0]
+    for i in range(min(AHEAD, m)):
+        f = np.intp(refs[np.intp(keys[rows[i]] & _MASK), col0])
+        if f < nframes:
+            prefetch_line(ring, f * fb)
+    for i in range(m):
+        if i + AHEAD < m:
+            f = np.intp(refs[np.intp(keys[rows[i + AHEAD]] & _MASK), col0])
+            if f < nframes:
+                prefetch_line(ring, f * fb)
+        r = rows[i]
+        s = np.intp(keys[r] & _MASK)
+        for d in range(depth):
+            # read once: checked and used from the same load (the daemon
+            # writes only references it checked, but a check must hold for
+            # the value it guards)
+            f = np.intp(refs[s, col0 + d])
+            if f < 0 or f >= nframes:
+                return -1
+            copy_bytes(addr + (r * depth + d) * fb, ring, f * fb, fb)
+    return m

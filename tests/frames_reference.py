@@ -3,7 +3,8 @@ of ``shmreplay/server/tables/frames/`` (``refcount.py``'s kernels and
 ``FrameBook``): Python lists and dicts, no numpy in its decisions.
 
 It keeps what the invariant is about (which frames each lease holds,
-which references each live item holds) and derives every count from them
+which references each slot holds: its item's, from the commit until the
+slot is reserved again) and derives every count from them
 from scratch (``count``); only the free queues' order is kept step by step
 (a frame joins the back of its ring's queue when nothing holds it any
 more, a lease takes from the front), as the kernels keep it.
@@ -19,7 +20,7 @@ class FramesModel:
         self.size = size
         self.col_ring = list(col_ring)
         self.free = [deque(range(size)) for _ in range(rings)]
-        self.items: dict[int, list[int]] = {}                 # slot -> references
+        self.items: dict[int, list[int]] = {}                 # slot -> the references it holds
         self.leases: dict[int, tuple[int, int, list[int]]] = {}  # id -> (owner, ring, frames)
         self.next_lease = 1
 
@@ -67,17 +68,21 @@ class FramesModel:
 
     def commit(self, slot: int, refs: list[int]) -> int:
         """-1, or the first column whose reference is outside its ring or to
-        a frame nothing holds (nothing is committed then)."""
+        a frame nothing holds (nothing is committed then).  The slot holds
+        none: it was just reserved (``let_go``)."""
+        assert slot not in self.items
         for j, f in enumerate(refs):
             if not 0 <= f < self.size or self.count(self.col_ring[j], f) == 0:
                 return j
         self.items[slot] = list(refs)
         return -1
 
-    def remove(self, slot: int) -> int:
-        """A frame the item referenced and nothing else holds joins its
-        queue at the item's last reference to it (the kernel lets go of
-        references in column order)."""
+    def let_go(self, slot: int) -> int:
+        """The slot is reserved again.  A frame it referenced and nothing
+        else holds joins its queue at the slot's last reference to it (the
+        kernel lets go of references in column order)."""
+        if slot not in self.items:
+            return 0
         refs = self.items.pop(slot)
         freed = 0
         for j, f in enumerate(refs):

@@ -1,13 +1,15 @@
 """The daemon's frame books (``shmreplay/server/tables/frames/``) against
 their plain reference model (``tests/frames_reference.py``), bit for bit:
-every count, every free queue in order, every item's references, after
+every count, every free queue in order, every slot's references, after
 every step of random runs of leases, commits (good and bad references),
-removals under each remover and under ``max_times_sampled``, owners gone
-and adoption.  And the invariant itself, checked apart from the model: no
-frame a live item references is ever free or handed to a lease.
+slots reserved again under each remover and under ``max_times_sampled``,
+owners gone and adoption.  And the invariant itself, checked apart from
+the model: no frame a slot's references hold (a live item's, or one that
+left while its slot is not reserved again: a learner may still read it)
+is ever free or handed to a lease.
 
-The removals are chosen here by each remover's rule (the oldest, the
-newest, a random item; or an item's N-th sample): the books are not
+The items that leave are chosen here by each remover's rule (the oldest,
+the newest, a random item; or an item's N-th sample): the books are not
 joined to a table's selection yet (docs/frames.md, what is left)."""
 
 import numpy as np
@@ -39,15 +41,15 @@ def check_same(book, model):
     assert book.queues.count.tolist() == model.counts()
     for r in range(2):
         assert book.queues.queue(r).tolist() == list(model.free[r])
-    for slot, refs in model.items.items():
-        assert book.refs[slot].tolist() == refs
+    for slot in range(CAPACITY):
+        assert book.refs[slot].tolist() == model.items.get(slot, [0xFFFFFFFF] * 8)
     assert book.leases.held() == sum(len(fs) for _, _, fs in model.leases.values())
 
 
 def check_invariant(book, model):
-    """Apart from the model's counts: a live item's frames and a lease's
-    frames are never in a free queue, and every frame is either held or
-    queued once."""
+    """Apart from the model's counts: frames a slot references and a
+    lease's frames are never in a free queue, and every frame is either
+    held or queued once."""
     for r in range(2):
         queued = book.queues.queue(r).tolist()
         assert len(queued) == len(set(queued))
@@ -58,41 +60,45 @@ def check_invariant(book, model):
 
 
 def pick_refs(data, model, owner):
+    """An item's references: frames the owner's leases hold or slots
+    reference, ring by ring; in one draw of five, one column anything at
+    all (mostly a frame nobody holds, or past the ring)."""
     refs = []
     for ring in COL_RING:
         own = [f for o, r, fs in model.leases.values() if o == owner and r == ring for f in fs]
-        live = [f for refs_ in model.items.values() for j, f in enumerate(refs_) if COL_RING[j] == ring]
-        kind = data.draw(st.sampled_from(["own", "live", "any"] if own or live else ["any"]))
-        pool = {"own": own, "live": live}.get(kind) or []
-        refs.append(data.draw(st.sampled_from(pool)) if pool else
-                    data.draw(st.integers(0, model.size + 2)))
+        held = [f for refs_ in model.items.values() for j, f in enumerate(refs_) if COL_RING[j] == ring]
+        pool = own + held
+        refs.append(data.draw(st.sampled_from(pool)) if pool else data.draw(st.integers(0, model.size + 2)))
+    if data.draw(st.integers(0, 4)) == 0:
+        refs[data.draw(st.integers(0, len(refs) - 1))] = data.draw(st.integers(0, model.size + 2))
     return refs
 
 
-def removal(data, model, remover, order):
-    live = [s for s in order if s in model.items]
+def victim(data, live, remover, order):
+    live_in_order = [s for s in order if s in live]
     if remover == "fifo":
-        return live[0]
+        return live_in_order[0]
     if remover == "lifo":
-        return live[-1]
-    return data.draw(st.sampled_from(live))
+        return live_in_order[-1]
+    return data.draw(st.sampled_from(live_in_order))
 
 
 @pytest.mark.parametrize("remover", ["fifo", "lifo", "uniform", "max_times_sampled"])
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(data=st.data())
-def test_the_books_agree_with_the_model_and_keep_every_live_items_frames(remover, data):
+def test_the_books_agree_with_the_model_and_keep_every_slots_frames(remover, data):
     book, model = book_and_model()
-    order: list[int] = []  # slots in commit order
+    order: list[int] = []  # live slots in commit order
+    live: set[int] = set()  # slots with an item in the table (model.items: slots holding references)
     times: dict[int, int] = {}
     steps = data.draw(st.integers(1, 60))
     for _ in range(steps):
         op = data.draw(st.sampled_from(["lease", "lease", "commit", "commit", "commit", "give_back",
-                                        "sample", "release_owner", "adopt"]))
+                                        "sample", "release_owner", "adopt", "abort"]))
         owner = data.draw(st.integers(1, 3))
         if op == "lease":
             ring, n = data.draw(st.integers(0, 1)), data.draw(st.integers(1, 12))
-            live = {f for refs in model.items.values() for j, f in enumerate(refs) if COL_RING[j] == ring}
+            held = {f for refs in model.items.values() for j, f in enumerate(refs) if COL_RING[j] == ring}
             want = model.lease(owner, ring, n, book.leases.cap_per_owner)
             if want is None:
                 with pytest.raises(CapacityError, match="give back the frame leases"):
@@ -100,7 +106,7 @@ def test_the_books_agree_with_the_model_and_keep_every_live_items_frames(remover
             else:
                 lid, frames = book.lease(owner, ring, n)
                 assert (lid, frames.tolist()) == want
-                assert not live & set(want[1])  # nothing a live item references is handed out
+                assert not held & set(want[1])  # nothing a slot references is handed out
         elif op == "give_back":
             mine = sorted(lid for lid, (o, _, _) in model.leases.items() if o == owner)
             lid = data.draw(st.sampled_from(mine)) if mine and data.draw(st.booleans()) else \
@@ -112,32 +118,42 @@ def test_the_books_agree_with_the_model_and_keep_every_live_items_frames(remover
             else:
                 assert book.give_back(owner, lid) == want
         elif op == "commit":
-            if len(model.items) == CAPACITY:  # full: the remover's item leaves first
-                slot = removal(data, model, "uniform" if remover == "max_times_sampled" else remover, order)
-                assert book.remove(slot) == model.remove(slot)
-            slot = data.draw(st.sampled_from([s for s in range(CAPACITY) if s not in model.items]))
+            if len(live) == CAPACITY:  # full: the remover's item leaves, its slot is reserved again
+                slot = victim(data, live, "uniform" if remover == "max_times_sampled" else remover, order)
+                live.discard(slot)
+            else:  # a free slot, which may still hold a sampled-out item's references
+                slot = data.draw(st.sampled_from([s for s in range(CAPACITY) if s not in live]))
+            assert book.let_go(np.array([slot], dtype=np.int64)) == model.let_go(slot)
             refs = pick_refs(data, model, owner)
             bad = model.commit(slot, refs)
             row = np.asarray(refs, dtype=np.uint32)
             if bad < 0:
                 book.commit(slot, row)
+                live.add(slot)
                 order = [s for s in order if s != slot] + [slot]
                 times[slot] = 0
             else:
                 name = ("obs", "next_obs", "depth")[0 if bad < 3 else 1 if bad < 6 else 2]
                 with pytest.raises(FieldError, match=f"field '{name}'"):
                     book.commit(slot, row)
-        elif op == "sample" and remover == "max_times_sampled" and model.items:
-            slot = data.draw(st.sampled_from(sorted(model.items)))
+        elif op == "sample" and remover == "max_times_sampled" and live:
+            slot = data.draw(st.sampled_from(sorted(live)))
             times[slot] += 1
             if times[slot] == MAX_TIMES:
-                assert book.remove(slot) == model.remove(slot)
+                live.discard(slot)  # it leaves; its slot keeps its references until reserved again
+        elif op == "abort":
+            # a slot reserved again (the remover's item evicted, or a free
+            # one) and its reservation aborted: no commit follows
+            if live and (len(live) == CAPACITY or data.draw(st.booleans())):
+                slot = victim(data, live, "uniform" if remover == "max_times_sampled" else remover, order)
+                live.discard(slot)
+            else:
+                slot = data.draw(st.sampled_from([s for s in range(CAPACITY) if s not in live]))
+            assert book.let_go(np.array([slot], dtype=np.int64)) == model.let_go(slot)
         elif op == "release_owner":
             assert book.release_owner(owner) == model.release_owner(owner)
         elif op == "adopt":
-            live = np.zeros(CAPACITY, dtype=bool)
-            live[list(model.items)] = True
-            assert book.adopt(live) == 0
+            assert book.adopt() == 0
             model.adopt()
         check_same(book, model)
         check_invariant(book, model)
@@ -152,6 +168,7 @@ def test_a_reference_nobody_holds_is_refused_and_nothing_is_counted():
     with pytest.raises(FieldError, match=r"field 'next_obs', frame 2 of the stack: reference 70"):
         book.commit(0, row)
     assert (book.queues.count == before).all()
+    assert (book.refs[0] == 0xFFFFFFFF).all()  # the slot holds nothing: reserving it again lets go of nothing
     row[5] = 74  # past the ring (74 frames)
     with pytest.raises(FieldError, match="reference 74"):
         book.commit(0, row)
@@ -160,11 +177,11 @@ def test_a_reference_nobody_holds_is_refused_and_nothing_is_counted():
     assert book.queues.count[frames].tolist() == [2, 2, 2, 2, 2, 2]
     book.give_back(1, lid)
     assert book.queues.count[frames].tolist() == [1] * 6  # the live item keeps them
-    assert book.remove(0) == 6 + 0  # ring 0's six; ring 1's two are still leased
+    assert book.let_go(np.array([0])) == 6 + 0  # ring 0's six; ring 1's two are still leased
     assert book.free(0) == book.size and book.free(1) == book.size - 2
 
 
-def test_an_item_that_references_one_frame_four_times_holds_it_until_it_leaves():
+def test_a_slot_that_references_one_frame_four_times_holds_it_until_reserved_again():
     """gymnasium's reset padding: the first frame repeated."""
     fields = parse_fields({"obs": ("uint8", (4, 2, 2))})
     book = FrameBook(parse_frames({"obs": 4}, fields), 4)
@@ -172,7 +189,8 @@ def test_an_item_that_references_one_frame_four_times_holds_it_until_it_leaves()
     book.commit(2, np.asarray([f, f, f, f], dtype=np.uint32))
     book.give_back(7, lid)
     assert book.queues.count[f] == 4 and f not in book.queues.queue(0)
-    assert book.remove(2) == 1 and book.queues.queue(0)[-1] == f
+    assert book.let_go(np.array([2])) == 1 and book.queues.queue(0)[-1] == f
+    assert book.let_go(np.array([2])) == 0 and book.queues.count[f] == 0  # once only
 
 
 def test_an_owner_is_capped_and_the_rest_stay_for_others():
@@ -188,16 +206,17 @@ def test_an_owner_is_capped_and_the_rest_stay_for_others():
     assert book.release_owner(1) == cap and book.leases.held(1) == 0
 
 
-def test_adoption_counts_only_live_items_and_refuses_references_outside_the_ring():
+def test_adoption_counts_the_references_slots_hold_and_refuses_what_no_daemon_wrote():
     book, _ = book_and_model()
     book.refs[3] = [1, 2, 3, 2, 3, 4, 0, 1]
     book.refs[5] = [9, 9, 9, 9, 9, 9, 5, 5]
-    live = np.zeros(CAPACITY, dtype=bool)
-    live[3] = True
-    assert book.adopt(live) == 0
-    assert book.queues.counts(0)[[1, 2, 3, 4, 9]].tolist() == [1, 2, 2, 1, 0]
-    assert book.queues.counts(1)[[0, 1, 5]].tolist() == [1, 1, 0]
-    assert book.queues.queue(0).tolist() == [0] + list(range(5, 74))
-    book.refs[5, 0] = 74
-    live[5] = True
-    assert book.adopt(live) == 1  # the caller sets such a table aside
+    lid, _ = book.lease(1, 0, 3)
+    assert book.adopt() == 0
+    assert book.leases.held() == 0  # leases died with the daemon that gave them
+    assert book.queues.counts(0)[[1, 2, 3, 4, 9]].tolist() == [1, 2, 2, 1, 6]
+    assert book.queues.counts(1)[[0, 1, 5]].tolist() == [1, 1, 2]
+    assert book.queues.queue(0).tolist() == [0] + list(range(5, 9)) + list(range(10, 74))
+    book.refs[5, 0] = 74  # past the ring
+    assert book.adopt() == 1
+    book.refs[5, 0] = 0xFFFFFFFF  # a half-marked row
+    assert book.adopt() == 7

@@ -1,9 +1,9 @@
 """A frame table's frame books (docs/frames.md): which frames of each ring
-live items and writers' leases hold, which are free, and the daemon's copy
-of every item's frame references.
+slots hold (their items', until reserved again) and writers' leases hold,
+which are free, and the daemon's copy of every item's frame references.
 
 ``book.py`` (``FrameBook``: the invariant that keeps a frame alive while a
-live item references it, argued there) with ``refcount.py`` (the kernels:
+slot references it, argued there) with ``refcount.py`` (the kernels:
 references checked and counted, let go, frames leased and given back,
 counts rebuilt; twin ``tests/frames_reference.py``), ``freeframes.py``
 (``FrameQueues``: the counts and free queues the kernels work on) and

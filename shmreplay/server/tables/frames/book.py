@@ -2,17 +2,22 @@
 
 The invariant it keeps, and why it is enough:
 
-    count[f] = references to frame f in live items (an item that
-    references f twice counts twice) + writers' leases holding f.
+    count[f] = references to frame f held by slots (a slot's item's, from
+    its commit until the slot is reserved again; a slot that references
+    f twice counts twice) + writers' leases holding f.
     A frame is handed to a writer only while its count is 0.
 
-While an item is live none of its frames is handed out again, so no
-writer that writes only what it leased writes over them.  A learner's
-gather copies a drawn item's frames and then re-checks the item's
-generation stamp, as for rows: if the stamp still holds, the item was
-live through the copy, so were its frames, and the stack is whole; if the
-item left meanwhile, the stamp says so and it is drawn again.  Eviction
-order could not keep this: lifo and uniform removers, ``max_times_sampled``
+A slot lets go of its references only when it is reserved again, which
+is when its generation stamp is bumped (``slots/ledger.py``), in the same
+engine step and before any later request can lease the frames freed.  A
+learner's gather copies a drawn item's frames and then re-checks the
+item's stamp, as for rows: if the stamp still holds, the slot was not
+reserved again before the check, so none of the item's frames had been
+handed out, and the stack is whole; else the item is drawn again.  Not
+letting go when the item leaves matters: an item sampled for the last
+time (``max_times_sampled``) leaves at once while its slot is held for the
+learner still reading it, with its stamp unchanged.  Eviction order could
+not keep the invariant: lifo and uniform removers, ``max_times_sampled``
 and queues remove items out of frame order, and an old item's frames must
 outlive the newer ones around them.
 
@@ -20,10 +25,11 @@ What it owns: each ring's counts and free queue (``FrameQueues``), the
 writers' frame leases (``FrameLeases``), and the daemon's copy of every
 item's references (``refs``, capacity x references an item: the meta
 segment's array once frame tables are stored, which learners read; a
-client never writes it).  Who calls it: the table that joins it to its
-slots and selection (``commit`` when an item is committed, ``remove`` for
-every item that leaves, by any path), the engine's handlers of frame
-leases, and recovery (``adopt``).  Engine thread only.
+client never writes it; ``NO_REF`` in a row: the slot holds none).  Who
+calls it: the table that joins it to its slots and selection (``commit``
+when an item is committed, ``let_go`` for every slot reserved again), the
+engine's handlers of frame leases, and recovery (``adopt``).  Engine
+thread only.
 """
 
 from __future__ import annotations
@@ -34,7 +40,7 @@ from ....errors import CapacityError, FieldError
 from ....framespec import Frames, frame_capacity
 from .frameleases import FrameLeases
 from .freeframes import FrameQueues
-from .refcount import drop_refs, give_back, lease_frames, rebuild, take_refs
+from .refcount import NO_REF, give_back, lease_frames, let_go_slots, rebuild, take_refs
 
 
 class FrameBook:
@@ -54,7 +60,7 @@ class FrameBook:
                 self._col_names.append((name, d))
         self.col_ring = np.asarray(cols, dtype=np.int64)
         shape = (capacity, len(cols))
-        self.refs = np.zeros(shape, dtype=np.uint32) if refs is None else refs
+        self.refs = np.full(shape, NO_REF, dtype=np.uint32) if refs is None else refs
         if self.refs.shape != shape or self.refs.dtype != np.uint32:
             raise ValueError(f"refs must be uint32{shape}, got {self.refs.dtype}{self.refs.shape}")
         # one owner holds at most half the frames beyond one an item: the
@@ -101,28 +107,33 @@ class FrameBook:
         (read once: it is client-written).  A reference outside its ring or
         to a frame nobody holds is a ``FieldError`` naming it; nothing is
         counted then, and the caller refuses the commit."""
+        if self.refs[slot, 0] != NO_REF:  # not let go when reserved: never leak a count
+            self.let_go(np.array([slot], dtype=np.int64))
         bad = take_refs(row, self.refs[slot], self.col_ring, self.queues.ring_off,
                         self.queues.ring_size, self.queues.count)
         if bad >= 0:
             name, d = self._col_names[bad]
+            value = int(self.refs[slot, bad])
+            self.refs[slot] = NO_REF  # the slot holds nothing: reserving it again lets go of nothing
             raise FieldError(
-                f"field {name!r}, frame {d} of the stack: reference {int(self.refs[slot, bad])} "
+                f"field {name!r}, frame {d} of the stack: reference {value} "
                 f"is not a frame of the {self.rings[self.col_ring[bad]]!r} ring ({self.size} "
-                "frames) that a lease or a live item holds: reference only frames your "
+                "frames) that a lease or a slot holds: reference only frames your "
                 "writer leased and stored, or frames of items it committed that are still live")
 
-    def remove(self, slot: int) -> int:
-        """The item in ``slot`` left (evicted, sampled out, dropped);
-        returns how many frames are free now."""
-        return drop_refs(self.refs[slot], self.col_ring, *self.queues.kernel_args)
+    def let_go(self, slots: np.ndarray) -> int:
+        """``slots`` (int64) are reserved again: they let go of their items'
+        references; returns how many frames are free now."""
+        return let_go_slots(slots, self.refs, self.col_ring, *self.queues.kernel_args)
 
-    def adopt(self, live: np.ndarray) -> int:
-        """Counts rebuilt from the items ``live`` marks (a bool per slot),
-        every lease gone with the daemon that gave it.  Returns how many
-        references were outside their ring (none is counted; a table with
-        any is not one this build wrote)."""
+    def adopt(self) -> int:
+        """Counts rebuilt from the references slots hold (``refs``, as a
+        dead daemon left them), every lease gone with the daemon that gave
+        it.  Returns how many references were outside their ring or in a
+        half-marked row (none is counted; a table with any is not one this
+        build wrote)."""
         self.leases.clear()
-        return rebuild(self.refs, live, self.col_ring, *self.queues.kernel_args)
+        return rebuild(self.refs, self.col_ring, *self.queues.kernel_args)
 
     # ---- what it holds ----
     def free(self, ring: int = 0) -> int:

@@ -37,7 +37,7 @@ class FrameQueues:
         return int(self.qlen[r])
 
     def held(self, r: int) -> int:
-        """Frames of ring ``r`` a live item or a lease holds."""
+        """Frames of ring ``r`` a slot or a lease holds."""
         return int(self.ring_size[r] - self.qlen[r])
 
     def counts(self, r: int) -> np.ndarray:

@@ -1,17 +1,20 @@
-"""The frame books' kernels: an item's references checked and counted,
-a removed item's references let go, frames leased and given back, and the
-counts rebuilt from live items (twin: ``tests/frames_reference.py``).
+"""The frame books' kernels: an item's references checked and counted, a
+slot reserved again letting go of its item's references, frames leased
+and given back, and the counts rebuilt from what slots hold (twin:
+``tests/frames_reference.py``).
 
 The books they work on (``FrameQueues`` in ``freeframes.py`` owns them):
 
 * ``count``  int64[F_all]: every ring's frames, ring ``r``'s from
-  ``ring_off[r]``: references from live items plus writers' leases;
+  ``ring_off[r]``: references slots hold plus writers' leases;
 * ``qbuf``   int64[F_all]: ring ``r``'s free frames, a FIFO in
   ``qbuf[ring_off[r] : ring_off[r] + ring_size[r]]`` from ``qhead[r]``,
   ``qlen[r]`` long (a frame freed last is handed out last, so a learner
   still copying a just-removed item's frames rarely sees them rewritten);
-* an item's references: one per column, column ``j`` an index into ring
-  ``col_ring[j]`` (local: ``0 <= ref < ring_size[col_ring[j]]``).
+* a slot's references: one per column, column ``j`` an index into ring
+  ``col_ring[j]`` (local: ``0 <= ref < ring_size[col_ring[j]]``), or
+  ``NO_REF`` in every column: the slot holds none (never committed, or
+  let go when it was reserved again).
 
 A frame is in its free queue exactly when its count is 0.  Counts are
 int64: a hostile writer referencing one frame from every column of every
@@ -21,8 +24,13 @@ item cannot overflow them.  Engine thread only.
 from __future__ import annotations
 
 import numba
+import numpy as np
 
 from ....numbaconf import JIT
+
+# a slot that holds no references has this in every column: no ring's frame
+# (a ring holds at most 2**32 - 1 frames, framespec.MAX_FRAMES: 0 .. 2**32 - 2)
+NO_REF = np.uint32(0xFFFFFFFF)
 
 
 @numba.njit(**JIT)
@@ -48,13 +56,14 @@ def take_refs(row, out, col_ring, ring_off, ring_size, count) -> int:
     once) to ``out`` (the daemon's copy), check every one (inside its ring,
     and a frame somebody holds: a free one may be handed to another writer
     at any moment), then count them.  Returns -1, or the first bad column
-    with nothing counted."""
+    with nothing counted (``out`` then holds what was sent: the caller
+    reads the bad value and marks the row ``NO_REF`` again)."""
     for j in range(row.shape[0]):
         out[j] = row[j]
     for j in range(out.shape[0]):
         r = col_ring[j]
         ref = out[j]
-        if ref < 0 or ref >= ring_size[r] or count[ring_off[r] + ref] <= 0:
+        if ref >= ring_size[r] or count[ring_off[r] + ref] <= 0:
             return j
     for j in range(out.shape[0]):
         count[ring_off[col_ring[j]] + out[j]] += 1
@@ -62,13 +71,19 @@ def take_refs(row, out, col_ring, ring_off, ring_size, count) -> int:
 
 
 @numba.njit(**JIT)
-def drop_refs(refs, col_ring, ring_off, ring_size, count, qbuf, qhead, qlen) -> int:
-    """A committed item left: let go of its references (the daemon's copy,
-    checked when taken); frames nobody holds any more go to their free
-    queues.  Returns how many were freed."""
+def let_go_slots(slots, refs, col_ring, ring_off, ring_size, count, qbuf, qhead, qlen) -> int:
+    """``slots`` are reserved again (their generation stamps bumped): let
+    go of the references each holds (the daemon's copy, checked when
+    taken) and mark them ``NO_REF``; frames nobody holds any more go to
+    their free queues.  Returns how many were freed."""
     freed = 0
-    for j in range(refs.shape[0]):
-        freed += _let_go(col_ring[j], refs[j], ring_off, ring_size, count, qbuf, qhead, qlen)
+    for i in range(slots.shape[0]):
+        row = refs[slots[i]]
+        if row[0] == NO_REF:
+            continue
+        for j in range(row.shape[0]):
+            freed += _let_go(col_ring[j], row[j], ring_off, ring_size, count, qbuf, qhead, qlen)
+            row[j] = NO_REF
     return freed
 
 
@@ -97,23 +112,28 @@ def give_back(r, frames, ring_off, ring_size, count, qbuf, qhead, qlen) -> int:
 
 
 @numba.njit(**JIT)
-def rebuild(refs, live, col_ring, ring_off, ring_size, count, qbuf, qhead, qlen) -> int:
+def rebuild(refs, col_ring, ring_off, ring_size, count, qbuf, qhead, qlen) -> int:
     """Counts from scratch (a daemon adopting a table: leases died with the
-    old one): every reference of every slot ``s`` with ``live[s]``, then
-    each ring's free frames queued in index order.  A reference outside its
-    ring (a segment no daemon of this build wrote) is not counted; returns
-    how many there were, for the caller to refuse the table."""
+    old one): every reference of every slot that holds some, then each
+    ring's free frames queued in index order.  A reference outside its
+    ring, or a slot that holds some columns and not others (a segment no
+    daemon of this build wrote), is not counted; returns how many there
+    were, for the caller to set the table aside."""
     count[:] = 0
     bad = 0
     for s in range(refs.shape[0]):
-        if live[s]:
-            for j in range(refs.shape[1]):
-                r = col_ring[j]
-                ref = refs[s, j]
-                if ref < 0 or ref >= ring_size[r]:
+        if refs[s, 0] == NO_REF:
+            for j in range(1, refs.shape[1]):
+                if refs[s, j] != NO_REF:
                     bad += 1
-                else:
-                    count[ring_off[r] + ref] += 1
+            continue
+        for j in range(refs.shape[1]):
+            r = col_ring[j]
+            ref = refs[s, j]
+            if ref >= ring_size[r]:
+                bad += 1
+            else:
+                count[ring_off[r] + ref] += 1
     for r in range(ring_off.shape[0]):
         qhead[r] = 0
         qlen[r] = 0

@@ -17,13 +17,14 @@ import numpy as np
 
 from .errors import SchemaError
 from .fields import Field, brief, parse_fields
+from .framespec import Frames, check_frame_capacity, frame_bytes, frame_capacity, parse_frames
 
 SAMPLERS = ("uniform", "prioritized", "fifo", "lifo")
 REMOVERS = ("fifo", "lifo", "uniform")
 # keys of the wire/TOML form, in order; the first three are required
 SPEC_KEYS = ("name", "capacity", "fields", "sampler", "alpha", "remover", "max_times_sampled",
              "min_size_to_sample", "samples_per_insert", "error_buffer", "storage_dir", "writers",
-             "writer_uid", "creator_uid", "row_layout")
+             "writer_uid", "creator_uid", "row_layout", "frames")
 # who may write a table's items: "any" client the daemon lets in, or only its
 # "creator" (and the daemon's admins), which the daemon enforces and records
 # as ``writer_uid`` (docs/reliability.md, section 10)
@@ -74,6 +75,9 @@ class TableSpec:
     # ROW_LAYOUTS; make_spec resolves "auto".  The default here is "field":
     # what every table stored before row layouts existed has
     row_layout: str = "field"
+    # fields stored as frames, each once in a frame ring (framespec.py,
+    # docs/frames.md); empty: a table of rows
+    frames: Frames = Frames()
 
     @property
     def writer_only(self) -> bool:
@@ -134,6 +138,8 @@ class TableSpec:
             # row layouts existed: its schema reads as before, and a stored
             # form without the key means "field" (spec_from_dict)
             **({} if self.row_layout == "field" else {"row_layout": self.row_layout}),
+            # only when set: a table of rows reads as before frame tables existed
+            **({"frames": self.frames.to_wire()} if self.frames else {}),
         }
 
     def to_request(self) -> dict:
@@ -176,7 +182,7 @@ def _number(name, key, value, integer=False) -> float:
 def make_spec(name, capacity, fields, sampler="prioritized", alpha=0.6, remover="fifo",
               max_times_sampled=0, min_size_to_sample=1, samples_per_insert=None,
               error_buffer=None, storage_dir=None, writers="any", writer_uid=None,
-              creator_uid=None, row_layout="auto") -> TableSpec:
+              creator_uid=None, row_layout="auto", frames=None) -> TableSpec:
     """Validate every part of a table definition; raise SchemaError naming the problem.
 
     Configurations the rate limiter could deadlock on are refused here, at
@@ -217,12 +223,15 @@ def make_spec(name, capacity, fields, sampler="prioritized", alpha=0.6, remover=
             eb = _number(name, "error_buffer", eb)
     try:
         fields = parse_fields(fields)
+        framed = parse_frames(frames, fields)
     except SchemaError as exc:  # name the table too: a config may define several
         raise SchemaError(f"table {name!r}: {exc}") from None
+    check_frame_capacity(name, int(capacity), framed)
+    in_slot = tuple(f for f in fields if f.name not in dict(framed.decl))  # a frame takes no room in a slot
     spec = TableSpec(str(name), int(capacity), fields, str(sampler), alpha,
                      str(remover), mts, mss, spi, eb, _storage_dir(name, storage_dir),
                      *_writers(name, writers, writer_uid), _uid(name, "creator_uid", creator_uid),
-                     _row_layout(name, row_layout, fields))
+                     _row_layout(name, row_layout, in_slot), framed)
     _check_size(spec)
     _check_limits(spec)
     return spec
@@ -266,11 +275,17 @@ def _uid(name, key, uid) -> int | None:
 
 
 def _check_size(spec: TableSpec) -> None:
-    """Refuse, naming the field, rows no segment could hold (sizes are
-    Python ints here: nothing overflows before the check)."""
+    """Refuse, naming the field, rows (a stacked field's: its frame ring)
+    no segment could hold (sizes are Python ints here: nothing overflows
+    before the check)."""
     total = 0
+    framed = dict(spec.frames.decl)
     for f in spec.fields:
-        rows = spec.capacity * f.item_bytes
+        how = framed.get(f.name)
+        if isinstance(how, str):
+            continue  # a follow-on stack: its base's frames
+        rows = (frame_capacity(spec.capacity) * frame_bytes(f) if how is not None
+                else spec.capacity * f.item_bytes)
         total += rows
         if total > MAX_TABLE_BYTES:
             raise SchemaError(

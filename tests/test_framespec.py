@@ -83,3 +83,58 @@ def test_frame_rings_hold_one_frame_an_item_and_a_sixteenth_more():
     with pytest.raises(SchemaError, match=f"at most {most} items"):
         check_frame_capacity("t", most + 1, fr)
     check_frame_capacity("t", most + 1, Frames())  # a table of rows: no frame references
+
+
+# ---- in a table's definition (schema.py) and at the daemon ----
+
+from conftest import SMALL_FIELDS  # noqa: E402
+from items import assert_still_serving  # noqa: E402
+from shmreplay.schema import make_spec, spec_from_dict, spec_from_wire  # noqa: E402
+from shmreplay.server.control.config import load_config  # noqa: E402
+
+ATARI_FIELDS = {"obs": ("uint8", (4, 84, 84)), "next_obs": ("uint8", (4, 84, 84)),
+                "action": ("int64", ()), "reward": ("float32", ())}
+
+
+def test_a_table_definition_carries_its_frames_through_the_wire_and_toml_forms():
+    spec = make_spec("atari", 1000, ATARI_FIELDS, frames={"next_obs": "obs", "obs": 4})
+    assert spec.frames.decl == (("obs", 4), ("next_obs", "obs"))
+    assert spec.to_wire()["frames"] == [["obs", 4], ["next_obs", "obs"]]
+    assert spec_from_wire(spec.to_wire()) == spec
+    # what a TOML [tables.frames] table reads as: a mapping
+    toml_form = {**spec.to_wire(), "frames": {"obs": 4, "next_obs": "obs"}}
+    assert spec_from_dict(toml_form, "config") == spec
+    # the slot keeps only the small fields (16 bytes): a slot layout
+    assert spec.row_layout == "slot"
+    assert make_spec("atari", 1000, ATARI_FIELDS).row_layout == "field"
+
+
+def test_a_table_of_rows_reads_as_before_frames_existed():
+    spec = make_spec("t", 10, {"x": ("float32", (3,))})
+    assert "frames" not in spec.to_wire() and not spec.frames
+
+
+def test_a_wrong_declaration_names_its_table():
+    with pytest.raises(SchemaError, match=r"^table 'atari': frames\['obs'\] is 3, .* frames=\{'obs': 4\}"):
+        make_spec("atari", 1000, ATARI_FIELDS, frames={"obs": 3})
+    with pytest.raises(SchemaError, match=f"^table 'atari': a frame table holds at most {most_frame_items()}"):
+        make_spec("atari", most_frame_items() + 1, {"obs": ("uint8", (4, 2, 2))}, frames={"obs": 4})
+
+
+def test_the_daemon_refuses_a_frame_table_it_cannot_serve_yet_and_serves_on(daemon, client):
+    with pytest.raises(SchemaError, match="^table 'atari': frame tables .* not served by this build"):
+        client.create_table("atari", capacity=100, fields=ATARI_FIELDS, frames={"obs": 4})
+    assert client.list_tables() == []
+    client.create_table("t", capacity=10, fields=SMALL_FIELDS)
+    assert_still_serving(daemon, 0)
+
+
+def test_the_config_refuses_a_frame_table_too(tmp_path):
+    path = tmp_path / "d.toml"
+    path.write_text('[[tables]]\nname = "atari"\ncapacity = 100\n'
+                    '[tables.fields]\nobs = { dtype = "uint8", shape = [4, 8, 8] }\n'
+                    '[tables.frames]\nobs = 4\n')
+    with pytest.raises(SchemaError, match="table 'atari': frame tables .* not served by this build"):
+        load_config(str(path))
+    path.write_text(path.read_text().replace("[tables.frames]\nobs = 4\n", ""))
+    assert not load_config(str(path)).tables[0].frames

@@ -28,6 +28,16 @@ from ..tables.slots.ledger import SlotLimits
 _INSTANCE = re.compile(r"^[A-Za-z0-9_-]{1,32}$")
 
 
+def refuse_unserved(spec: TableSpec) -> None:
+    """A frame table (``frames=``) is declared and checked (framespec.py),
+    and its parts are built (docs/frames.md), but this build does not store
+    or serve one yet: refused, saying so, before anything is made."""
+    if spec.frames:
+        raise SchemaError(f"table {spec.name!r}: frame tables (frames=...) are not served by this "
+                          "build of the daemon yet (docs/frames.md, what is left); store the "
+                          "stacked fields as rows: leave frames out")
+
+
 @dataclass
 class DaemonConfig:
     """Every [daemon] key, its default the field's: ``parse_config`` starts from
@@ -101,7 +111,10 @@ class DaemonConfig:
     def place(self, spec: TableSpec) -> TableSpec:
         """``spec`` with its rows directory decided: None takes the default,
         "" means /dev/shm.  A directory the config does not allow is refused:
-        a client may not make the daemon create files anywhere it can write."""
+        a client may not make the daemon create files anywhere it can write.
+        So is a table this build cannot serve (``refuse_unserved``): every
+        table a request or the config asks for comes through here."""
+        refuse_unserved(spec)
         d = self.storage_dir if spec.storage_dir is None else spec.storage_dir
         if d and d not in self.storage_dirs:
             raise PermissionDenied(

@@ -50,3 +50,63 @@ def test_the_nature_dqn_buffer_as_frames_fits_8_gb():
     assert ring.frames == 1_062_500 and ring.frame_bytes == 7_056
     assert total < 8 * 10**9  # about 7.6 GB; as rows the same items are 56.5 GB
     assert n * sum(f.item_bytes for f in fields) > 56 * 10**9
+
+
+# ---- the table's map (wire/tablelayout.py, wire/layout.py) on real segments ----
+
+import os  # noqa: E402
+
+import pytest  # noqa: E402
+
+from shmreplay.errors import LayoutError  # noqa: E402
+from shmreplay.schema import make_spec  # noqa: E402
+from shmreplay.wire.framelayout import NO_REF  # noqa: E402
+from shmreplay.wire.headers import FRAME_LAYOUT_VERSION, LAYOUT_VERSION  # noqa: E402
+from shmreplay.wire.layout import TableMap  # noqa: E402
+from shmreplay.wire.tablelayout import TableLayout  # noqa: E402
+
+SPEC_FIELDS = {"obs": ("uint8", (4, 10, 10)), "action": ("int64", ()),
+               "next_obs": ("uint8", (4, 10, 10)), "reward": ("float32", ())}
+
+
+def test_a_frame_tables_layout_keeps_small_fields_in_the_slot_and_places_rings_and_references():
+    spec = make_spec("f", 100, SPEC_FIELDS, frames={"obs": 4, "next_obs": "obs"})
+    lo = TableLayout(spec)
+    assert [f.name for f in lo.slot_fields] == ["action", "reward"]
+    assert spec.row_layout == "slot" and lo.row_stride == 16  # int64 + float32, 8-aligned
+    assert set(lo.field_offs) == {"action", "reward"}
+    (ring,) = lo.rings
+    # the slots' rows: 4096 + 100 * 16 = 5,696 -> the ring from 8,192, 164 frames of 100 bytes
+    assert (ring.base, ring.offset, ring.frames, ring.frame_bytes) == ("obs", 8192, 164, 100)
+    assert lo.rows_size == 8192 + 20480  # 16,400 bytes of frames, rounded up to five pages
+    # the references after the per-slot arrays: lease_start's 800 bytes, then 64-aligned
+    assert lo.refs_off == (lo.lease_start_off + 800 + 63) // 64 * 64
+    assert lo.size == (lo.refs_off + 100 * 8 * 4 + 4095) // 4096 * 4096
+
+
+def test_a_table_of_rows_lies_as_it_did():
+    lo = TableLayout(make_spec("r", 100, SPEC_FIELDS))
+    assert lo.refs_off is None and lo.rings == () and len(lo.offsets) == 9
+    assert [f.name for f in lo.slot_fields] == list(SPEC_FIELDS)
+
+
+def test_a_frame_tables_segments_map_its_rings_and_references(tmp_path):
+    spec = make_spec("f", 100, SPEC_FIELDS, frames={"obs": 4, "next_obs": "obs"})
+    tm = TableMap.create(f"/shmreplay.test{os.getpid()}.frames", spec)
+    try:
+        assert int(tm.header["layout_version"]) == FRAME_LAYOUT_VERSION
+        assert tm.refs.shape == (100, 8) and (tm.refs == NO_REF).all()
+        assert tm.rings["obs"].shape == (164, 100) and set(tm.fields) == {"action", "reward"}
+        tm.rings["obs"][163] = 7
+        client = TableMap.attach(tm.name, spec)
+        try:
+            assert client.spec == spec and (client.rings["obs"][163] == 7).all()
+            assert not client.refs.flags.writeable  # the daemon's copy: clients read it
+        finally:
+            client.release()
+        tm.header["layout_version"] = LAYOUT_VERSION  # a frame table's map under a row table's version
+        with pytest.raises(LayoutError, match="has layout version 4, but its schema declares frames"):
+            TableMap.attach(tm.name, spec)
+    finally:
+        tm.unlink()
+        tm.release()

@@ -4,8 +4,8 @@
 process is: its credentials, its start time), ``segment.py`` (POSIX
 shared-memory segments), ``headers.py`` (a table's two segment headers,
 read from bytes nobody vouches for), ``layout.py`` (a table segment's byte
-map), ``framelayout.py`` (where a frame table's rings and references
-will lie), ``livewords.py`` (the meta segment's live counter words, by name),
+map, mapped) with ``tablelayout.py`` (its offsets) and ``framelayout.py``
+(where a frame table's rings and references lie), ``livewords.py`` (the meta segment's live counter words, by name),
 ``rowfile.py`` (a file-backed table's rows file), ``rowranges.py`` (the
 byte ranges of a set of slots' rows), ``channel.py`` (a client's two
 command rings), ``doorbell.py`` (their eventfd doorbells), ``records.py``

@@ -1,5 +1,5 @@
 """Where a frame table's frames and references lie (docs/frames.md), for
-``layout.TableLayout`` to place once frame tables are served:
+``tablelayout.TableLayout`` to place:
 
 * in the rows object, after the slots' rows, one **frame ring** a base
   field (``FrameRing``): ``frames`` frames of ``frame_bytes`` each, the
@@ -7,7 +7,7 @@
   a framed field takes no room in a slot (``slot_fields``);
 * in the meta segment, after the per-slot arrays, the daemon's copy of
   every item's references: uint32[capacity, refs an item], 64-byte
-  aligned (``refs_span``).
+  aligned (``refs_span``); ``NO_REF`` in a slot that holds none.
 
 Pure functions of a table's fields and declaration; any thread.
 """
@@ -22,6 +22,10 @@ from ..fields import Field
 from ..framespec import Frames, frame_bytes, frame_capacity
 
 PAGE = 4096
+# a slot that holds no frame references has this in every column: no
+# ring's frame (a ring holds at most 2**32 - 1 frames, framespec.MAX_FRAMES:
+# 0 .. 2**32 - 2).  A new table's references are all NO_REF
+NO_REF = np.uint32(0xFFFFFFFF)
 
 
 def _align(x: int, a: int) -> int:

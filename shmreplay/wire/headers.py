@@ -26,6 +26,12 @@ from ..schema import TableSpec, spec_from_wire
 
 MAGIC = b"SHMRTBL\x00"
 LAYOUT_VERSION = 4  # 2: HELD, times, seqno, limiter words; 3: owner, epoch; 4: meta/rows split, leases
+# a frame table's map (docs/frames.md): version 4's, plus its frame rings
+# after the rows and its references after the per-slot arrays.  A table of
+# rows stays at 4, so builds from before frame tables still adopt it, and
+# refuse a frame table by its version
+FRAME_LAYOUT_VERSION = 5
+LAYOUT_VERSIONS = (LAYOUT_VERSION, FRAME_LAYOUT_VERSION)
 PAGE = 4096
 
 HEADER = np.dtype([
@@ -109,6 +115,11 @@ def stored_table(read, where: str) -> tuple[np.ndarray, TableSpec]:
     if span is None:
         raise LayoutError(f"{where} is not a shmreplay table")
     return h, decode_schema(read(*span), where)[0]
+
+
+def layout_version(spec: TableSpec) -> int:
+    """The layout version a table of ``spec`` is stored under."""
+    return FRAME_LAYOUT_VERSION if spec.frames else LAYOUT_VERSION
 
 
 def same_table(header, other) -> bool:

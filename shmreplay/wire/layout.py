@@ -37,6 +37,9 @@ Meta segment::
            lease_pid   uint32[capacity]  pid of the client a RESERVED slot is leased to
            lease_owner uint64[capacity]  the granting daemon's pid << 32 | the client's id there
            lease_start uint64[capacity]  the client process's start time (clock ticks)
+           refs        uint32[capacity, references an item]  a frame table
+                       only: the frames each slot's item references, the
+                       daemon's copy (NO_REF: the slot holds none)
 
 Rows segment::
 
@@ -50,6 +53,10 @@ Rows segment::
            "slot":  row 0, row 1, ... (``row_stride`` bytes each): every
                     field of the slot, in schema order, each aligned for
                     its dtype (``_in_row``)
+           (a frame table's stacked fields are not in a slot)
+    R      a frame table only (layout version 5): one frame ring a base
+           field, each on a page of its own: frame f at ring + f * frame
+           bytes (``framelayout.py``)
 
 Nothing in the rows object decides whether a table can be attached,
 adopted or restarted: its layout, capacity and creation stamp come from
@@ -61,7 +68,9 @@ and clients map exactly the layout's size of an object at least that large.
 
 ``H`` is 320 + len(schema) rounded up to 4 KiB.  Every offset follows from
 the schema, and the schema also stores them so a reader can check both
-agree; a change to this map must bump LAYOUT_VERSION.
+agree; a change to this map must bump its version (``headers.py``:
+LAYOUT_VERSION for a table of rows, FRAME_LAYOUT_VERSION for a frame
+table's).
 """
 
 from __future__ import annotations
@@ -70,121 +79,20 @@ import math
 import os
 import time
 
-import msgpack
 import numpy as np
 
 from ..errors import LayoutError
 from ..schema import TableSpec
-from .headers import (HEADER, LAYOUT_VERSION, LIVE_OFF, MAGIC, PAGE, ROWS_HEADER, ROWS_MAGIC, ROWS_OFF,
-                      SCHEMA_OFF, decode_schema, meta_header, same_table, schema_span)
+from .framelayout import NO_REF
+from .headers import (HEADER, LAYOUT_VERSIONS, LIVE_OFF, MAGIC, ROWS_HEADER, ROWS_MAGIC, SCHEMA_OFF,
+                      decode_schema, layout_version, meta_header, same_table, schema_span)
 from .livewords import LIVE_WORDS, LiveWords
 from .names import SHM_DIR
 from .peer import process_start
 from .rowfile import rows_location
 from .segment import Segment
-
-# HELD: sampled for the last time (max_times_sampled) and no longer in the
-# table, but a learner may still be reading the row: the slot is reused only
-# after that learner RELEASEs it (or its lease ends)
-FREE, RESERVED, COMMITTED, HELD = 0, 1, 2, 3
-
-
-def _align(x: int, a: int) -> int:
-    return (x + a - 1) // a * a
-
-
-class TableLayout:
-    """Offsets of every array of a table's two segments, derived from its spec."""
-
-    def __init__(self, spec: TableSpec):
-        self.spec = spec
-        self.rows_offsets = _rows_offsets(spec)
-        # the offsets depend on the header size, which depends on the schema
-        # length, which includes the offsets: iterate to the fixed point
-        offsets = _meta_offsets(spec, PAGE)
-        while True:
-            self.schema_bytes = msgpack.packb(
-                {"spec": spec.to_wire(), "offsets": offsets, "rows": self.rows_offsets},
-                use_bin_type=True)
-            self.header_size = _align(SCHEMA_OFF + len(self.schema_bytes), PAGE)
-            if self.header_size == offsets[0]:
-                break
-            offsets = _meta_offsets(spec, self.header_size)
-        self.offsets = offsets
-        (self.gens_off, self.prios_off, self.state_off, self.times_off, self.seqno_off,
-         self.lease_pid_off, self.lease_owner_off, self.lease_start_off) = offsets[:8]
-        self.size = offsets[-1]
-        # field f's row of slot s: field_offs[f] + s * strides[f], item_bytes long
-        self.field_offs = dict(zip((f.name for f in spec.fields), self.rows_offsets[:-1]))
-        self.row_stride = _row_stride(spec) if spec.row_layout == "slot" else 0
-        self.strides = {f.name: self.row_stride or f.item_bytes for f in spec.fields}
-        self.rows_size = self.rows_offsets[-1]
-
-    def row_span(self, field: str) -> tuple[int, int, int]:
-        """(offset, stride, width): ``field``'s row of slot s lies at
-        offset + s * stride in the rows segment, ``width`` bytes long."""
-        return self.field_offs[field], self.strides[field], self.spec.field(field).item_bytes
-
-    def row_spans(self, fields=None) -> tuple[np.ndarray, np.ndarray]:
-        """Where the rows of ``fields`` (names; None: all) lie, as two int64
-        arrays (offsets, widths) for ``rowranges.ranges_of``: one span a
-        field, slot s's row at offset + s * width; for a slot layout one
-        span, the whole rows."""
-        if self.row_stride:
-            return np.array([ROWS_OFF], np.int64), np.array([self.row_stride], np.int64)
-        names = fields if fields is not None else self.field_offs
-        return (np.array([self.field_offs[f] for f in names], np.int64).reshape(-1),
-                np.array([self.strides[f] for f in names], np.int64).reshape(-1))
-
-    def committed_in(self, image) -> np.ndarray:
-        """Which slots a byte image of a meta segment of this layout (a copy,
-        a file's bytes) lists as committed."""
-        return np.frombuffer(image, np.uint8, self.spec.capacity, self.state_off) == COMMITTED
-
-
-_PER_SLOT = (4, 8, 1, 4, 8, 4, 8, 8)  # bytes a slot in gens ... lease_start
-
-
-def _meta_offsets(spec: TableSpec, header_size: int) -> list[int]:
-    pos, out = header_size, []
-    for width in _PER_SLOT:
-        out.append(pos)
-        pos = _align(pos + width * spec.capacity, 64)
-    out.append(_align(pos, PAGE))     # segment size
-    return out
-
-
-def _rows_offsets(spec: TableSpec) -> list[int]:
-    """Each field's first row, then the segment's size.  "field": each
-    field's rows in an array of their own, on a page of its own; "slot":
-    every field of a slot together (``_in_row``), one row after another."""
-    if spec.row_layout == "slot":
-        return ([ROWS_OFF + o for o in _in_row(spec)]
-                + [_align(ROWS_OFF + spec.capacity * _row_stride(spec), PAGE)])
-    pos, out = ROWS_OFF, []
-    for f in spec.fields:
-        out.append(pos)
-        pos = _align(pos + spec.capacity * f.item_bytes, PAGE)
-    out.append(pos)                   # segment size
-    return out
-
-
-def _in_row(spec: TableSpec) -> list[int]:
-    """A slot layout's field offsets inside a row, in the fields' order, each
-    aligned for its dtype (numpy copies misaligned elements slowly)."""
-    pos, out = 0, []
-    for f in spec.fields:
-        pos = _align(pos, f.dtype.alignment)
-        out.append(pos)
-        pos += f.item_bytes
-    return out
-
-
-def _row_stride(spec: TableSpec) -> int:
-    """Bytes from one slot's row to the next in a slot layout: the fields
-    and their padding, rounded up so every row's fields stay aligned."""
-    end = _in_row(spec)[-1] + spec.fields[-1].item_bytes
-    return _align(end, max(f.dtype.alignment for f in spec.fields))
+# the slot states and the offsets live in tablelayout.py; importers take them from here
+from .tablelayout import COMMITTED, FREE, HELD, RESERVED, TableLayout  # noqa: F401
 
 
 class TableMap:
@@ -215,7 +123,14 @@ class TableMap:
         self.lease_owner = np.ndarray((c,), np.uint64, buffer=buf, offset=lo.lease_owner_off)
         self.lease_start = np.ndarray((c,), np.uint64, buffer=buf, offset=lo.lease_start_off)
         self.words = LiveWords(self.live)
-        self.fields = {f.name: field_view(rows.buf, lo, f) for f in self.spec.fields}
+        # the fields a slot holds; a frame table's stacked fields are in its
+        # rings (base field -> uint8[frames, frame bytes]) and its items'
+        # references (uint32[capacity, references an item], daemon-written)
+        self.fields = {f.name: field_view(rows.buf, lo, f) for f in lo.slot_fields}
+        self.rings = {r.base: np.ndarray((r.frames, r.frame_bytes), np.uint8, buffer=rows.buf,
+                                         offset=r.offset) for r in lo.rings}
+        self.refs = (np.ndarray((c, self.spec.frames.refs_per_item), np.uint32, buffer=buf,
+                                offset=lo.refs_off) if lo.refs_off is not None else None)
 
     @classmethod
     def create(cls, name: str, spec: TableSpec, gid: int = -1) -> "TableMap":
@@ -231,9 +146,11 @@ class TableMap:
             meta.close()
             raise
         tm = cls(meta, rows, layout)
+        if tm.refs is not None:
+            tm.refs[:] = NO_REF  # no slot holds a frame yet
         created = time.time_ns()
         h = tm.header
-        h["layout_version"] = LAYOUT_VERSION
+        h["layout_version"] = layout_version(spec)
         h["header_size"] = layout.header_size
         h["capacity"] = spec.capacity
         h["creator_pid"] = h["owner_pid"] = os.getpid()
@@ -246,7 +163,7 @@ class TableMap:
         h["schema_len"] = len(layout.schema_bytes)
         meta.buf[SCHEMA_OFF:SCHEMA_OFF + len(layout.schema_bytes)] = layout.schema_bytes
         r = np.ndarray((), ROWS_HEADER, buffer=rows.buf, offset=0)
-        r["layout_version"], r["capacity"], r["created_ns"] = LAYOUT_VERSION, spec.capacity, created
+        r["layout_version"], r["capacity"], r["created_ns"] = layout_version(spec), spec.capacity, created
         r["segment_size"] = layout.rows_size
         r["magic"] = ROWS_MAGIC
         # magic last: a reader that sees it sees a complete header
@@ -343,7 +260,7 @@ class TableMap:
         self.header = self.live = self.gens = self.prios = self.state = None
         self.times = self.seqno = self.words = None
         self.lease_pid = self.lease_owner = self.lease_start = None
-        self.fields = {}
+        self.fields, self.rings, self.refs = {}, {}, None
         self.meta.close()
         self.rows.close()
 
@@ -377,15 +294,19 @@ def read_spec(seg: Segment) -> TableSpec:
     h = np.ndarray((), HEADER, buffer=seg.buf, offset=0)
     if bytes(h["magic"]) != MAGIC:
         raise LayoutError(f"segment {seg.name} is not a shmreplay table (magic {bytes(h['magic'])!r})")
-    if int(h["layout_version"]) != LAYOUT_VERSION:
+    version = int(h["layout_version"])
+    if version not in LAYOUT_VERSIONS:
         raise LayoutError(
-            f"segment {seg.name} has layout version {int(h['layout_version'])}, "
-            f"this build reads version {LAYOUT_VERSION}")
+            f"segment {seg.name} has layout version {version}, this build reads versions "
+            f"{', '.join(map(str, LAYOUT_VERSIONS))}")
     span = schema_span(h, seg.size)
     if span is None:
         raise LayoutError(f"segment {seg.name} has a corrupt schema length {int(h['schema_len'])}")
     off, n = span
     spec, doc = decode_schema(seg.buf[off:off + n], f"segment {seg.name}")
+    if layout_version(spec) != version:  # a frame table's map under a table of rows' version, or back
+        raise LayoutError(f"segment {seg.name} has layout version {version}, but its schema "
+                          f"{'declares' if spec.frames else 'declares no'} frames")
     layout = TableLayout(spec)
     if layout.offsets != doc.get("offsets") or layout.rows_offsets != doc.get("rows"):
         raise LayoutError(f"segment {seg.name}: stored offsets disagree with its schema")

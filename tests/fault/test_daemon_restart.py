@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 import shmreplay
-from shmreplay.wire.layout import COMMITTED, LAYOUT_VERSION, TableMap
+from shmreplay.wire.headers import LAYOUT_VERSION
+from shmreplay.wire.layout import COMMITTED, TableMap
 from shmreplay.wire.records import key_slots
 
 from faults import (FIELDS, HANG_S, reap, actor, committed_ids, learner, rows, segment_rows, torn,
@@ -239,7 +240,7 @@ def test_adoption_checks_magic_version_and_owner(start_daemon):
     try:
         tm.header["layout_version"] = 99
         why = d.start_set_aside("fifo")
-        assert f"layout version 99, this build reads version {LAYOUT_VERSION}" in why["reason"]
+        assert f"layout version 99, this build reads versions {LAYOUT_VERSION}, 5" in why["reason"]
         assert "/dev/shm" + seg in why["objects"]
         tm.header["layout_version"] = LAYOUT_VERSION
         tm.header["magic"] = b"NOTMINE\x00"

@@ -57,7 +57,8 @@ import msgpack
 import numpy as np
 
 from ...schema import TableSpec
-from ...wire.layout import COMMITTED, LAYOUT_VERSION, meta_mode
+from ...wire.headers import LAYOUT_VERSION
+from ...wire.layout import COMMITTED, meta_mode
 from . import safedir
 from .ckread import CHUNK_BYTES, FORMAT, FORMAT_VERSION, complete_in
 from .rowread import RowSource

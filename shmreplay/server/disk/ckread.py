@@ -31,7 +31,8 @@ import numpy as np
 
 from ...errors import ForeignObject, LayoutError, ReplayError
 from ...schema import TableSpec, spec_from_wire
-from ...wire.layout import COMMITTED, LAYOUT_VERSION, TableMap
+from ...wire.headers import LAYOUT_VERSION
+from ...wire.layout import COMMITTED, TableMap
 from . import safedir
 
 FORMAT = "shmreplay-checkpoint"

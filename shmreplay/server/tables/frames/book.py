@@ -38,9 +38,10 @@ import numpy as np
 
 from ....errors import CapacityError, FieldError
 from ....framespec import Frames, frame_capacity
+from ....wire.framelayout import NO_REF
 from .frameleases import FrameLeases
 from .freeframes import FrameQueues
-from .refcount import NO_REF, give_back, lease_frames, let_go_slots, rebuild, take_refs
+from .refcount import give_back, lease_frames, let_go_slots, rebuild, take_refs
 
 
 class FrameBook:

@@ -24,13 +24,9 @@ item cannot overflow them.  Engine thread only.
 from __future__ import annotations
 
 import numba
-import numpy as np
 
 from ....numbaconf import JIT
-
-# a slot that holds no references has this in every column: no ring's frame
-# (a ring holds at most 2**32 - 1 frames, framespec.MAX_FRAMES: 0 .. 2**32 - 2)
-NO_REF = np.uint32(0xFFFFFFFF)
+from ....wire.framelayout import NO_REF
 
 
 @numba.njit(**JIT)

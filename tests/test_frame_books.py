@@ -9,8 +9,9 @@ left while its slot is not reserved again: a learner may still read it)
 is ever free or handed to a lease.
 
 The items that leave are chosen here by each remover's rule (the oldest,
-the newest, a random item; or an item's N-th sample): the books are not
-joined to a table's selection yet (docs/frames.md, what is left)."""
+the newest, a random item; or an item's N-th sample), over the books
+alone; ``test_table_frames.py`` runs them joined to a real table, whose
+own remover chooses."""
 
 import numpy as np
 import pytest

@@ -79,3 +79,104 @@ def test_a_lease_out_of_the_protocol_is_refused(ring, n):
     with pytest.raises(ProtocolError, match="frame lease on table 't' asks for ring"):
         tf.lease(1, ring, n, reclaim=lambda short: None)
     assert tf.book.leases.held() == 0
+
+
+# ---- joined to a daemon-side Table over real segments ----
+
+import os  # noqa: E402
+
+from shmreplay.schema import make_spec  # noqa: E402
+from shmreplay.server.tables.table import Table, reclaim_frames  # noqa: E402
+from shmreplay.wire.layout import FREE, HELD, TableMap  # noqa: E402
+
+ROW_FIELDS = {"obs": ("uint8", (2, 3, 3)), "next_obs": ("uint8", (2, 3, 3)), "r": ("float32", ())}
+
+
+@pytest.fixture
+def frame_table():
+    made = []
+
+    def make(capacity=4, **limits):
+        spec = make_spec("f", capacity, ROW_FIELDS, frames={"obs": 2, "next_obs": "obs"},
+                         sampler="uniform", **limits)
+        tm = TableMap.create(f"/shmreplay.test{os.getpid()}.frames{len(made)}", spec)
+        made.append(tm)
+        return Table(1, spec, tm, seed=0)
+
+    yield make
+    for tm in made:
+        tm.unlink()
+        tm.release()
+
+
+def put(t, owner, frames, rows):
+    """Reserve len(rows) slots and commit them with ``rows`` (indices into ``frames``)."""
+    rid, slots, _ = t.reserve(owner, len(rows))
+    t.commit(owner, rid, None, refs=np.asarray([[frames[i] for i in r] for r in rows], np.uint32))
+    return slots
+
+
+def count(t, frames):
+    return t.frames.book.queues.count[np.asarray(frames)].tolist()
+
+
+def test_a_tables_items_hold_their_frames_until_their_slots_are_reserved_again(frame_table):
+    t = frame_table()
+    lid, f = t.frames.lease(1, 0, 8, reclaim=lambda short: pytest.fail("nothing is short"))
+    slots = put(t, 1, f, [[0, 1, 1, 2], [1, 2, 2, 3], [2, 3, 3, 4], [3, 4, 4, 5]])
+    assert t.map.refs[slots].tolist() == [[f[0], f[1], f[1], f[2]], [f[1], f[2], f[2], f[3]],
+                                          [f[2], f[3], f[3], f[4]], [f[3], f[4], f[4], f[5]]]
+    t.frames.give_back(1, lid)
+    assert count(t, f[:6]) == [1, 3, 4, 4, 3, 1]
+    put(t, 1, f, [[5, 5, 5, 5]])  # a full fifo table: the oldest item (slot 0) goes, and its frames
+    assert count(t, f[:6]) == [0, 1, 3, 4, 3, 1 + 4]  # slot 0 held f1 twice
+    assert f[0] in t.frames.book.queues.queue(0)
+    rid, (slot,), _ = t.reserve(1, 1)  # the next oldest (slot 1) goes at its reservation,
+    assert slot == 1 and count(t, f[:6]) == [0, 0, 1, 3, 3, 5]  # before any commit
+    t.abort(1, rid)
+    assert count(t, f[:6]) == [0, 0, 1, 3, 3, 5]
+
+
+def test_a_commit_with_bad_or_no_references_is_refused_and_frees_the_part(frame_table):
+    t = frame_table()
+    _, f = t.frames.lease(1, 0, 4, reclaim=lambda short: None)
+    rid, slots, _ = t.reserve(1, 2)
+    with pytest.raises(FieldError, match="field 'obs', frame 0 of the stack: reference 60"):
+        t.commit(1, rid, None, refs=np.asarray([[f[0]] * 4, [60, f[1], f[1], f[1]]], np.uint32))
+    assert (t.map.state[slots] == FREE).all() and t.size == 0 and count(t, f) == [1, 1, 1, 1]
+    rid, slots, _ = t.reserve(1, 1)
+    with pytest.raises(ProtocolError, match="carries uint32\\[1, 4\\] frame references; got none"):
+        t.commit(1, rid, None)
+    assert (t.map.state[slots] == FREE).all() and t.size == 0
+
+
+def test_an_item_sampled_out_keeps_its_frames_while_held_and_reclaimed_after(frame_table):
+    t = frame_table(max_times_sampled=1)
+    lid, f = t.frames.lease(1, 0, 3, reclaim=lambda short: pytest.fail("nothing is short"))
+    (slot,) = put(t, 1, f, [[0, 1, 1, 2]])
+    t.frames.give_back(1, lid)
+    keys, _, _, hid = t.sample(2, 1, beta=0.4)  # its only use: it leaves, held for learner 2
+    assert t.size == 0 and t.map.state[slot] == HELD and count(t, f) == [1, 2, 1]
+    assert reclaim_frames(t, 3) == 0  # held: nothing to reclaim, nothing to evict
+    t.release(2, hid)
+    assert t.map.state[slot] == FREE and count(t, f) == [1, 2, 1]  # free, frames still held
+    stamp = int(t.map.gens[slot])
+    assert reclaim_frames(t, 3) == 3 and count(t, f) == [0, 0, 0]
+    assert int(t.map.gens[slot]) == stamp + 1  # the learner's key for it is stale now
+    assert t.frames.stats["frames_reclaimed"] == 3 and t.frames.stats["evicted_for_frames"] == 0
+
+
+def test_a_short_ring_evicts_items_by_the_remover_for_a_lease(frame_table):
+    t = frame_table(capacity=4)  # 4 + 64 frames
+    _, f = t.frames.lease(1, 0, 34, reclaim=lambda short: pytest.fail("nothing is short"))
+    # four items of 4 distinct frames each hold 16; writer 1 keeps its 34 leased
+    slots = put(t, 1, f, [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11], [12, 13, 14, 15]])
+    t.frames.release_owner(1)  # writer 1's lease ends: 18 of its frames free again
+    _, got = t.frames.lease(2, 0, 32, reclaim=lambda short: pytest.fail("nothing is short"))
+    stamps = t.map.gens[slots].copy()
+    _, got = t.frames.lease(3, 0, 30, reclaim=lambda short: reclaim_frames(t, short))
+    # 68 - 16 held by items - 32 leased = 20 free: 10 short, so the three
+    # oldest items go (4 frames each, at most: no more than must)
+    assert got.shape[0] == 30 and t.size == 1 and t.frames.stats["evicted_for_frames"] == 3
+    assert (t.map.gens[slots[:3]] == stamps[:3] + 1).all() and t.map.gens[slots[3]] == stamps[3]
+    assert (t.map.state[slots[:3]] == FREE).all()

@@ -8,8 +8,7 @@ Three rooms and the table that joins them:
   picks (samplers, removers, the commit order, the sum tree, the reuse
   limit);
 * ``frames/``, a frame table's frame books: which frames live items and
-  writers' leases hold, and items' frame references (docs/frames.md; not
-  joined to the table yet).
+  writers' leases hold, and items' frame references (docs/frames.md).
 
 ``table.py`` (``Table``) composes one of each with ``counters.py`` (the
 rate limiter's and reuse limit's counters, mirrored into the segment, and

@@ -29,13 +29,14 @@ from __future__ import annotations
 
 import numpy as np
 
-from ...errors import CapacityError, PriorityError, RateLimited
+from ...errors import CapacityError, FieldError, PriorityError, ProtocolError, RateLimited
 from ...priorities import check_priorities
 from ...schema import TableSpec
-from ...wire.layout import TableMap
+from ...wire.layout import FREE, TableMap
 from ...wire.records import key_slots
 from . import tablestats
 from .counters import Blocked, LimiterCounters
+from .frames.tableframes import TableFrames
 from .select import treeops
 from .select.selection import Selection
 from .slots.holds import Holds
@@ -56,6 +57,8 @@ class Table:
         self.holds = Holds(spec.name, tmap, limits.hold_timeout_s, self.ledger.make_free)
         self.selection = Selection(spec, tmap, seed)
         self.counters = LimiterCounters(spec, tmap.words)
+        self.frames = (TableFrames(spec.name, spec.frames, spec.capacity, tmap.refs)  # a frame
+                       if spec.frames else None)  # table's frame side (frames/tableframes.py)
         self.durable = None  # a durable file-backed table's sync state (server/disk/durable.py)
         self.stats = tablestats.new_stats()
         if fresh:
@@ -113,6 +116,8 @@ class Table:
             raise Blocked(led.busy(self.holds.held, self.holds.timeout_s,
                                    self.durable.trouble() if self.durable is not None else ""))
         rid = led.reserve(owner, slots, pid, start, user)
+        if self.frames is not None:  # stamped anew: the frames of their last items go
+            self.frames.reserved(slots)
         self.stats["reservations"] += 1
         self.publish()
         contiguous = bool(is_run(slots))
@@ -164,21 +169,24 @@ class Table:
         self.counters.removed(slots.shape[0], unused)
 
     def commit(self, owner: int, rid: int, priorities: np.ndarray | None,
-               offset: int = 0, n: int | None = None) -> None:
+               offset: int = 0, n: int | None = None, refs=None) -> None:
         """Commit slots ``[offset, offset + n)`` (n None: the rest) of a
-        reservation; a writer commits its lease in parts, in order."""
+        reservation; a writer commits its lease in parts, in order.  A
+        frame table's items come with their frame references (``refs``)."""
         entry, part = self.ledger.check_part(owner, rid, offset, n)
         n = part.shape[0]
         if entry.void:  # its writer is done with the slots: let go, not committed
             refusal = self.ledger.let_go(rid, entry, part)
             self.publish()
             raise refusal
-        if priorities is not None:
-            try:
+        try:
+            if priorities is not None:
                 check_priorities(priorities, n, f"commit to table {self.spec.name!r}", self.spec.alpha)
-            except PriorityError:
-                self.abort(owner, rid)
-                raise
+            if self.frames is not None:
+                self.frames.commit(part, refs)
+        except (PriorityError, FieldError, ProtocolError):
+            self.abort(owner, rid)
+            raise
         priorities, keys = self.selection.stamp(part, priorities)
         self.ledger.committed(rid, entry, part)  # the state last: a crash sees whole items
         self.selection.add(part, priorities, keys)
@@ -198,6 +206,8 @@ class Table:
         and the slots it held for reading.  Returns how many reserved slots."""
         n = self.ledger.release_owner(owner)
         self.holds.release_owner(owner)
+        if self.frames is not None:
+            self.frames.release_owner(owner)
         self.stats["reclaimed_reservations"] += n
         self.publish()
         return n
@@ -302,6 +312,28 @@ def private_bytes(spec: TableSpec) -> int:
     if spec.remover == "uniform":
         per += 16.0
     return int(c * per)
+
+
+def reclaim_frames(table: Table, short: int) -> int:
+    """Free ``short`` frames of a frame table for a frame lease
+    (``TableFrames.lease``'s ``reclaim``): first those of free slots (their
+    items left), then by evicting items by the remover; each slot stamped
+    anew as it lets go, so a learner still copying its item sees the stamp
+    move.  Held slots keep theirs until released.  Returns how many frames
+    it freed: fewer once the table is empty."""
+    frames, led = table.frames, table.ledger
+    slots = frames.holding(np.flatnonzero(table.map.state == FREE))
+    led.restamp(slots)
+    freed = frames.reclaim_from(slots)
+    while freed < short and table.counters.size > 0:  # each round evicts at least one item
+        # an item frees at most its references' frames: evict no more than must go
+        victims = table.evict_items(-(-(short - freed) // frames.refs_per_item))
+        led.make_free(victims)
+        led.restamp(victims)
+        freed += frames.reclaim_from(victims)
+        frames.stats["evicted_for_frames"] += victims.shape[0]
+    table.publish()
+    return freed
 
 
 def expire(tables, now: float) -> float | None:

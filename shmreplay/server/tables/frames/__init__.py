@@ -9,10 +9,10 @@ counts rebuilt; twin ``tests/frames_reference.py``), ``freeframes.py``
 (``FrameQueues``: the counts and free queues the kernels work on) and
 ``frameleases.py`` (``FrameLeases``: writers' frame leases and their caps);
 ``tableframes.py`` (``TableFrames``: the book's moves made whole for the
-table that will own it: commits all or none, a short ring reclaimed
-through the table before a lease).
+table that holds it: commits all or none, a short ring reclaimed through
+the table before a lease).
 
 May import: ``wire`` and the shared root modules; never ``slots/``,
 ``select/`` nor the table above.  Engine thread only, like the table that
-will own one.
+holds one.
 """

@@ -1,5 +1,5 @@
 """``TableFrames``: a frame table's frame side, as its ``Table`` uses it
-(docs/frames.md, "What is left": the table joins it at four points).
+at four points (docs/frames.md).
 
 It owns the table's ``FrameBook`` and makes its moves whole for the
 table: a reservation's slots let go of their items' references
@@ -37,7 +37,7 @@ class TableFrames:
         self.name = name
         self.book = FrameBook(frames, capacity, refs, cap_per_owner)
         self.refs_per_item = frames.refs_per_item
-        self.stats = {"frames_leased": 0, "frames_reclaimed": 0}
+        self.stats = {"frames_leased": 0, "frames_reclaimed": 0, "evicted_for_frames": 0}
 
     # ---- the table's moves ----
     def reserved(self, slots: np.ndarray) -> None:

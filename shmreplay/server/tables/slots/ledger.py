@@ -70,6 +70,13 @@ class SlotLedger:
             slots = self.barrier.usable(slots)
         self.free.push(slots)
 
+    def restamp(self, slots: np.ndarray) -> None:
+        """Free ``slots`` whose items' frames are let go before the slots
+        are reserved again (a frame table short of frames): a new stamp
+        each, as a reservation gives, so a learner still copying one of
+        those items sees it move (``frames/book.py``)."""
+        self.map.gens[slots] += np.uint32(1)  # wraps at 2**32 by design
+
     # ---- writers ----
     @property
     def pending(self) -> int:

@@ -180,3 +180,42 @@ def test_a_short_ring_evicts_items_by_the_remover_for_a_lease(frame_table):
     assert got.shape[0] == 30 and t.size == 1 and t.frames.stats["evicted_for_frames"] == 3
     assert (t.map.gens[slots[:3]] == stamps[:3] + 1).all() and t.map.gens[slots[3]] == stamps[3]
     assert (t.map.state[slots[:3]] == FREE).all()
+
+
+# ---- a learner's gather rebuilds the stacks (client/gather.py, client/framecopy.py) ----
+
+from shmreplay.client.gather import Rows, new_batch, stale_rows, take_rows  # noqa: E402
+
+
+def test_a_sampled_batch_holds_the_stacks_its_items_reference_bit_for_bit(frame_table):
+    t = frame_table(capacity=6)
+    rng = np.random.default_rng(5)
+    frames = rng.integers(0, 256, size=(7, 3, 3), dtype=np.uint8)  # one stream's frames 0..6
+    _, f = t.frames.lease(1, 0, 7, reclaim=lambda short: pytest.fail("nothing is short"))
+    t.map.rings["obs"][f] = frames.reshape(7, -1)  # the writer stores its frames
+    # item i: obs = frames (i, i+1), next_obs = frames (i+1, i+2); the first padded (0, 0)
+    rows = [[0, 0, 0, 1]] + [[i, i + 1, i + 1, i + 2] for i in range(5)]
+    rid, slots, _ = t.reserve(1, 6)
+    t.map.fields["r"][slots] = np.arange(6, dtype=np.float32)
+    t.commit(1, rid, None, refs=np.asarray([[f[i] for i in r] for r in rows], np.uint32))
+    keys, _, _, _ = t.sample(2, 32, beta=0.4)
+    src = Rows(t.map)
+    out = new_batch(t.spec.fields, 32)
+    out.keys[:] = keys
+    take_rows(src, t.spec.fields, out, np.arange(32))
+    items = np.searchsorted(slots, keys & np.uint64(0xFFFFFFFF))  # which item each key names
+    want_obs = np.stack([frames[rows[i][:2]] for i in items])
+    want_next = np.stack([frames[rows[i][2:]] for i in items])
+    assert out.data["obs"].shape == (32, 2, 3, 3) and out.data["obs"].flags.c_contiguous
+    assert out.data["obs"].tobytes() == want_obs.tobytes()
+    assert out.data["next_obs"].tobytes() == want_next.tobytes()
+    assert out.data["r"].tolist() == items.astype(np.float32).tolist()
+    # an out= array the kernel may not write (every other row of a larger one): numpy's way
+    wide = np.zeros((64, 2, 3, 3), np.uint8)
+    out.data["obs"] = wide[::2]
+    take_rows(src, t.spec.fields, out, np.arange(32))
+    assert wide[::2].tobytes() == want_obs.tobytes() and not wide[1::2].any()
+    # an item whose slot is reserved again after the copy: its stamp says so
+    t.reserve(1, 1)  # the oldest item (slot 0) goes
+    stale = stale_rows(t.map.gens, out)
+    assert sorted(stale.tolist()) == np.flatnonzero(items == 0).tolist()

@@ -7,8 +7,10 @@ indexing.  Stamps are re-checked after it, as for rows
 (``rowcopy.stale_keys``): the frames of an item that was live through the
 copy were not handed out again (``server/tables/frames/book.py``).
 
-Not called by ``gather.py`` yet: frame tables are not served yet.  Pure
-functions over arrays; any thread, none holds the GIL.
+``Stacks`` is a frame table's stacked fields as a table handle maps them
+now, and ``gather.take_rows`` hands it those fields of a sampled batch.
+The kernel: pure functions over arrays, any thread, none holds the GIL;
+``Stacks``: the thread of the handle that made it.
 """
 
 from __future__ import annotations
@@ -16,7 +18,9 @@ from __future__ import annotations
 import numba
 import numpy as np
 
+from ..errors import ReplayError
 from ..numbaconf import JIT
+from ..wire.records import key_slots
 from .rowcopy import AHEAD, copy_bytes, prefetch_line
 
 _MASK = np.uint64(0xFFFFFFFF)
@@ -72,3 +76,47 @@ def take_stacks(ring, refs, keys, rows, col0, depth, addr, nrows) -> int:
                 return -1
             copy_bytes(addr + (r * depth + d) * fb, ring, f * fb, fb)
     return m
+
+
+class Stacks:
+    """A frame table's stacked fields as mapped now (``tmap``: its
+    ``TableMap``): for each, its ring (frames as bytes), and which columns
+    of the daemon's references are its stack."""
+
+    def __init__(self, tmap):
+        frames = tmap.spec.frames
+        self.refs = tmap.refs
+        self.at: dict = {}
+        col = 0
+        for name, _ in frames.decl:
+            depth = frames.depth(name)
+            self.at[name] = (tmap.rings[frames.base_of(name)], col, depth)
+            col += depth
+        self._split: dict = {}
+
+    def take(self, fields, out, rows: np.ndarray):
+        """Copy the stacks of ``fields`` that are stacked into
+        ``out.data[...][rows]`` (``out``: a ``gather.SampleBatch``);
+        returns the other fields, for the rows' copy."""
+        # by identity: the handle passes its spec's one tuple
+        got = self._split.get(id(fields))
+        if got is None or got[0] is not fields:
+            got = self._split[id(fields)] = (
+                fields, tuple(f for f in fields if f.name in self.at),
+                tuple(f for f in fields if f.name not in self.at))
+        for f in got[1]:
+            self._take(f, out.data[f.name], out.keys, rows)
+        return got[2]
+
+    def _take(self, f, dst: np.ndarray, keys: np.ndarray, rows: np.ndarray) -> None:
+        ring, col0, depth = self.at[f.name]
+        if dst.flags.c_contiguous and dst.flags.writeable and dst.shape[1:] == f.shape:
+            if take_stacks(ring, self.refs, keys, rows, col0, depth, dst.ctypes.data, dst.shape[0]) < 0:
+                raise ReplayError(f"a sampled stack of {f.name!r} does not fit: the out= batch's "
+                                  f"arrays hold {dst.shape[0]} rows for {keys.shape[0]} keys (give "
+                                  "arrays of the batch's size), or a reference is outside its "
+                                  "ring (a daemon of another build?)")
+            return
+        # an out= array the kernel may not write: numpy's way (which says what is wrong, if anything)
+        refs = self.refs[key_slots(keys[rows]), col0:col0 + depth]
+        dst[rows] = ring[refs].view(f.dtype).reshape(rows.shape[0], *f.shape)

@@ -25,6 +25,7 @@ import numpy as np
 from ..errors import ReplayError
 from ..wire.headers import ROWS_OFF
 from ..wire.records import key_slots
+from .framecopy import Stacks
 from .rowcopy import stale_keys, take_slot_rows
 
 
@@ -113,9 +114,11 @@ class Rows:
         self.views = tmap.fields
         lo = tmap.layout
         self.stride = lo.row_stride
+        # a frame table's stacked fields: rebuilt from its rings (framecopy.py)
+        self.stacks = Stacks(tmap) if lo.spec.frames else None
         if self.stride:  # the rows as bytes, one row a line, and where each field lies in it
             self.src = np.ndarray((lo.spec.capacity, self.stride), np.uint8, tmap.rows.buf, ROWS_OFF)
-            self._at = {f.name: (lo.field_offs[f.name] - ROWS_OFF, f.item_bytes) for f in lo.spec.fields}
+            self._at = {f.name: (lo.field_offs[f.name] - ROWS_OFF, f.item_bytes) for f in lo.slot_fields}
             self._spans: dict = {}
 
     def spans(self, fields) -> tuple[np.ndarray, np.ndarray, tuple]:
@@ -131,7 +134,10 @@ class Rows:
 
 
 def take_rows(src: Rows, fields, out: SampleBatch, rows: np.ndarray) -> None:
-    """Copy the rows that ``out.keys[rows]`` name into ``out.data[...][rows]``."""
+    """Copy the rows that ``out.keys[rows]`` name into ``out.data[...][rows]``
+    (a frame table's stacked fields: their stacks, rebuilt from its rings)."""
+    if src.stacks is not None:
+        fields = src.stacks.take(fields, out, rows)
     views = src.views
     if src.stride and fields:
         offs, widths, want = src.spans(fields)

@@ -9,7 +9,8 @@ map, mapped) with ``tablelayout.py`` (its offsets) and ``framelayout.py``
 ``rowfile.py`` (a file-backed table's rows file), ``rowranges.py`` (the
 byte ranges of a set of slots' rows), ``channel.py`` (a client's two
 command rings), ``doorbell.py`` (their eventfd doorbells), ``records.py``
-(what each record in a ring means, and the slot key), ``commitrun.py``
+(what each record in a ring means, and the slot key), ``framerecords.py``
+(a frame table's records), ``commitrun.py``
 (payload-free COMMIT records: a run read, or one written, in one kernel),
 ``replytake.py`` (a SAMPLE reply read off the ring in one kernel),
 ``control.py`` (the control-socket protocol, sans-IO),

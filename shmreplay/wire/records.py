@@ -155,7 +155,7 @@ def envelope(rec) -> tuple[int, int, int]:
     return int(rec["op"]), int(rec["table"]), int(rec["seq"])
 
 
-def _put(ring, parts, op, table, seq, a0=0, a1=0, a2=0, f0=0.0, status=0) -> bool:
+def put_record(ring, parts, op, table, seq, a0=0, a1=0, a2=0, f0=0.0, status=0) -> bool:
     """Write one record with ``parts`` (arrays) as its payload; False, with
     nothing written, while the ring or its payload area is full."""
     if ring.room() <= 0:
@@ -185,7 +185,7 @@ def _deadline_us(rec) -> int:
 
 # ---- requests: the client writes them, the engine reads them ----
 def put_reserve(ring, seq: int, table: int, n: int, wait_us: int) -> bool:
-    return _put(ring, (), RESERVE, table, seq, n, wait_us)
+    return put_record(ring, (), RESERVE, table, seq, n, wait_us)
 
 
 def read_reserve(rec) -> tuple[int, int]:
@@ -201,7 +201,7 @@ def put_commit(ring, seq: int, table: int, rid: int, n: int, offset: int, prios)
             return False
         ring.put(COMMIT, table, seq, rid, n, offset, 0.0, 0, 0, 0)
         return True
-    return _put(ring, (prios,), COMMIT, table, seq, rid, n, offset)
+    return put_record(ring, (prios,), COMMIT, table, seq, rid, n, offset)
 
 
 class CommitRun(NamedTuple):
@@ -255,7 +255,7 @@ def read_commit_run(ring, i: int, n: int) -> CommitRun:
 
 
 def put_abort(ring, seq: int, table: int, rid: int) -> bool:
-    return _put(ring, (), ABORT, table, seq, rid)
+    return put_record(ring, (), ABORT, table, seq, rid)
 
 
 def read_abort(rec) -> int:
@@ -271,7 +271,7 @@ WIDE = 2
 
 def put_sample(ring, seq: int, table: int, n: int, wait_us: int, beta: float,
                protect: bool = False, wide: bool = False) -> bool:
-    return _put(ring, (), SAMPLE, table, seq, n, wait_us, (PROTECT if protect else 0) | (WIDE if wide else 0),
+    return put_record(ring, (), SAMPLE, table, seq, n, wait_us, (PROTECT if protect else 0) | (WIDE if wide else 0),
                 beta)
 
 
@@ -285,7 +285,7 @@ def read_sample(rec) -> tuple[int, int, float, bool, bool]:
 
 
 def put_release(ring, seq: int, table: int, hid: int) -> bool:
-    return _put(ring, (), RELEASE, table, seq, hid)
+    return put_record(ring, (), RELEASE, table, seq, hid)
 
 
 def read_release(rec) -> int:
@@ -293,7 +293,7 @@ def read_release(rec) -> int:
 
 
 def put_update(ring, seq: int, table: int, keys: np.ndarray, prios: np.ndarray) -> bool:
-    return _put(ring, (keys, prios), UPDATE, table, seq, keys.shape[0])
+    return put_record(ring, (keys, prios), UPDATE, table, seq, keys.shape[0])
 
 
 def read_update(rec, pay: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -305,7 +305,7 @@ def read_update(rec, pay: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 
 def put_flush(ring, seq: int) -> bool:
-    return _put(ring, (), FLUSH, 0, seq)
+    return put_record(ring, (), FLUSH, 0, seq)
 
 
 # ---- replies: the engine builds them, the client reads them ----
@@ -321,7 +321,7 @@ class Reply(NamedTuple):
 
 
 def put_reply(ring, r: Reply) -> bool:
-    return _put(ring, r.parts, r.op, 0, r.seq, r.a0, r.a1, r.a2, 0.0, r.status)
+    return put_record(ring, r.parts, r.op, 0, r.seq, r.a0, r.a1, r.a2, 0.0, r.status)
 
 
 def error_reply(op: int, seq: int, exc: ReplayError) -> Reply:

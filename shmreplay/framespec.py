@@ -64,6 +64,18 @@ class Frames:
         return dict(self.decl)[self.base_of(name)]
 
     @property
+    def columns(self) -> tuple[tuple[str, str, int, int], ...]:
+        """(field, base field, first column, depth) of each framed field: an
+        item's references hold each field's stack in columns first ..
+        first + depth - 1, in the declaration's order."""
+        out, col = [], 0
+        for name, _ in self.decl:
+            depth = self.depth(name)
+            out.append((name, self.base_of(name), col, depth))
+            col += depth
+        return tuple(out)
+
+    @property
     def refs_per_item(self) -> int:
         """Frame references an item holds: a depth for every framed field."""
         return sum(self.depth(name) for name, _ in self.decl)
@@ -139,6 +151,13 @@ def _check_follow_on(name: str, base: str, given: dict, by_name: dict) -> None:
         raise SchemaError(f"frames[{name!r}] follows on from {base!r}, which frames gives no "
                           f"depth: declare it too, e.g. frames={{{base!r}: "
                           f"{shape[0] if shape else 'N'}, {name!r}: {base!r}}}")
+
+
+def slot_fields(fields: tuple[Field, ...], frames: Frames) -> tuple[Field, ...]:
+    """The fields a slot holds: all but the framed ones (their stacks are
+    in frame rings)."""
+    framed = {name for name, _ in frames.decl}
+    return tuple(f for f in fields if f.name not in framed)
 
 
 def frame_capacity(capacity: int) -> int:

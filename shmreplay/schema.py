@@ -17,7 +17,8 @@ import numpy as np
 
 from .errors import SchemaError
 from .fields import Field, brief, parse_fields
-from .framespec import Frames, check_frame_capacity, frame_bytes, frame_capacity, parse_frames
+from .framespec import (Frames, check_frame_capacity, frame_bytes, frame_capacity, parse_frames,
+                        slot_fields)
 
 SAMPLERS = ("uniform", "prioritized", "fifo", "lifo")
 REMOVERS = ("fifo", "lifo", "uniform")
@@ -227,11 +228,10 @@ def make_spec(name, capacity, fields, sampler="prioritized", alpha=0.6, remover=
     except SchemaError as exc:  # name the table too: a config may define several
         raise SchemaError(f"table {name!r}: {exc}") from None
     check_frame_capacity(name, int(capacity), framed)
-    in_slot = tuple(f for f in fields if f.name not in dict(framed.decl))  # a frame takes no room in a slot
     spec = TableSpec(str(name), int(capacity), fields, str(sampler), alpha,
                      str(remover), mts, mss, spi, eb, _storage_dir(name, storage_dir),
                      *_writers(name, writers, writer_uid), _uid(name, "creator_uid", creator_uid),
-                     _row_layout(name, row_layout, in_slot), framed)
+                     _row_layout(name, row_layout, slot_fields(fields, framed)), framed)
     _check_size(spec)
     _check_limits(spec)
     return spec

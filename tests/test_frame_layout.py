@@ -6,7 +6,8 @@ import numpy as np
 
 from shmreplay.fields import parse_fields
 from shmreplay.framespec import parse_frames
-from shmreplay.wire.framelayout import frame_rings, refs_span, rows_end, slot_fields
+from shmreplay.framespec import slot_fields
+from shmreplay.wire.framelayout import frame_rings, refs_span, rows_end
 
 FIELDS = parse_fields({"obs": ("uint8", (4, 10, 10)), "action": ("int64", ()),
                        "next_obs": ("uint8", (4, 10, 10)), "depth": ("float32", (2, 3, 3))})

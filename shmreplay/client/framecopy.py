@@ -84,14 +84,9 @@ class Stacks:
     of the daemon's references are its stack."""
 
     def __init__(self, tmap):
-        frames = tmap.spec.frames
         self.refs = tmap.refs
-        self.at: dict = {}
-        col = 0
-        for name, _ in frames.decl:
-            depth = frames.depth(name)
-            self.at[name] = (tmap.rings[frames.base_of(name)], col, depth)
-            col += depth
+        self.at = {name: (tmap.rings[base], col0, depth)
+                   for name, base, col0, depth in tmap.spec.frames.columns}
         self._split: dict = {}
 
     def take(self, fields, out, rows: np.ndarray):

@@ -33,7 +33,9 @@ from ..errors import ProtocolError
 from .records import MAX_BATCH, Reply, check_count, put_record
 
 FRAMES, FRAMES_BACK, FCOMMIT = 8, 9, 10
-# frames one lease may ask for (server/tables/frames/tableframes.py checks it too)
+# frames one lease may ask for: a writer asks for a stream's next few dozen;
+# more in one record is a client out of its protocol (the frame side of a
+# table, server/tables/frames/tableframes.py, holds a lease to it too)
 MAX_LEASE_FRAMES = 4096
 _F64, _REF = 8, 4
 

@@ -34,6 +34,11 @@ FRAME_LAYOUT_VERSION = 5
 LAYOUT_VERSIONS = (LAYOUT_VERSION, FRAME_LAYOUT_VERSION)
 PAGE = 4096
 
+
+def align(x: int, a: int) -> int:
+    """``x`` rounded up to a multiple of ``a`` (an offset in a segment)."""
+    return (x + a - 1) // a * a
+
 HEADER = np.dtype([
     ("magic", "S8"), ("layout_version", "<u4"), ("header_size", "<u4"),
     ("capacity", "<u8"), ("creator_pid", "<u8"), ("created_ns", "<u8"),

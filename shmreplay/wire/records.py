@@ -271,8 +271,8 @@ WIDE = 2
 
 def put_sample(ring, seq: int, table: int, n: int, wait_us: int, beta: float,
                protect: bool = False, wide: bool = False) -> bool:
-    return put_record(ring, (), SAMPLE, table, seq, n, wait_us, (PROTECT if protect else 0) | (WIDE if wide else 0),
-                beta)
+    flags = (PROTECT if protect else 0) | (WIDE if wide else 0)
+    return put_record(ring, (), SAMPLE, table, seq, n, wait_us, flags, beta)
 
 
 def read_sample(rec) -> tuple[int, int, float, bool, bool]:

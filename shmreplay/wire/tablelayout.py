@@ -16,18 +16,15 @@ import msgpack
 import numpy as np
 
 from ..schema import TableSpec
-from .framelayout import frame_rings, refs_span, rows_end, slot_fields
-from .headers import PAGE, ROWS_OFF, SCHEMA_OFF
+from ..framespec import slot_fields
+from .framelayout import frame_rings, refs_span, rows_end
+from .headers import PAGE, ROWS_OFF, SCHEMA_OFF, align
 
 # a slot's state (the meta segment's ``state`` array).  HELD: sampled for
 # the last time (max_times_sampled) and no longer in the table, but a
 # learner may still be reading the row: the slot is reused only after that
 # learner RELEASEs it (or its lease ends)
 FREE, RESERVED, COMMITTED, HELD = 0, 1, 2, 3
-
-
-def _align(x: int, a: int) -> int:
-    return (x + a - 1) // a * a
 
 
 class TableLayout:
@@ -46,7 +43,7 @@ class TableLayout:
             self.schema_bytes = msgpack.packb(
                 {"spec": spec.to_wire(), "offsets": offsets, "rows": self.rows_offsets},
                 use_bin_type=True)
-            self.header_size = _align(SCHEMA_OFF + len(self.schema_bytes), PAGE)
+            self.header_size = align(SCHEMA_OFF + len(self.schema_bytes), PAGE)
             if self.header_size == offsets[0]:
                 break
             offsets = _meta_offsets(spec, self.header_size)
@@ -92,12 +89,12 @@ def _meta_offsets(spec: TableSpec, header_size: int) -> list[int]:
     pos, out = header_size, []
     for width in _PER_SLOT:
         out.append(pos)
-        pos = _align(pos + width * spec.capacity, 64)
+        pos = align(pos + width * spec.capacity, 64)
     if spec.frames:  # a frame table's references
         off, n = refs_span(spec.capacity, spec.frames, pos)
         out.append(off)
-        pos = _align(off + n, 64)
-    out.append(_align(pos, PAGE))     # segment size
+        pos = align(off + n, 64)
+    out.append(align(pos, PAGE))     # segment size
     return out
 
 
@@ -108,11 +105,11 @@ def _rows_offsets(spec: TableSpec, fields) -> list[int]:
     after another."""
     if spec.row_layout == "slot" and fields:
         return ([ROWS_OFF + o for o in _in_row(fields)]
-                + [_align(ROWS_OFF + spec.capacity * _row_stride(fields), PAGE)])
+                + [align(ROWS_OFF + spec.capacity * _row_stride(fields), PAGE)])
     pos, out = ROWS_OFF, []
     for f in fields:
         out.append(pos)
-        pos = _align(pos + spec.capacity * f.item_bytes, PAGE)
+        pos = align(pos + spec.capacity * f.item_bytes, PAGE)
     out.append(pos)                   # where the rows end
     return out
 
@@ -122,7 +119,7 @@ def _in_row(fields) -> list[int]:
     aligned for its dtype (numpy copies misaligned elements slowly)."""
     pos, out = 0, []
     for f in fields:
-        pos = _align(pos, f.dtype.alignment)
+        pos = align(pos, f.dtype.alignment)
         out.append(pos)
         pos += f.item_bytes
     return out
@@ -132,4 +129,4 @@ def _row_stride(fields) -> int:
     """Bytes from one slot's row to the next in a slot layout: the fields
     and their padding, rounded up so every row's fields stay aligned."""
     end = _in_row(fields)[-1] + fields[-1].item_bytes
-    return _align(end, max(f.dtype.alignment for f in fields))
+    return align(end, max(f.dtype.alignment for f in fields))

@@ -54,11 +54,9 @@ class FrameBook:
         self.size = frame_capacity(capacity)
         self.queues = FrameQueues([self.size] * len(self.rings))
         cols, self._col_names = [], []
-        for name, _ in frames.decl:
-            ring = self.rings.index(frames.base_of(name))
-            for d in range(frames.depth(name)):
-                cols.append(ring)
-                self._col_names.append((name, d))
+        for name, base, _, depth in frames.columns:
+            cols += [self.rings.index(base)] * depth
+            self._col_names += [(name, d) for d in range(depth)]
         self.col_ring = np.asarray(cols, dtype=np.int64)
         shape = (capacity, len(cols))
         self.refs = np.full(shape, NO_REF, dtype=np.uint32) if refs is None else refs

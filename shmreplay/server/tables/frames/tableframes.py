@@ -22,11 +22,8 @@ import numpy as np
 from ....errors import FieldError, ProtocolError
 from ....framespec import Frames
 from ....wire.framelayout import NO_REF
+from ....wire.framerecords import MAX_LEASE_FRAMES
 from .book import FrameBook
-
-# frames one lease may ask for: a writer asks for a stream's next few
-# dozen; more in one record is a client out of its protocol
-MAX_LEASE_FRAMES = 4096
 
 
 class TableFrames:

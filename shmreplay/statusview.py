@@ -52,6 +52,14 @@ def details(t: dict) -> list[str]:
               else "")
            + f"; {t['reserved']} reserved, {t['held']} held, {t['evictions']:,} evicted, "
            f"{t['stale_priority_updates']:,} stale updates"]
+    if t.get("frames"):  # a frame table: its rings, and what a transition costs it
+        f = t["frames"]
+        rings = ", ".join(f"{b} {r['held']:,}/{r['frames']:,} frames held"
+                          + (f" ({r['frames_per_item']} an item)" if r["frames_per_item"] is not None else "")
+                          for b, r in f["rings"].items())
+        out.append(f"frames: {rings}; {f['in_leases']:,} in {f['leases']} writers' leases, "
+                   f"{f['evicted_for_frames']:,} items evicted for frames; "
+                   f"{t['bytes_per_item']:,.0f} bytes a transition, full")
     if t.get("durable"):
         age = t["last_sync_age_s"]
         out.append(f"durable: {t['synced_items']} items on disk in {t['meta_file']}, synced "

@@ -114,11 +114,14 @@ def write_config(path, tables=(), **daemon) -> str:
     for t in tables:
         lines.append("[[tables]]")
         for k, v in t.items():
-            if k != "fields":
+            if k not in ("fields", "frames"):
                 lines.append(f"{k} = {toml_value(v)}")
         lines.append("[tables.fields]")
         for fname, (dtype, shape) in t["fields"].items():
             lines.append(f"{fname} = {{ dtype = {toml_value(dtype)}, shape = {toml_value(list(shape))} }}")
+        if t.get("frames"):  # a frame table's [tables.frames]
+            lines.append("[tables.frames]")
+            lines += [f"{fname} = {toml_value(how)}" for fname, how in t["frames"].items()]
     with open(path, "w") as f:
         f.write("\n".join(lines) + "\n")
     return str(path)

@@ -30,3 +30,21 @@ def table_state(segment: str) -> dict:
         return out
     finally:
         tm.release()
+
+
+def committed_stacks(t):
+    """Every committed item of frame table handle ``t``, in commit order:
+    its slot fields and its stacks rebuilt in plain numpy from the rings
+    and the daemon's references (a twin of ``client/framecopy.py``), as
+    ({field: array}, priorities)."""
+    m = t.mapped
+    spec = t.spec
+    slots = np.flatnonzero(m.state == COMMITTED)
+    slots = slots[np.argsort(m.seqno[slots])]
+    out = {name: view[slots].copy() for name, view in m.fields.items()}
+    for name, base, col, depth in spec.frames.columns:
+        f = spec.field(name)
+        ring = m.rings[base]
+        refs = m.refs[slots, col:col + depth].astype(np.int64)
+        out[name] = ring[refs].copy().view(f.dtype).reshape(slots.shape[0], *f.shape)
+    return out, m.prios[slots].copy()

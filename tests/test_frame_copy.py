@@ -61,11 +61,17 @@ def test_anything_outside_the_arrays_copies_nothing(case):
     assert (out == 7).all()
 
 
-def test_a_reference_outside_the_ring_voids_the_batch():
+def test_a_reference_outside_the_ring_zeroes_its_row_and_copies_the_rest():
+    """A slot reserved again since the draw holds NO_REF: its row is zeroed
+    (the stamps' re-check draws it again), never read out of bounds."""
     rng = np.random.default_rng(2)
     ring, refs = setup(rng)
     refs[3, 1] = 40  # the ring holds 40 frames
+    refs[1, 0] = 0xFFFFFFFF  # NO_REF
     keys = np.arange(5, dtype=np.uint64)
-    out = np.zeros((5, 2, 3, 5), dtype=np.uint8)
+    out = np.full((5, 2, 3, 5), 7, dtype=np.uint8)
     assert take_stacks(ring.reshape(40, -1), refs, keys, np.arange(5, dtype=np.int64), 0, 2,
-                       out.ctypes.data, 5) == -1
+                       out.ctypes.data, 5) == 3
+    assert (out[[1, 3]] == 0).all()
+    for r in (0, 2, 4):
+        assert np.array_equal(out[r], ring[refs[r, :2]])

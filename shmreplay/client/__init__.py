@@ -11,8 +11,10 @@ lease writes into it),
 one draw-gather-redraw loop, a table handle's draw side), ``gather.py`` (rows out of the segment:
 functions over arrays), ``rowcopy.py`` (its kernels for a slot layout: the row copy and the
 stamp check), ``framecopy.py`` (a frame table's stacks rebuilt from its
-frame ring, for the gather) and ``framestream.py`` (which frames of a
-stack a writer stores; not used yet, docs/frames.md), ``iterator.py`` (prefetching learner loop),
+frame ring, for the gather), ``framestream.py`` (which frames of a
+stack a writer stores), ``framestore.py`` (one writer's frames: its
+window and frame leases) and ``frametable.py`` (a frame table's handle,
+whose inserts store frames once; docs/frames.md), ``iterator.py`` (prefetching learner loop),
 ``writers.py`` (sequence and n-step writers), ``loops.py`` (an actor's and a
 learner's loop: the global step, a stop), ``retry.py`` (the calls that
 run again after a reconnect), ``private_daemon.py`` (``Server``: a daemon

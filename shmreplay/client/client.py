@@ -44,6 +44,7 @@ from .draws import drop_draw
 from .pipe import deadline_of, in_slices
 from .retry import retried, with_retries
 from .session import Session
+from .frametable import FrameTable, ReconnectingFrameTable
 from .table import ReconnectingTable, Table
 
 DEFAULT_TIMEOUT = 30.0
@@ -172,7 +173,10 @@ class Client:
             if desc.get("rows_fd") is not None:  # mapped already
                 os.close(desc["rows_fd"])
             return t
-        t = (ReconnectingTable if self.reconnect else Table)(self, self._session, desc)
+        if desc["spec"].get("frames"):  # a frame table's handle stores frames once (frametable.py)
+            t = (ReconnectingFrameTable if self.reconnect else FrameTable)(self, self._session, desc)
+        else:
+            t = (ReconnectingTable if self.reconnect else Table)(self, self._session, desc)
         self._tables[t.name] = t
         return t
 

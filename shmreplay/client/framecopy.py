@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import numba
 import numpy as np
+from numba.core import cgutils, types
+from numba.extending import intrinsic
 
 from ..errors import ReplayError
 from ..numbaconf import JIT
@@ -24,6 +26,18 @@ from ..wire.records import key_slots
 from .rowcopy import AHEAD, copy_bytes, prefetch_line
 
 _MASK = np.uint64(0xFFFFFFFF)
+
+
+@intrinsic
+def zero_bytes(typingctx, dst_addr, n):
+    """memset(dst_addr, 0, n): an address, no bounds check (the caller's)."""
+    sig = types.void(types.int64, types.intp)
+
+    def codegen(context, builder, sig, args):
+        cgutils.memset(builder, builder.inttoptr(args[0], cgutils.voidptr_t), args[1], 0)
+        return context.get_dummy_value()
+
+    return sig, codegen
 
 
 @numba.njit(**JIT)
@@ -46,9 +60,11 @@ def take_stacks(ring, refs, keys, rows, col0, depth, addr, nrows) -> int:
     (uint8[frames, frame bytes]), copied into row r of the C-contiguous
     output at address ``addr`` (``nrows`` rows of ``depth`` frames).  The
     next rows' first frames are asked for AHEAD rows before.  Returns the
-    rows copied, or -1: a row, a slot or the columns outside the arrays
-    (nothing copied), or a reference outside the ring (rows before it
-    copied; the batch is void).
+    rows copied whole, or -1: a row, a slot or the columns outside the
+    arrays (nothing copied).  A row with a reference outside the ring is
+    zeroed, not copied: its slot was reserved again since the draw (which
+    lets go of its references, ``NO_REF``, after bumping its stamp), so
+    the stamps' re-check draws the item again.
 
     One signature for every table (the output is an address): compiled
     once.  The caller keeps the array behind ``addr`` alive and writable."""
@@ -56,6 +72,7 @@ def take_stacks(ring, refs, keys, rows, col0, depth, addr, nrows) -> int:
         return -1
     nframes, fb = ring.shape[0], ring.shape[1]
     m = rows.shape[0]
+    torn = 0
     for i in range(min(AHEAD, m)):
         f = np.intp(refs[np.intp(keys[rows[i]] & _MASK), col0])
         if f < nframes:
@@ -73,9 +90,11 @@ def take_stacks(ring, refs, keys, rows, col0, depth, addr, nrows) -> int:
             # the value it guards)
             f = np.intp(refs[s, col0 + d])
             if f < 0 or f >= nframes:
-                return -1
+                zero_bytes(addr + r * depth * fb, depth * fb)
+                torn += 1
+                break
             copy_bytes(addr + (r * depth + d) * fb, ring, f * fb, fb)
-    return m
+    return m - torn
 
 
 class Stacks:
@@ -109,8 +128,7 @@ class Stacks:
             if take_stacks(ring, self.refs, keys, rows, col0, depth, dst.ctypes.data, dst.shape[0]) < 0:
                 raise ReplayError(f"a sampled stack of {f.name!r} does not fit: the out= batch's "
                                   f"arrays hold {dst.shape[0]} rows for {keys.shape[0]} keys (give "
-                                  "arrays of the batch's size), or a reference is outside its "
-                                  "ring (a daemon of another build?)")
+                                  "arrays of the batch's size)")
             return
         # an out= array the kernel may not write: numpy's way (which says what is wrong, if anything)
         refs = self.refs[key_slots(keys[rows]), col0:col0 + depth]

@@ -17,9 +17,9 @@ a full comparison decides).  A window is one writer's: frames of two
 writers are never mixed, nor two episodes' unless their bytes are equal.
 
 Who calls it: a writer (``NStepWriter``, ``SequenceWriter``) or a table
-handle's plain inserts, with the frames its own leases hold: ``forget``
-the frames of a lease before giving it back.  Not used yet (frame tables
-are not served yet).  One thread at a time, the writer's.
+handle's plain inserts, through its ``framestore.FrameStore``, with the
+frames its own leases hold: ``forget`` the frames of a lease before
+giving it back.  One thread at a time, the writer's.
 """
 
 from __future__ import annotations

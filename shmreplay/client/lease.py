@@ -43,6 +43,7 @@ from os import getpid
 
 from ..errors import CapacityError, DaemonUnavailable, RateLimited, ReplayError
 from ..wire import records as R
+from ..wire.framerecords import put_fcommit
 from ..wire.channel import LAZY_MAX
 from .addone import RING_FULL
 from .binding import LeaseBinding
@@ -263,11 +264,16 @@ class SlotLease:
         self._ask_ahead(1)
         return cur[0], pos, int(cur[1][pos])
 
-    def commit(self, rid: int, pos: int, priority: float | None) -> None:
+    def commit(self, rid: int, pos: int, priority: float | None, refs=None) -> None:
+        """Commit a taken item; ``refs``: a frame table's item's frame
+        references (uint32[1, references an item]: ``FrameStore.item_refs``)."""
         prio = None if priority is None else self._priorities([priority], 1, "commit")
         session = self._session
         session.dirty = True
-        session.pipe.send(R.put_commit, self._at.table_id, rid, 1, pos, prio, wake=False)
+        if refs is None:
+            session.pipe.send(R.put_commit, self._at.table_id, rid, 1, pos, prio, wake=False)
+        else:
+            session.pipe.send(put_fcommit, self._at.table_id, rid, pos, refs, prio, wake=False)
         self.taken -= 1
 
     def release(self, abandoned=(), timeout: float | None = None) -> None:

@@ -41,7 +41,9 @@ def _retrying(method):
 def with_retries(cls):
     """A subclass of ``cls`` whose ``@retried`` calls reconnect and run again.
     ``cls``'s instances keep their ``session.Session`` in ``_session``."""
-    wrapped = {name: _retrying(fn) for name, fn in vars(cls).items()
-               if getattr(fn, "__retried__", False)}
+    wrapped = {}
+    for base in reversed(cls.__mro__):  # a subclass's own override wins
+        wrapped.update({name: _retrying(fn) for name, fn in vars(base).items()
+                        if getattr(fn, "__retried__", False)})
     return type(f"Reconnecting{cls.__name__}", (cls,), {"__module__": cls.__module__,
                                                          "__doc__": cls.__doc__, **wrapped})

@@ -77,8 +77,8 @@ class Table:
         self._words = self._map.words
         self._draws.bind(self.id, Rows(self._map), self._map.gens)
         # leases are valid while the epoch stays (lease.py)
-        self._leases.bind(self.id, views, [views[f.name] for f in self._fields], self._words,
-                          self._words.epoch)
+        self._leases.bind(self.id, views, [views[f.name] for f in self._fields if f.name in views],
+                          self._words, self._words.epoch)  # a frame table's slots: not its stacks
 
     # ---- called by the session (connection gone, back) and the client's flush ----
     def rebind(self, desc: dict) -> None:

@@ -57,8 +57,11 @@ class OpenItem:
 
 @dataclass(slots=True)
 class OpenTransition(OpenItem):
-    """An n-step transition begun: also its discounted reward so far."""
+    """An n-step transition begun: also its discounted reward so far, and
+    on a frame table its start's stacks (their frames are stored when the
+    transition commits, with its next_obs: ``_commit``)."""
     ret: float = 0.0
+    stacks: dict | None = None
 
 
 def _roles(table, roles, given) -> dict:
@@ -245,6 +248,13 @@ class NStepWriter:
         self.timeout = timeout
         self.lease = table.lease()
         self.open: collections.deque[OpenTransition] = collections.deque()
+        # a frame table's stacks (docs/frames.md): the fields framed, written
+        # through a store whose window reaches back from a transition's
+        # next_obs to its obs (n steps) and that stack's first frame
+        frames = spec.frames
+        self.framed = {name for name, _ in frames.decl} if frames else set()
+        self.frames = (table.frame_store(max(frames.depth(b) for b in frames.bases) + n + 2, timeout)
+                       if frames else None)
 
     def append(self, obs, action, reward, next_obs, terminated: bool = False,
                truncated: bool = False, **extras) -> None:
@@ -270,9 +280,14 @@ class NStepWriter:
         rid, pos, slot = lease.take(deadline_of(self.timeout))
         views = lease.views
         role = self.role
+        framed = self.framed
+        stacks = {} if framed else None
         for k in (role["obs"], role["action"], *self.extras):
-            views[k][slot] = arrays[k]
-        self.open.append(OpenTransition(rid, pos, slot))
+            if k in framed:  # kept (a copy: the caller may reuse its array) until the commit
+                stacks[k] = np.array(arrays[k], dtype=self.table.spec.field(k).dtype)
+            else:
+                views[k][slot] = arrays[k]
+        self.open.append(OpenTransition(rid, pos, slot, stacks=stacks))
         gamma = self.gamma
         for item in self.open:
             item.ret += gamma ** item.steps * r
@@ -289,11 +304,29 @@ class NStepWriter:
         v, role = self.lease.views, self.role
         v[role["reward"]][slot] = item.ret
         v[role["discount"]][slot] = 0.0 if terminated else self.gamma ** item.steps
-        v[role["next_obs"]][slot] = next_obs
+        store, refs = self.frames, None
+        if store is None:
+            v[role["next_obs"]][slot] = next_obs
+            stacks = {}
+        else:  # the start's stacks and next_obs: frames stored as this writer's window lacks them
+            stacks = item.stacks
+            if role["next_obs"] in self.framed:
+                stacks[role["next_obs"]] = next_obs
+            else:
+                v[role["next_obs"]][slot] = next_obs
         prio = None
         if self.priority_fn is not None:
-            prio = self.priority_fn({f: v[f][slot] for f in v})
-        self.lease.commit(item.rid, item.pos, prio)
+            prio = self.priority_fn({**{f: v[f][slot] for f in v}, **stacks})
+        if store is not None:
+            try:
+                refs = store.item_refs(stacks, deadline_of(self.timeout))
+            except BaseException:  # not committed: this item and every later open one go back
+                self.lease.release([(o.rid, o.pos, o.slot) for o in (item, *self.open)])
+                self.open.clear()
+                raise
+        self.lease.commit(item.rid, item.pos, prio, refs)
+        if store is not None:
+            store.settle()
 
     def close(self, timeout: float | None = None) -> None:
         """Drop unfinished transitions (their slots go back) and unused slots.
@@ -306,6 +339,8 @@ class NStepWriter:
         abandoned = [] if self.lease.renewed else [(o.rid, o.pos, o.slot) for o in self.open]
         self.open.clear()
         self.lease.release(abandoned, timeout)
+        if self.frames is not None:  # no open item references a frame: they commit with theirs
+            self.frames.release()
 
     def __enter__(self) -> "NStepWriter":
         return self

@@ -29,13 +29,13 @@ _INSTANCE = re.compile(r"^[A-Za-z0-9_-]{1,32}$")
 
 
 def refuse_unserved(spec: TableSpec) -> None:
-    """A frame table (``frames=``) is declared and checked (framespec.py),
-    and its parts are built (docs/frames.md), but this build does not store
-    or serve one yet: refused, saying so, before anything is made."""
-    if spec.frames:
-        raise SchemaError(f"table {spec.name!r}: frame tables (frames=...) are not served by this "
-                          "build of the daemon yet (docs/frames.md, what is left); store the "
-                          "stacked fields as rows: leave frames out")
+    """A frame table (``frames=``) is served in shared memory; this build
+    does not yet keep one in a file (``storage_dir``): refused, saying so,
+    before anything is made (docs/frames.md, what is left)."""
+    if spec.frames and spec.storage_dir:
+        raise SchemaError(f"table {spec.name!r}: frame tables (frames=...) are served in shared "
+                          "memory only by this build, not in a file (storage_dir); leave "
+                          "storage_dir out, or store the stacked fields as rows")
 
 
 @dataclass
@@ -114,8 +114,8 @@ class DaemonConfig:
         a client may not make the daemon create files anywhere it can write.
         So is a table this build cannot serve (``refuse_unserved``): every
         table a request or the config asks for comes through here."""
-        refuse_unserved(spec)
         d = self.storage_dir if spec.storage_dir is None else spec.storage_dir
+        refuse_unserved(dataclasses.replace(spec, storage_dir=d or None))
         if d and d not in self.storage_dirs:
             raise PermissionDenied(
                 f"table {spec.name!r}: storage_dir {d} is not one the daemon's config allows "

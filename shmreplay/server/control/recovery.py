@@ -109,6 +109,8 @@ def rebuild(table_id: int, spec, tmap: TableMap, seed=None,
     mts = spec.max_times_sampled
     held, leased = t.ledger.recover(mts)
     committed = t.selection.restore()
+    if t.frames is not None:  # after the ledger: held slots it freed keep their references
+        t.frames.adopt()
     m = tmap
     uses = int((mts - m.times[committed].astype(np.int64)).sum()) if mts else 0
     size = committed.shape[0]

@@ -26,8 +26,10 @@ import logging
 import time
 
 from ...errors import PermissionDenied, ProtocolError, ReplayError, UnknownTable
+from ...wire import framerecords as FR
 from ...wire import records as R
 from ..tables.counters import Blocked
+from ..tables.table import reclaim_frames
 from .outbox import ClientState
 from .parking import Parking, Waiter
 
@@ -50,7 +52,9 @@ class Commands:
         # the metrics (control/metrics.py): two clock reads per SAMPLE
         self.sample_hist: dict[int, list] = {}
         self._handlers = {R.RESERVE: self._on_draw, R.SAMPLE: self._on_draw, R.ABORT: self._on_abort,
-                          R.RELEASE: self._on_release, R.UPDATE: self._on_update, R.FLUSH: self._on_flush}
+                          R.RELEASE: self._on_release, R.UPDATE: self._on_update, R.FLUSH: self._on_flush,
+                          FR.FRAMES: self._on_frames, FR.FRAMES_BACK: self._on_frames_back,
+                          FR.FCOMMIT: self._on_fcommit}
 
     def serve(self, cl: ClientState, limit: int) -> int:
         """Apply up to ``limit`` records of ``cl``'s ring and publish the
@@ -138,6 +142,31 @@ class Commands:
 
     def _on_flush(self, cl, rec, pay, op, tid, seq) -> None:  # every earlier record is applied
         cl.respond(R.flush_reply(seq))
+
+    # ---- a frame table's records (wire/framerecords.py, docs/frames.md) ----
+    def _on_frames(self, cl, rec, pay, op, tid, seq) -> None:
+        """A frame lease: what is free, after the table freed what it could
+        for it (``reclaim_frames``); none free is lease id 0."""
+        ring, n = FR.read_frames(rec)
+        table = self._frame_table(tid)
+        _may_write(cl, table)
+        cl.uses[tid] = cl.uses.get(tid, 0) | USES_WRITE
+        lid, frames = table.frames.lease(cl.id, ring, n, lambda short: reclaim_frames(table, short))
+        cl.respond(FR.frames_reply(seq, lid, frames))
+
+    def _on_frames_back(self, cl, rec, pay, op, tid, seq) -> None:
+        self._frame_table(tid).frames.give_back(cl.id, FR.read_frames_back(rec))
+
+    def _on_fcommit(self, cl, rec, pay, op, tid, seq) -> None:
+        table = self._frame_table(tid)
+        rid, n, offset, prios, refs = FR.read_fcommit(rec, pay, table.frames.refs_per_item)
+        table.commit(cl.id, rid, prios, offset=offset, n=n, refs=refs)
+
+    def _frame_table(self, tid: int):
+        table = self.table(tid)
+        if table.frames is None:  # a client sends these only to a frame table
+            raise ProtocolError(f"a frame record for table {table.spec.name!r}, which stores rows")
+        return table
 
     # ---- draws, now or parked ----
     def run(self, table, w: Waiter) -> None:

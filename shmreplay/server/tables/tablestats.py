@@ -66,6 +66,9 @@ def snapshot_stats(t, pids: dict | None = None) -> dict:
            "file_backed": t.spec.file_backed, "durable": t.durable is not None}
     if t.durable is not None:
         out.update(t.durable.report(), **led.barrier_report())
+    if t.frames is not None:  # what a transition costs: the table's bytes, full, over its items
+        out["frames"] = t.frames.report(t.counters.size)
+        out["bytes_per_item"] = round((t.map.layout.size + t.map.layout.rows_size) / t.spec.capacity, 1)
     return out
 
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ....errors import FieldError, ProtocolError
+from ....errors import FieldError, LayoutError, ProtocolError
 from ....framespec import Frames
 from ....wire.framelayout import NO_REF
 from ....wire.framerecords import MAX_LEASE_FRAMES
@@ -94,3 +94,29 @@ class TableFrames:
 
     def release_owner(self, owner: int) -> int:
         return self.book.release_owner(owner)
+
+    def report(self, size: int) -> dict:
+        """The frame side's numbers for ``stats``/``shmreplay status``: per
+        ring its frames, those held (by items or leases), those in leases,
+        and frames held an item held (``size``: the table's items)."""
+        book = self.book
+        rings = {}
+        for r, base in enumerate(book.rings):
+            held = book.held(r)
+            rings[base] = {"frames": book.size, "held": held, "free": book.free(r),
+                           "frames_per_item": round(held / size, 3) if size else None}
+        return {"rings": rings, "in_leases": book.leases.held(), "leases": len(book.leases),
+                **self.stats}
+
+    def adopt(self) -> None:
+        """A dead daemon's (or a restored checkpoint's) table: the counts
+        rebuilt from the references its slots hold, every lease gone.  A
+        reference no daemon of this build could have written (outside its
+        ring, a row half marked) is a ``LayoutError``: the table is set
+        aside, not served with frames that may be anyone's."""
+        bad = self.book.adopt()
+        if bad:
+            raise LayoutError(f"table {self.name!r}: {bad} frame references in its meta segment "
+                              "are outside their rings or in rows half marked; no daemon of this "
+                              "build wrote them, so the table is set aside: restore it from a "
+                              "checkpoint, or drop it")

@@ -45,6 +45,14 @@ class Frames:
     pairs in the table's field order, empty for a table of rows only."""
 
     decl: tuple[tuple[str, int | str], ...] = ()
+    # frames a ring keeps an item: 1 for transitions of one stream (each
+    # adds a frame); a sequence table's period (an R2D2 sequence of 80
+    # steps every 40 adds 40 frames); the table's ``frames_per_item``
+    per_item: int = 1
+
+    def ring_frames(self, capacity: int) -> int:
+        """Frames each ring of a table of ``capacity`` items holds."""
+        return frame_capacity(capacity, self.per_item)
 
     def __bool__(self) -> bool:
         return bool(self.decl)
@@ -84,11 +92,15 @@ class Frames:
         return [[name, how] for name, how in self.decl]
 
 
-def parse_frames(frames, fields: tuple[Field, ...]) -> Frames:
+def parse_frames(frames, fields: tuple[Field, ...], per_item=1) -> Frames:
     """Check ``frames`` (a mapping, its TOML table, or the wire form, a
     list of [field, depth or base] pairs; None or empty: no frames)
-    against the table's parsed ``fields``."""
-    if frames is None:
+    against the table's parsed ``fields``; ``per_item``: the table's
+    ``frames_per_item`` (1..the deepest stack)."""
+    if frames is None or (isinstance(frames, (Mapping, list, tuple)) and not frames):
+        if per_item != 1:
+            raise SchemaError(f"frames_per_item is {brief(per_item)} but the table declares no "
+                              "frames: give frames={...} too, or leave frames_per_item out")
         return Frames()
     if isinstance(frames, Mapping):
         pairs = list(frames.items())
@@ -109,7 +121,14 @@ def parse_frames(frames, fields: tuple[Field, ...]) -> Frames:
     for name, how in given.items():
         if isinstance(how, str):
             _check_follow_on(name, how, given, by_name)
-    return Frames(tuple((f.name, given[f.name]) for f in fields if f.name in given))
+    decl = tuple((f.name, given[f.name]) for f in fields if f.name in given)
+    deepest = max((how for _, how in decl if isinstance(how, int)), default=1)
+    if isinstance(per_item, bool) or not isinstance(per_item, (int, np.integer)) or not (
+            1 <= per_item <= deepest):
+        raise SchemaError(f"frames_per_item is {brief(per_item)}: the frames an item adds to its "
+                          f"rings, 1..{deepest} (the deepest stack): 1 for transitions, a "
+                          "sequence writer's period for sequences (80 steps every 40: 40)")
+    return Frames(decl, int(per_item))
 
 
 def _how(name: str, how, f: Field) -> int | str:
@@ -160,11 +179,12 @@ def slot_fields(fields: tuple[Field, ...], frames: Frames) -> tuple[Field, ...]:
     return tuple(f for f in fields if f.name not in framed)
 
 
-def frame_capacity(capacity: int) -> int:
-    """Frames a base's ring holds for a table of ``capacity`` items: one an
-    item, and a 16th more (at least 64) for frames writers hold and frames
-    out-of-order removals leave alive (docs/frames.md)."""
-    return capacity + max(FRAME_SLACK_MIN, capacity // FRAME_SLACK_DIV)
+def frame_capacity(capacity: int, per_item: int = 1) -> int:
+    """Frames a base's ring holds for a table of ``capacity`` items:
+    ``per_item`` an item, and a 16th more (at least 64) for frames writers
+    hold and frames out-of-order removals leave alive (docs/frames.md)."""
+    need = capacity * per_item
+    return need + max(FRAME_SLACK_MIN, need // FRAME_SLACK_DIV)
 
 
 def frame_bytes(f: Field) -> int:
@@ -174,17 +194,17 @@ def frame_bytes(f: Field) -> int:
 
 def check_frame_capacity(name: str, capacity: int, frames: Frames) -> None:
     """Refuse a frame table whose rings would need references past uint32."""
-    if frames and frame_capacity(capacity) > MAX_FRAMES:
-        raise SchemaError(f"table {name!r}: a frame table holds at most {most_frame_items()} "
-                          f"items (its frame references are 32-bit); give it a capacity of at "
-                          f"most that")
+    if frames and frames.ring_frames(capacity) > MAX_FRAMES:
+        raise SchemaError(f"table {name!r}: a frame table holds at most "
+                          f"{most_frame_items(frames.per_item)} items of {frames.per_item} frames "
+                          f"(its frame references are 32-bit); give it a capacity of at most that")
 
 
-def most_frame_items() -> int:
+def most_frame_items(per_item: int = 1) -> int:
     """The largest capacity whose frame rings fit 32-bit references."""
-    c = MAX_FRAMES * FRAME_SLACK_DIV // (FRAME_SLACK_DIV + 1)
-    while frame_capacity(c + 1) <= MAX_FRAMES:
+    c = MAX_FRAMES * FRAME_SLACK_DIV // ((FRAME_SLACK_DIV + 1) * per_item)
+    while frame_capacity(c + 1, per_item) <= MAX_FRAMES:
         c += 1
-    while frame_capacity(c) > MAX_FRAMES:
+    while frame_capacity(c, per_item) > MAX_FRAMES:
         c -= 1
     return c

@@ -17,7 +17,7 @@ import numpy as np
 
 from .errors import SchemaError
 from .fields import Field, brief, parse_fields
-from .framespec import (Frames, check_frame_capacity, frame_bytes, frame_capacity, parse_frames,
+from .framespec import (Frames, check_frame_capacity, frame_bytes, parse_frames,
                         slot_fields)
 
 SAMPLERS = ("uniform", "prioritized", "fifo", "lifo")
@@ -25,7 +25,7 @@ REMOVERS = ("fifo", "lifo", "uniform")
 # keys of the wire/TOML form, in order; the first three are required
 SPEC_KEYS = ("name", "capacity", "fields", "sampler", "alpha", "remover", "max_times_sampled",
              "min_size_to_sample", "samples_per_insert", "error_buffer", "storage_dir", "writers",
-             "writer_uid", "creator_uid", "row_layout", "frames")
+             "writer_uid", "creator_uid", "row_layout", "frames", "frames_per_item")
 # who may write a table's items: "any" client the daemon lets in, or only its
 # "creator" (and the daemon's admins), which the daemon enforces and records
 # as ``writer_uid`` (docs/reliability.md, section 10)
@@ -141,6 +141,7 @@ class TableSpec:
             **({} if self.row_layout == "field" else {"row_layout": self.row_layout}),
             # only when set: a table of rows reads as before frame tables existed
             **({"frames": self.frames.to_wire()} if self.frames else {}),
+            **({"frames_per_item": self.frames.per_item} if self.frames.per_item != 1 else {}),
         }
 
     def to_request(self) -> dict:
@@ -183,7 +184,7 @@ def _number(name, key, value, integer=False) -> float:
 def make_spec(name, capacity, fields, sampler="prioritized", alpha=0.6, remover="fifo",
               max_times_sampled=0, min_size_to_sample=1, samples_per_insert=None,
               error_buffer=None, storage_dir=None, writers="any", writer_uid=None,
-              creator_uid=None, row_layout="auto", frames=None) -> TableSpec:
+              creator_uid=None, row_layout="auto", frames=None, frames_per_item=1) -> TableSpec:
     """Validate every part of a table definition; raise SchemaError naming the problem.
 
     Configurations the rate limiter could deadlock on are refused here, at
@@ -224,7 +225,7 @@ def make_spec(name, capacity, fields, sampler="prioritized", alpha=0.6, remover=
             eb = _number(name, "error_buffer", eb)
     try:
         fields = parse_fields(fields)
-        framed = parse_frames(frames, fields)
+        framed = parse_frames(frames, fields, frames_per_item)
     except SchemaError as exc:  # name the table too: a config may define several
         raise SchemaError(f"table {name!r}: {exc}") from None
     check_frame_capacity(name, int(capacity), framed)
@@ -284,7 +285,7 @@ def _check_size(spec: TableSpec) -> None:
         how = framed.get(f.name)
         if isinstance(how, str):
             continue  # a follow-on stack: its base's frames
-        rows = (frame_capacity(spec.capacity) * frame_bytes(f) if how is not None
+        rows = (spec.frames.ring_frames(spec.capacity) * frame_bytes(f) if how is not None
                 else spec.capacity * f.item_bytes)
         total += rows
         if total > MAX_TABLE_BYTES:

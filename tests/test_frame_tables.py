@@ -376,3 +376,44 @@ def test_iterate_torch_and_sample_ahead_rebuild_stacks_as_sample_does(client):
     tb = srt.sample(t, 16)
     assert tb.data["obs"].dtype == torch.uint8 and tuple(tb.data["obs"].shape) == (16, DEPTH, 8, 8)
     check_items({k: v.numpy() for k, v in tb.data.items()}, length=10**6, n=1)
+
+
+# ---- sequences (R2D2): overlap stored once ----
+SEQ = {"obs": ("uint8", (8, 8, 8)), "action": ("int64", (8,)), "length": ("int32", ()),
+       "tag": ("int64", ())}
+
+
+def _write_sequences(t, w, episodes, steps):
+    with shmreplay.SequenceWriter(t, length=8, period=4) as wr:
+        for e in range(episodes):
+            for s in range(steps):
+                wr.append(obs=frame_of(w, e, s), action=s, tag=tag(w, e, s))
+            wr.end_episode()
+
+
+def frame_of(w, e, s):
+    from framestreams import frame
+    return frame(w, e, s)
+
+
+def test_sequence_writer_stores_each_step_once_however_sequences_overlap(daemon, client):
+    t = client.create_table("r2d2", capacity=64, fields=SEQ, frames={"obs": 8}, frames_per_item=4)
+    assert t.spec.frames.per_item == 4 and client.table("r2d2").spec == t.spec
+    _write_sequences(t, 0, episodes=3, steps=18)
+    client.flush()
+    data, _ = committed_stacks(t)
+    # sequences start every 4 steps of an 18-step episode: at 0, 4, 8, 12, 16
+    assert len(data["tag"]) == 15
+    for i, x in enumerate(data["tag"]):
+        w, e, s0 = untag(x)
+        n = min(8, 18 - s0)
+        assert data["length"][i] == n
+        for k in range(8):
+            want = frame_of(w, e, s0 + k) if k < n else np.zeros((8, 8), np.uint8)
+            assert np.array_equal(data["obs"][i, k], want), (e, s0, k)
+    # 18 frames an episode, and the zero frame its last two sequences end
+    # with: stored at the first, found again at the second; the next
+    # episode's is 10+ frames on, out of the writer's window (length + 2)
+    assert frames_stored(daemon, client, "r2d2") == 3 * (18 + 1)
+    b = t.sample(8)
+    assert b.data["obs"].shape == (8, 8, 8, 8)

@@ -148,3 +148,22 @@ def test_the_config_refuses_a_file_backed_frame_table_too(tmp_path):
     assert load_config(str(path)).tables[0].frames.bases == ("obs",)
     path.write_text(path.read_text().replace("[tables.frames]\nobs = 4\n", ""))
     assert not load_config(str(path)).tables[0].frames
+
+
+def test_frames_per_item_sizes_a_sequence_tables_rings_and_is_checked():
+    seq = {"obs": ("uint8", (80, 4, 4)), "length": ("int32", ())}
+    spec = make_spec("r2d2", 10_000, seq, frames={"obs": 80}, frames_per_item=40)
+    assert spec.frames.per_item == 40
+    assert spec.frames.ring_frames(10_000) == 400_000 + 25_000  # 40 an item and a 16th more
+    assert spec.to_wire()["frames_per_item"] == 40
+    assert spec_from_wire(spec.to_wire()) == spec
+    assert "frames_per_item" not in make_spec("r2d2", 10, seq, frames={"obs": 80}).to_wire()
+    for bad in (0, 81, True, 2.0, "40"):
+        with pytest.raises(SchemaError, match=r"^table 'r2d2': frames_per_item is .*: the frames an "
+                                              r"item adds to its rings, 1\.\.80"):
+            make_spec("r2d2", 10, seq, frames={"obs": 80}, frames_per_item=bad)
+    with pytest.raises(SchemaError, match="frames_per_item is 40 but the table declares no frames"):
+        make_spec("r2d2", 10, seq, frames_per_item=40)
+    with pytest.raises(SchemaError, match=f"holds at most {most_frame_items(40)} items of 40 frames"):
+        make_spec("r2d2", most_frame_items(40) + 1, seq, frames={"obs": 80}, frames_per_item=40)
+    make_spec("r2d2", most_frame_items(40), seq, frames={"obs": 80}, frames_per_item=40)

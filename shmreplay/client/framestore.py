@@ -36,7 +36,6 @@ from collections import deque
 import numpy as np
 
 from ..errors import DaemonUnavailable, ReplayTimeout
-from ..framespec import frame_capacity
 from ..wire import framerecords as FR
 from .framestream import FrameWindow
 
@@ -53,7 +52,7 @@ def chunk_size(spec) -> int:
     """Frames one lease asks for: a quarter of what one client may hold
     (``FrameLeases``' cap: half the ring's slack), so a writer holds a
     window's worth and the next chunk, and a few writers share a client."""
-    per_owner = (frame_capacity(spec.capacity) - spec.capacity) // 2
+    per_owner = (spec.frames.ring_frames(spec.capacity) - spec.capacity * spec.frames.per_item) // 2
     return max(1, min(CHUNK_MAX, per_owner // 4))
 
 

@@ -53,15 +53,36 @@ class OpenItem:
     pos: int
     slot: int
     steps: int = 0
+    # a frame table's: the item's framed fields, kept here (not in the slot)
+    # until it commits, when their frames are stored (``_frame_refs``)
+    stacks: dict | None = None
 
 
 @dataclass(slots=True)
 class OpenTransition(OpenItem):
-    """An n-step transition begun: also its discounted reward so far, and
-    on a frame table its start's stacks (their frames are stored when the
-    transition commits, with its next_obs: ``_commit``)."""
+    """An n-step transition begun: also its discounted reward so far."""
     ret: float = 0.0
-    stacks: dict | None = None
+
+
+def _frame_store(table, window: int, timeout):
+    """A writer's ``framestore.FrameStore`` on a frame table (None on a
+    table of rows) and the names of its framed fields."""
+    frames = table.spec.frames
+    if not frames:
+        return None, frozenset()
+    return table.frame_store(window, timeout), frozenset(name for name, _ in frames.decl)
+
+
+def _frame_refs(writer, item: OpenItem) -> np.ndarray:
+    """The references of a finished item's stacks, its frames stored as the
+    writer's window lacks them.  If that fails the item is not committed:
+    it and every later open one go back (none precedes a committed one)."""
+    try:
+        return writer.frames.item_refs(item.stacks, deadline_of(writer.timeout))
+    except BaseException:
+        writer.lease.release([(o.rid, o.pos, o.slot) for o in (item, *writer.open)])
+        writer.open.clear()
+        raise
 
 
 def _roles(table, roles, given) -> dict:
@@ -118,6 +139,10 @@ class SequenceWriter:
         self.lease = table.lease()
         self.open: collections.deque[OpenItem] = collections.deque()
         self.t = 0  # steps of the current episode so far
+        # a frame table's framed fields (docs/frames.md): a sequence's steps
+        # kept with the item until it commits; the window reaches back over
+        # one sequence, which holds the next one's overlap
+        self.frames, self.framed = _frame_store(table, length + 2, timeout)
 
     def append(self, **step) -> None:
         """Add one step: every time field and per-sequence field, unbatched."""
@@ -140,15 +165,24 @@ class SequenceWriter:
     def _append(self, arrays: dict) -> None:
         self._sync()
         views = self.lease.views
+        framed = self.framed
         if self.t % self.period == 0:
             rid, pos, slot = self.lease.take(deadline_of(self.timeout))
+            stacks = {name: np.zeros(f.shape, f.dtype) for f in self.table.spec.fields
+                      if (name := f.name) in framed} if framed else None
             for name in self.seq_fields:
-                views[name][slot] = arrays[name]
-            self.open.append(OpenItem(rid, pos, slot))
+                if name in framed:
+                    stacks[name][...] = arrays[name]
+                else:
+                    views[name][slot] = arrays[name]
+            self.open.append(OpenItem(rid, pos, slot, stacks=stacks))
         for item in self.open:
             slot, i = item.slot, item.steps
             for name in self.time_fields:
-                views[name][slot, i] = arrays[name]
+                if name in framed:
+                    item.stacks[name][i] = arrays[name]
+                else:
+                    views[name][slot, i] = arrays[name]
             item.steps = i + 1
         while self.open and self.open[0].steps == self.length:
             self._commit(self.open.popleft())
@@ -159,12 +193,16 @@ class SequenceWriter:
         views = self.lease.views
         if n < self.length:
             for name in self.time_fields:
-                views[name][slot, n:] = 0
+                if name not in self.framed:  # a framed field's steps past n are zeros already
+                    views[name][slot, n:] = 0
         views[self.length_field][slot] = n
         prio = None
         if self.priority_fn is not None:
-            prio = self.priority_fn({f: views[f][slot] for f in views})
-        self.lease.commit(item.rid, item.pos, prio)
+            prio = self.priority_fn({**{f: views[f][slot] for f in views}, **(item.stacks or {})})
+        refs = None if self.frames is None else _frame_refs(self, item)
+        self.lease.commit(item.rid, item.pos, prio, refs)
+        if self.frames is not None:
+            self.frames.settle()
 
     def end_episode(self) -> None:
         """Pad and commit every open sequence; the next step starts an episode."""
@@ -185,6 +223,8 @@ class SequenceWriter:
             self.end_episode()
         finally:
             self.lease.release((), timeout)
+            if self.frames is not None:  # every item that referenced a frame is committed
+                self.frames.release()
 
     def __enter__(self) -> "SequenceWriter":
         return self
@@ -248,13 +288,11 @@ class NStepWriter:
         self.timeout = timeout
         self.lease = table.lease()
         self.open: collections.deque[OpenTransition] = collections.deque()
-        # a frame table's stacks (docs/frames.md): the fields framed, written
-        # through a store whose window reaches back from a transition's
-        # next_obs to its obs (n steps) and that stack's first frame
-        frames = spec.frames
-        self.framed = {name for name, _ in frames.decl} if frames else set()
-        self.frames = (table.frame_store(max(frames.depth(b) for b in frames.bases) + n + 2, timeout)
-                       if frames else None)
+        # a frame table's stacks (docs/frames.md), through a store whose window
+        # reaches back from a transition's next_obs to its obs (n steps) and
+        # that stack's first frame
+        self.frames, self.framed = _frame_store(
+            table, max((spec.frames.depth(b) for b in spec.frames.bases), default=0) + n + 2, timeout)
 
     def append(self, obs, action, reward, next_obs, terminated: bool = False,
                truncated: bool = False, **extras) -> None:
@@ -318,12 +356,7 @@ class NStepWriter:
         if self.priority_fn is not None:
             prio = self.priority_fn({**{f: v[f][slot] for f in v}, **stacks})
         if store is not None:
-            try:
-                refs = store.item_refs(stacks, deadline_of(self.timeout))
-            except BaseException:  # not committed: this item and every later open one go back
-                self.lease.release([(o.rid, o.pos, o.slot) for o in (item, *self.open)])
-                self.open.clear()
-                raise
+            refs = _frame_refs(self, item)
         self.lease.commit(item.rid, item.pos, prio, refs)
         if store is not None:
             store.settle()

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..fields import Field
-from ..framespec import Frames, frame_bytes, frame_capacity
+from ..framespec import Frames, frame_bytes
 from .headers import PAGE, align
 
 # a slot that holds no frame references has this in every column: no
@@ -50,7 +50,7 @@ def frame_rings(fields: tuple[Field, ...], frames: Frames, capacity: int,
     rings, pos = [], align(start, PAGE)
     for base in frames.bases:
         f = by_name[base]
-        ring = FrameRing(base, pos, frame_capacity(capacity), frame_bytes(f), f.dtype, f.shape[1:])
+        ring = FrameRing(base, pos, frames.ring_frames(capacity), frame_bytes(f), f.dtype, f.shape[1:])
         rings.append(ring)
         pos = align(ring.end, PAGE)
     return tuple(rings)

@@ -37,7 +37,7 @@ from __future__ import annotations
 import numpy as np
 
 from ....errors import CapacityError, FieldError
-from ....framespec import Frames, frame_capacity
+from ....framespec import Frames
 from ....wire.framelayout import NO_REF
 from .frameleases import FrameLeases
 from .freeframes import FrameQueues
@@ -51,7 +51,7 @@ class FrameBook:
                  cap_per_owner: int | None = None):
         self.frames = frames
         self.rings = frames.bases
-        self.size = frame_capacity(capacity)
+        self.size = frames.ring_frames(capacity)
         self.queues = FrameQueues([self.size] * len(self.rings))
         cols, self._col_names = [], []
         for name, base, _, depth in frames.columns:
@@ -64,7 +64,7 @@ class FrameBook:
             raise ValueError(f"refs must be uint32{shape}, got {self.refs.dtype}{self.refs.shape}")
         # one owner holds at most half the frames beyond one an item: the
         # rest stay for other writers however one of them misbehaves
-        self.leases = FrameLeases((self.size - capacity) // 2 if cap_per_owner is None
+        self.leases = FrameLeases((self.size - capacity * frames.per_item) // 2 if cap_per_owner is None
                                   else cap_per_owner)
 
     # ---- writers' frame leases ----

@@ -6,8 +6,10 @@ following a link), ``durable.py`` (a durable file-backed table's metadata
 file: one sync's steps, reading it back after a reboot) with
 ``metafile.py`` (that file's bytes: two copies written in place in turn),
 ``checkpoint.py``
-(a table's checkpoint directory: write, prune) with ``ckread.py`` (list,
-load, restore) and ``rowread.py`` (rows read with ``pread``, never through
+(a table's checkpoint directory: write, prune) with ``sealed.py`` (its
+files, made, checksummed and fsynced), ``ckframes.py`` (a frame table's
+frames and references in it), ``ckread.py`` (list, load, restore) and
+``rowread.py`` (rows read with ``pread``, never through
 a mapping a client can truncate), ``storage.py`` (which ``storage_dir`` is
 safe to create rows files in),
 ``prefetch.py`` (reading file-backed rows ahead, starting their writeback)

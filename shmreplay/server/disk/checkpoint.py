@@ -10,7 +10,10 @@ A checkpoint of table ``T`` is a directory ``DIR/T@<UTC time>/``::
     prios.bin       float64[n], times.bin uint32[n], seqno.bin uint64[n]
     valid.bin       uint8[n]   0: the item was evicted while the rows were
                     copied, so its rows may be torn; restore skips it
-    f.<field>.bin   dtype[n, *shape]  each field's rows
+    f.<field>.bin   dtype[n, *shape]  each field's rows (a frame table's:
+                    each field a slot holds; its stacks are
+                    refs.bin, frameidx.<base>.bin and frames.<base>.bin,
+                    ckframes.py)
     DONE            written last: a directory without it is incomplete
 
 Writing (who: the control plane, in an executor thread; the only engine
@@ -57,9 +60,11 @@ import msgpack
 import numpy as np
 
 from ...schema import TableSpec
-from ...wire.headers import LAYOUT_VERSION
+from ...framespec import slot_fields
+from ...wire.headers import layout_version
 from ...wire.layout import COMMITTED, meta_mode
-from . import safedir
+from . import ckframes, safedir
+from .sealed import SealedFile, write_file
 from .ckread import CHUNK_BYTES, FORMAT, FORMAT_VERSION, complete_in
 from .rowread import RowSource
 
@@ -76,6 +81,7 @@ class Snapshot:
     pause_s: float
     rows: RowSource        # the live rows and stamps, kept open while
     live_gens: np.ndarray  # written even if the table is dropped meanwhile
+    refs: np.ndarray | None = None  # a frame table's items' references (ckframes.py)
 
 
 _META = (("state", np.uint8), ("gens", np.uint32), ("prios", np.float64), ("times", np.uint32),
@@ -101,7 +107,8 @@ def snapshot(table, bufs: dict) -> Snapshot:
     snap = Snapshot(table.spec, bufs["state"], bufs["gens"], bufs["prios"], bufs["times"],
                     bufs["seqno"],
                     {"inserts": c.inserts, "samples": c.samples, "deletes": c.deletes,
-                     "epoch": m.words.epoch}, 0.0, RowSource(m), m.gens)
+                     "epoch": m.words.epoch}, 0.0, RowSource(m), m.gens,
+                    None if m.refs is None else m.refs.copy())  # 4 bytes a reference
     snap.pause_s = time.perf_counter() - t0
     return snap
 
@@ -109,41 +116,6 @@ def snapshot(table, bufs: dict) -> Snapshot:
 def _stamp() -> str:
     ns = time.time_ns()
     return time.strftime("%Y%m%dT%H%M%S", time.gmtime(ns // 10**9)) + f".{ns % 10**9:09d}Z"
-
-
-class _SealedFile:
-    """A new file in a checkpoint's directory, written in parts, its CRC-32
-    kept as it goes; when sealed, given its mode and group and fsynced."""
-
-    def __init__(self, dfd: int, name: str):
-        self.f = os.fdopen(safedir.create_file(dfd, name), "wb")
-        self.crc = self.size = 0
-
-    def write(self, a: np.ndarray) -> None:
-        mv = memoryview(np.ascontiguousarray(a)).cast("B")
-        self.f.write(mv)
-        self.crc = zlib.crc32(mv, self.crc)
-        self.size += mv.nbytes
-
-    def seal(self, modes: tuple[int, int]) -> tuple[int, int]:
-        """``modes``: (mode, gid); fsync and close; (bytes, crc32)."""
-        self.f.flush()
-        safedir.set_mode(self.f.fileno(), *modes)
-        os.fsync(self.f.fileno())
-        self.f.close()
-        return self.size, self.crc
-
-
-def _write_file(dfd: int, name: str, arrays, modes: tuple[int, int]) -> tuple[int, int]:
-    """Write the arrays' bytes one after another; fsync; (bytes, crc32)."""
-    out = _SealedFile(dfd, name)
-    try:
-        for a in arrays:
-            out.write(a)
-    except BaseException:
-        out.f.close()
-        raise
-    return out.seal(modes)
 
 
 def _write_rows(snap: Snapshot, tmp: int, buffer_bytes: int, modes: tuple[int, int]):
@@ -161,7 +133,7 @@ def _write_rows(snap: Snapshot, tmp: int, buffer_bytes: int, modes: tuple[int, i
     slots = np.flatnonzero(snap.state == COMMITTED)
     slots = slots[np.argsort(snap.seqno[slots], kind="stable")]
     n = slots.shape[0]
-    fields = snap.spec.fields
+    fields = slot_fields(snap.spec.fields, snap.spec.frames)
     valid = np.zeros(n, np.uint8)
     outs = {}
     ahead: collections.deque = collections.deque()
@@ -174,9 +146,12 @@ def _write_rows(snap: Snapshot, tmp: int, buffer_bytes: int, modes: tuple[int, i
             outs[name].write(r)
             held -= r.nbytes
 
+    # a frame table's frames first: the stamps checked below then vouch for them too
+    frame_files = (ckframes.write_frames(snap, slots, tmp, modes, CHUNK_BYTES)
+                   if snap.refs is not None else {})
     try:
         for f in fields:  # inside the try: a name taken fails the write, and closes what is open
-            outs[f.name] = _SealedFile(tmp, f"f.{f.name}.bin")
+            outs[f.name] = SealedFile(tmp, f"f.{f.name}.bin")
         step = max(1, CHUNK_BYTES // max(1, sum(f.item_bytes for f in fields)))
         for lo in range(0, n, step):
             part = slots[lo:lo + step]
@@ -194,7 +169,7 @@ def _write_rows(snap: Snapshot, tmp: int, buffer_bytes: int, modes: tuple[int, i
         for out in outs.values():
             out.f.close()  # after seal: a no-op
     files = {f"f.{f.name}": (f.dtype, (n, *f.shape), *sealed[f.name]) for f in fields}
-    return slots, valid, files
+    return slots, valid, {**files, **frame_files}
 
 
 def write(snap: Snapshot, directory: str, keep: int = 0, buffer_bytes: int = 1 << 30,
@@ -248,16 +223,16 @@ def _write_all(snap: Snapshot, tfd: int, buffer_bytes: int, modes: tuple[int, in
     arrays = {"slots": slots, "gens": snap.gens, "prios": snap.prios[slots],
               "times": snap.times[slots], "seqno": snap.seqno[slots], "valid": valid}
     for name, a in arrays.items():
-        files[name] = (a.dtype.str, a.shape, *_write_file(tfd, f"{name}.bin", [a], modes))
+        files[name] = (a.dtype.str, a.shape, *write_file(tfd, f"{name}.bin", [a], modes))
     meta = msgpack.packb({
-        "format": FORMAT, "format_version": FORMAT_VERSION, "layout_version": LAYOUT_VERSION,
+        "format": FORMAT, "format_version": FORMAT_VERSION, "layout_version": layout_version(spec),
         "spec": spec.to_wire(), "counters": snap.counters, "items": int(valid.sum()),
         "created_ns": time.time_ns(),
         "files": {k: {"dtype": np.dtype(d).str, "shape": list(s), "bytes": b, "crc32": c}
                   for k, (d, s, b, c) in files.items()},
     }, use_bin_type=True)
-    _write_file(tfd, "meta.msgpack", [np.frombuffer(meta, np.uint8)], modes)
-    _write_file(tfd, "DONE", [np.frombuffer(f"{zlib.crc32(meta)}\n".encode(), np.uint8)], modes)
+    write_file(tfd, "meta.msgpack", [np.frombuffer(meta, np.uint8)], modes)
+    write_file(tfd, "DONE", [np.frombuffer(f"{zlib.crc32(meta)}\n".encode(), np.uint8)], modes)
     return {**files, "items": (int(valid.sum()), int(slots.shape[0]))}
 
 

@@ -31,9 +31,10 @@ import numpy as np
 
 from ...errors import ForeignObject, LayoutError, ReplayError
 from ...schema import TableSpec, spec_from_wire
-from ...wire.headers import LAYOUT_VERSION
+from ...framespec import slot_fields
+from ...wire.headers import layout_version
 from ...wire.layout import COMMITTED, TableMap
-from . import safedir
+from . import ckframes, safedir
 
 FORMAT = "shmreplay-checkpoint"
 FORMAT_VERSION = 1
@@ -137,7 +138,7 @@ def _load(cfd: int, path: str) -> Checkpoint:
         raise LayoutError(f"checkpoint {path} has an unreadable meta.msgpack: {exc}") from exc
     if meta.get("format") != FORMAT:
         raise LayoutError(f"{path} is not a shmreplay checkpoint")
-    for key, want in (("format_version", FORMAT_VERSION), ("layout_version", LAYOUT_VERSION)):
+    for key, want in (("format_version", FORMAT_VERSION), ("layout_version", layout_version(spec))):
         if meta.get(key) != want:  # the arrays mean what this version's segment means
             raise LayoutError(f"checkpoint {path} has {key.replace('_', ' ')} {meta.get(key)}, "
                               f"this build reads version {want}")
@@ -146,7 +147,8 @@ def _load(cfd: int, path: str) -> Checkpoint:
     want = {"slots": (np.int64, (n,)), "gens": (np.uint32, (spec.capacity,)),
             "prios": (np.float64, (n,)), "times": (np.uint32, (n,)), "seqno": (np.uint64, (n,)),
             "valid": (np.uint8, (n,))}
-    want.update({f"f.{f.name}": (f.dtype, (n, *f.shape)) for f in spec.fields})
+    want.update({f"f.{f.name}": (f.dtype, (n, *f.shape)) for f in slot_fields(spec.fields, spec.frames)})
+    want.update(ckframes.wanted(spec, files, n))
     if set(files) != set(want) or not all(isinstance(counters[k], int) for k in
                                           ("inserts", "samples", "deletes", "epoch")):
         raise LayoutError(f"checkpoint {path}: meta.msgpack lists files {sorted(files)} and "
@@ -197,7 +199,9 @@ def restore(ck: Checkpoint, tmap: TableMap) -> int:
     tmap.prios[slots] = np.asarray(a["prios"])[ok]
     tmap.times[slots] = np.asarray(a["times"])[ok]
     tmap.seqno[slots] = np.asarray(a["seqno"])[ok]
-    for f in ck.spec.fields:
+    if ck.spec.frames:
+        ckframes.restore_frames(ck, tmap, ok, slots, CHUNK_BYTES)
+    for f in slot_fields(ck.spec.fields, ck.spec.frames):
         src = a[f"f.{f.name}"]
         view = tmap.fields[f.name]
         rows = np.flatnonzero(ok)

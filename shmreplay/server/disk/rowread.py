@@ -48,6 +48,18 @@ class RowSource:
         out[order] = raw[:, :ib]
         return out.view(field.dtype).reshape(n, *field.shape)
 
+    def take_frames(self, base: str, frames: np.ndarray) -> np.ndarray:
+        """Frames ``frames`` (sorted, distinct) of ``base``'s ring, as
+        uint8[n, frame bytes]; runs of frames next to each other in one call."""
+        ring = next(r for r in self.layout.rings if r.base == base)
+        n, fb = frames.shape[0], ring.frame_bytes
+        out = np.empty((n, fb), np.uint8)
+        flat = memoryview(out.reshape(-1))
+        starts = np.flatnonzero(np.diff(frames, prepend=-2) != 1)
+        for a, b in zip(starts.tolist(), np.append(starts[1:], n).tolist()):
+            self._read(flat[a * fb:b * fb], ring.offset + int(frames[a]) * fb)
+        return out
+
     def _read(self, into: memoryview, offset: int) -> None:
         while into.nbytes:
             got = os.preadv(self.fd, [into], offset)

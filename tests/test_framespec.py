@@ -121,33 +121,25 @@ def test_a_wrong_declaration_names_its_table():
         make_spec("atari", most_frame_items() + 1, {"obs": ("uint8", (4, 2, 2))}, frames={"obs": 4})
 
 
-def test_the_daemon_refuses_a_file_backed_frame_table_it_cannot_serve_yet_and_serves_on(
+def test_a_frame_table_is_made_by_a_request_and_by_the_config_in_memory_or_in_a_file(
         start_daemon, tmp_path):
-    d = start_daemon(storage_dirs=[str(tmp_path / "tables")])
+    store = str(tmp_path / "tables")
+    d = start_daemon(storage_dirs=[store])
     with d.connect() as client:
-        with pytest.raises(SchemaError, match="^table 'atari': frame tables .* shared memory only by "
-                                              "this build, not in a file"):
-            client.create_table("atari", capacity=100, fields=ATARI_FIELDS, frames={"obs": 4},
-                                storage_dir=str(tmp_path / "tables"))
-        assert client.list_tables() == []
         client.create_table("atari", capacity=100, fields=ATARI_FIELDS, frames={"obs": 4})
+        t = client.create_table("filed", capacity=100, fields=ATARI_FIELDS, frames={"obs": 4},
+                                storage_dir=store)
+        assert t.spec.file_backed and t.spec.frames.bases == ("obs",)
         client.create_table("t", capacity=10, fields=SMALL_FIELDS)
-        assert sorted(client.list_tables()) == ["atari", "t"]
+        assert sorted(client.list_tables()) == ["atari", "filed", "t"]
     assert_still_serving(d, 0)
-
-
-def test_the_config_refuses_a_file_backed_frame_table_too(tmp_path):
     path = tmp_path / "d.toml"
-    path.write_text(f'[daemon]\nstorage_dir = "{tmp_path}"\n'
+    path.write_text(f'[daemon]\nstorage_dir = "{store}"\nstorage_dirs = ["{store}"]\n'
                     '[[tables]]\nname = "atari"\ncapacity = 100\n'
                     '[tables.fields]\nobs = { dtype = "uint8", shape = [4, 8, 8] }\n'
                     '[tables.frames]\nobs = 4\n')
-    with pytest.raises(SchemaError, match="table 'atari': frame tables .* not in a file"):
-        load_config(str(path))
-    path.write_text(path.read_text().replace(f'storage_dir = "{tmp_path}"\n', ""))
-    assert load_config(str(path)).tables[0].frames.bases == ("obs",)
-    path.write_text(path.read_text().replace("[tables.frames]\nobs = 4\n", ""))
-    assert not load_config(str(path)).tables[0].frames
+    [spec] = load_config(str(path)).tables
+    assert spec.frames.bases == ("obs",)
 
 
 def test_frames_per_item_sizes_a_sequence_tables_rings_and_is_checked():

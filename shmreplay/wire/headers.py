@@ -130,7 +130,8 @@ def layout_version(spec: TableSpec) -> int:
 def same_table(header, other) -> bool:
     """Do two meta headers (a file's, a live segment's) describe the same
     incarnation of one table: this layout version, the same creation time?"""
-    return (int(header["layout_version"]) == LAYOUT_VERSION
+    return (int(header["layout_version"]) in LAYOUT_VERSIONS
+            and int(header["layout_version"]) == int(other["layout_version"])
             and int(header["created_ns"]) == int(other["created_ns"]))
 
 

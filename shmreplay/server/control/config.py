@@ -28,16 +28,6 @@ from ..tables.slots.ledger import SlotLimits
 _INSTANCE = re.compile(r"^[A-Za-z0-9_-]{1,32}$")
 
 
-def refuse_unserved(spec: TableSpec) -> None:
-    """A frame table (``frames=``) is served in shared memory; this build
-    does not yet keep one in a file (``storage_dir``): refused, saying so,
-    before anything is made (docs/frames.md, what is left)."""
-    if spec.frames and spec.storage_dir:
-        raise SchemaError(f"table {spec.name!r}: frame tables (frames=...) are served in shared "
-                          "memory only by this build, not in a file (storage_dir); leave "
-                          "storage_dir out, or store the stacked fields as rows")
-
-
 @dataclass
 class DaemonConfig:
     """Every [daemon] key, its default the field's: ``parse_config`` starts from
@@ -112,10 +102,8 @@ class DaemonConfig:
         """``spec`` with its rows directory decided: None takes the default,
         "" means /dev/shm.  A directory the config does not allow is refused:
         a client may not make the daemon create files anywhere it can write.
-        So is a table this build cannot serve (``refuse_unserved``): every
-        table a request or the config asks for comes through here."""
+        Every table a request or the config asks for comes through here."""
         d = self.storage_dir if spec.storage_dir is None else spec.storage_dir
-        refuse_unserved(dataclasses.replace(spec, storage_dir=d or None))
         if d and d not in self.storage_dirs:
             raise PermissionDenied(
                 f"table {spec.name!r}: storage_dir {d} is not one the daemon's config allows "

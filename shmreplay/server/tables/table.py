@@ -322,16 +322,21 @@ def reclaim_frames(table: Table, short: int) -> int:
     move.  Held slots keep theirs until released.  Returns how many frames
     it freed: fewer once the table is empty."""
     frames, led = table.frames, table.ledger
-    slots = frames.holding(np.flatnonzero(table.map.state == FREE))
+    # a durable table's slots whose items its file on disk lists keep their
+    # frames: after a reboot those items are read from that file
+    slots = led.reusable(frames.holding(np.flatnonzero(table.map.state == FREE)))
     led.restamp(slots)
     freed = frames.reclaim_from(slots)
     while freed < short and table.counters.size > 0:  # each round evicts at least one item
         # an item frees at most its references' frames: evict no more than must go
         victims = table.evict_items(-(-(short - freed) // frames.refs_per_item))
         led.make_free(victims)
+        victims = led.reusable(victims)
         led.restamp(victims)
         freed += frames.reclaim_from(victims)
         frames.stats["evicted_for_frames"] += victims.shape[0]
+    if freed < short:  # a durable table's retired slots hold them: a writer waits for its sync
+        led.want_sync(force=True)
     table.publish()
     return freed
 

@@ -70,6 +70,11 @@ class SlotLedger:
             slots = self.barrier.usable(slots)
         self.free.push(slots)
 
+    def reusable(self, slots: np.ndarray) -> np.ndarray:
+        """Those of ``slots`` no durable table's file on disk lists (all of
+        them for any other table): what may be written, or let go of."""
+        return slots if self.barrier is None else slots[~self.barrier.protected[slots]]
+
     def restamp(self, slots: np.ndarray) -> None:
         """Free ``slots`` whose items' frames are let go before the slots
         are reserved again (a frame table short of frames): a new stamp

@@ -59,6 +59,9 @@ def parse(argv=None):
                          "and the learner stay here (docs/scaling.md)")
     ap.add_argument("--actor-resource", metavar="NAME", default=None,
                     help="with --ray: each actor asks for resources={NAME: 1}")
+    ap.add_argument("--rows", action="store_true",
+                    help="Atari: keep obs and next_obs stacks as rows, not as frames stored once "
+                         "(a frame table, docs/frames.md: ~8x less replay memory)")
     return ap.parse_args(argv)
 
 
@@ -255,6 +258,21 @@ class RayCrew:
 
 
 # ---- learner ----
+def replay_memory(client, instance: str) -> str:
+    """The replay table's memory a transition: its pages in /dev/shm (rows,
+    frame rings, books) over the items it holds, and what it would take
+    full."""
+    st = client.stats()["tables"]["replay"]
+    mine = (f"shmreplay.{instance}.r.replay.", f"shmreplay.{instance}.t.replay.")  # its two segments
+    shm = sum(os.stat(f"/dev/shm/{n}").st_blocks * 512 for n in os.listdir("/dev/shm") if n.startswith(mine))
+    full = st.get("bytes_per_item")
+    return (f"replay memory: {shm / max(1, st['size']):,.0f} bytes a transition in /dev/shm "
+            f"({st['size']:,} held, {shm / 2**20:,.0f} MiB)"
+            + (f"; {full:,.0f} bytes a transition when full" if full else "")
+            + (f"; {st['frames']['rings']['obs']['frames_per_item']} frames held an item"
+               if st.get("frames") else ""))
+
+
 def main(argv=None) -> int:
     args = parse(argv)
     import torch
@@ -268,13 +286,16 @@ def main(argv=None) -> int:
     spi = args.samples_per_insert
     table = dict(name="replay", capacity=capacity, fields=fields, sampler="prioritized", alpha=0.6,
                  remover="fifo", min_size_to_sample=args.min_size)
+    if atari and not args.rows:  # each frame of the stacks stored once (docs/frames.md)
+        table["frames"] = {"obs": fields["obs"][1][0], "next_obs": "obs"}
     if spi > 0:  # 0: no limit (actors and learner each as fast as they go)
         table.update(samples_per_insert=spi, error_buffer=max(2.0 * args.batch, 200.0 * spi))
     eps = dqn.epsilon_ladder(args.actors * args.envs)
     progress = dqn.Progress(args.out, "apex_dqn")
     code, reached = dqn.NOT_REACHED, None
-    print(f"apex_dqn: {args.env}, {args.actors} actors x {args.envs} envs, replay {capacity:,} items, "
-          f"{spi:g} samples per insert, batch {args.batch}, seed {args.seed}", flush=True)
+    print(f"apex_dqn: {args.env}, {args.actors} actors x {args.envs} envs, replay {capacity:,} items"
+          f"{' as frames' if 'frames' in table else ''}, {spi:g} samples per insert, batch {args.batch}, "
+          f"seed {args.seed}", flush=True)
     with shmreplay.Server(tables=[table], instance=args.instance) as server:
         client = server.connect()
         replay = client.table("replay")
@@ -317,6 +338,7 @@ def main(argv=None) -> int:
                 if batches % args.publish_every == 0:
                     board.publish(srt.numpy_state(learner.online))
         progress.tick(crew.steps, replay.inserts, batches)  # the last row: where the run ended
+        print(f"apex_dqn: {replay_memory(client, server.instance)}", flush=True)
         crew.stop()
         client.close()
     csv_path, png_path = progress.save()

@@ -33,7 +33,7 @@ MAX_DEPTH = 1024
 # frames a table keeps beyond one per item: for frames writers hold while
 # their streams still need them (a lease each, given back as the stream
 # moves on) and for what out-of-order removers leave alive (docs/frames.md)
-FRAME_SLACK_DIV, FRAME_SLACK_MIN = 16, 64
+FRAME_SLACK_DIV, FRAME_SLACK_MIN, FRAME_SLACK_STACKS = 16, 64, 8
 FRAMES_FORM = ('frames maps field names to a depth (an int: the field is a stack of that many '
                'frames along its first axis) or to another field\'s name (a follow-on stack of '
                'that field), e.g. frames={"obs": 4, "next_obs": "obs"}')
@@ -52,7 +52,8 @@ class Frames:
 
     def ring_frames(self, capacity: int) -> int:
         """Frames each ring of a table of ``capacity`` items holds."""
-        return frame_capacity(capacity, self.per_item)
+        return frame_capacity(capacity, self.per_item,
+                              max((how for _, how in self.decl if isinstance(how, int)), default=1))
 
     def __bool__(self) -> bool:
         return bool(self.decl)
@@ -179,12 +180,14 @@ def slot_fields(fields: tuple[Field, ...], frames: Frames) -> tuple[Field, ...]:
     return tuple(f for f in fields if f.name not in framed)
 
 
-def frame_capacity(capacity: int, per_item: int = 1) -> int:
+def frame_capacity(capacity: int, per_item: int = 1, depth: int = 1) -> int:
     """Frames a base's ring holds for a table of ``capacity`` items:
-    ``per_item`` an item, and a 16th more (at least 64) for frames writers
-    hold and frames out-of-order removals leave alive (docs/frames.md)."""
+    ``per_item`` an item, and a 16th more for frames writers hold and
+    frames out-of-order removals leave alive (docs/frames.md): at least 64,
+    and at least 8 stacks of ``depth`` (the deepest), so a writer's window
+    over a stack and its next lease fit what one client may hold."""
     need = capacity * per_item
-    return need + max(FRAME_SLACK_MIN, need // FRAME_SLACK_DIV)
+    return need + max(FRAME_SLACK_MIN, need // FRAME_SLACK_DIV, FRAME_SLACK_STACKS * depth)
 
 
 def frame_bytes(f: Field) -> int:

@@ -510,3 +510,26 @@ def test_a_durable_frame_table_in_a_file_comes_back_whole_after_a_reboot(start_d
         c.flush()
         data, _ = committed_stacks(t)
         assert check_items({k: v[data["tag"] >= 10**6] for k, v in data.items()}, length=30) > 0
+
+
+def test_a_scribbled_ring_tears_only_its_own_tables_items(daemon, client, tmp_path):
+    """A writer may write the rows object, rings included: garbage over a
+    whole ring tears that table's items and nothing else; the daemon reads
+    no frame through a mapping and checkpoints the table; learners sample
+    both tables."""
+    t = make(client)
+    other = make(client, name="other")
+    for i in range(30):
+        t.insert(**transition(i))
+        other.insert(**transition(i))
+    client.flush()
+    before = committed_stacks(other)[0]
+    with daemon.connect() as hostile:
+        ring = hostile.table("px").mapped.rings["obs"]
+        ring[:] = np.random.default_rng(0).integers(0, 256, ring.shape, dtype=np.uint8)
+    assert not np.array_equal(committed_stacks(t)[0]["obs"], stacked([transition(i) for i in range(30)])["obs"])
+    assert len(t.sample(16)) == 16  # torn stacks, whole batches
+    client.checkpoint(str(tmp_path / "ck"), "px")
+    after = committed_stacks(other)[0]
+    assert all(np.array_equal(after[k], before[k]) for k in before)
+    assert check_items(other.sample(16).data, length=10**6, n=1) == 16

@@ -345,3 +345,25 @@ def test_a_producer_killed_mid_stream_loses_only_its_unconfirmed_chunks_and_tear
         part = ids & set(range(lo, lo + 16))
         assert len(part) in (0, 16), (lo, sorted(part))
     ray.kill(ingest)
+
+
+def test_a_frame_table_is_fed_through_the_ingest_and_stores_each_frame_once(cluster, start_daemon):
+    """Issue 37: the ingest inserts full stacks into a frame table as any
+    client does (``FrameTable.insert_batch``): each frame stored once, every
+    stack sampled whole."""
+    from framestreams import FIELDS as PX, FRAMES, check_items, stack, tag
+    d = start_daemon(tables=[{"name": "px", "capacity": 256, "fields": PX, "frames": FRAMES}])
+    ingest = sray.start_ingest(d.socket, "px", node_id=cluster)
+    items = [{"obs": stack(0, 0, i), "next_obs": stack(0, 0, i + 1), "action": i, "reward": float(i),
+              "discount": 0.5, "tag": tag(0, 0, i)} for i in range(120)]
+    chunk = {k: np.stack([np.asarray(it[k]) for it in items]) for k in items[0]}
+    assert ray.get(ingest.insert.remote(chunk, None), timeout=HANG_S) == 120
+    ray.kill(ingest)
+    with d.connect() as c:
+        t = c.table("px")
+        from readback import committed_stacks
+        data, _ = committed_stacks(t)
+        assert check_items(data, length=10**6, n=1) == 120
+        assert check_items(t.sample(64).data, length=10**6, n=1) == 64
+        wait_for(lambda: c.stats()["tables"]["px"]["frames"]["in_leases"] == 0, "the ingest's leases back")
+        assert c.stats()["tables"]["px"]["frames"]["rings"]["obs"]["held"] == 121  # frames 0..120, once

@@ -182,6 +182,35 @@ def test_a_short_ring_evicts_items_by_the_remover_for_a_lease(frame_table):
     assert (t.map.state[slots[:3]] == FREE).all()
 
 
+def test_a_durable_tables_listed_items_keep_their_frames_and_a_short_ring_asks_for_a_sync(frame_table):
+    """Items the file on disk lists: evicted for frames, their slots are
+    retired with their references; the frames they free once the sync
+    lands are counted as coming, so a writer's every retry does not evict
+    more (a reclaim once emptied a durable table), and the sync is asked."""
+    t = frame_table(capacity=4)
+    syncs = []
+    t.ledger.start_barrier(lambda: syncs.append(1))
+    _, f = t.frames.lease(1, 0, 34, reclaim=lambda short: pytest.fail("nothing is short"))
+    slots = put(t, 1, f, [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11], [12, 13, 14, 15]])
+    t.frames.release_owner(1)
+    t.ledger.protect(np.ones(4, dtype=bool))  # a sync took its copy: all four listed
+    _, got = t.frames.lease(2, 0, 32, reclaim=lambda short: pytest.fail("nothing is short"))
+    refs = t.map.refs[slots].copy()
+    _, got = t.frames.lease(3, 0, 30, reclaim=lambda short: reclaim_frames(t, short))
+    assert got.shape[0] == 20  # what is free; 10 short
+    for _ in range(5):  # the writer asks again and again for the rest
+        lid, got = t.frames.lease(3, 0, 10, reclaim=lambda short: reclaim_frames(t, short))
+        assert lid == 0 and got.shape[0] == 0
+    # three items evicted (their slots retired, references kept) once; every
+    # retry counts their frames as coming and asks for the sync
+    assert t.size == 1 and t.frames.stats["evicted_for_frames"] == 3 and len(syncs) == 6
+    assert (t.map.refs[slots] == refs).all() and t.ledger.retired() == 3
+    assert count(t, f[:16]) == [1] * 16
+    t.ledger.landed(np.zeros(4, dtype=bool))  # the sync landed listing none: the slots are free
+    _, got = t.frames.lease(3, 0, 10, reclaim=lambda short: reclaim_frames(t, short))
+    assert got.shape[0] == 10 and t.size == 1
+
+
 # ---- a learner's gather rebuilds the stacks (client/gather.py, client/framecopy.py) ----
 
 from shmreplay.client.gather import Rows, new_batch, stale_rows, take_rows  # noqa: E402

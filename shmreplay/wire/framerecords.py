@@ -15,7 +15,9 @@ FCOMMIT        a0 = reservation id, a1 = n,          no reply (as COMMIT); a fra
 =============  ====================================  ==========================================
 
 They need no new channel version: only a daemon that serves frame tables
-creates one, and a client sends them only for such a table.  The engine
+creates one, and a client sends them only for such a table; the engine
+cuts off a client that sends one for a table of rows, or a COMMIT to a
+frame table.  The engine
 decodes what a client wrote into shared memory: every ``read_*`` bounds
 its counts and payload sizes, raises ``ProtocolError`` (the client is cut
 off) before any value is used, and returns private copies of payloads (a

@@ -327,15 +327,20 @@ def reclaim_frames(table: Table, short: int) -> int:
     slots = led.reusable(frames.holding(np.flatnonzero(table.map.state == FREE)))
     led.restamp(slots)
     freed = frames.reclaim_from(slots)
-    while freed < short and table.counters.size > 0:  # each round evicts at least one item
+    # a durable table's retired slots free their items' frames once the
+    # next sync lands: count them as coming, or every retry of a waiting
+    # writer would evict more (and one call the whole table)
+    coming = led.retired() * frames.refs_per_item
+    while freed + coming < short and table.counters.size > 0:  # each round evicts at least one item
         # an item frees at most its references' frames: evict no more than must go
-        victims = table.evict_items(-(-(short - freed) // frames.refs_per_item))
-        led.make_free(victims)
-        victims = led.reusable(victims)
-        led.restamp(victims)
-        freed += frames.reclaim_from(victims)
+        victims = table.evict_items(-(-(short - freed - coming) // frames.refs_per_item))
         frames.stats["evicted_for_frames"] += victims.shape[0]
-    if freed < short:  # a durable table's retired slots hold them: a writer waits for its sync
+        led.make_free(victims)
+        usable = led.reusable(victims)
+        coming += (victims.shape[0] - usable.shape[0]) * frames.refs_per_item
+        led.restamp(usable)
+        freed += frames.reclaim_from(usable)
+    if freed < short:  # retired slots hold them: a writer waits for the sync that frees them
         led.want_sync(force=True)
     table.publish()
     return freed

@@ -75,6 +75,10 @@ class SlotLedger:
         them for any other table): what may be written, or let go of."""
         return slots if self.barrier is None else slots[~self.barrier.protected[slots]]
 
+    def retired(self) -> int:
+        """Slots freed while the file on disk lists their items (0: not durable)."""
+        return 0 if self.barrier is None else self.barrier.count
+
     def restamp(self, slots: np.ndarray) -> None:
         """Free ``slots`` whose items' frames are let go before the slots
         are reserved again (a frame table short of frames): a new stamp

@@ -18,7 +18,9 @@ cgroup, so the table's page cache is charged to it too.  Phases:
 1. fill: one writer (``SequenceWriter``, period 40, episodes of 1,000
    steps) writes ``--sequences`` sequences as fast as it goes;
 2. serve: for ``--seconds``, the writer adds 3 sequences a second while a
-   learner samples batches of 9 five times a second (45 sequences/s),
+   learner (``iterate``, two batches drawn ahead, so the daemon's
+   prefetcher reads their frames from the disk meanwhile) takes batches
+   of 9 five times a second (45 sequences/s),
    each sequence checked: frame i is the stream's step start + i, stamped
    with its step number, and frames past its length are zero.
 
@@ -33,6 +35,8 @@ import argparse
 import json
 import os
 import shutil
+import signal
+import sys
 import threading
 import time
 
@@ -107,8 +111,10 @@ def fill(t, frames: Frames, sequences: int) -> tuple[int, float]:
     """The writer's fill: returns (steps written, seconds)."""
     t0 = time.perf_counter()
     s = 0
+    # a durable table keeps its sync headroom evicted ahead (slots/barrier.py):
+    # counted by sequences committed, not by what it holds
     with shmreplay.SequenceWriter(t, length=LENGTH, period=PERIOD) as w:
-        while len(t) < sequences:
+        while t.inserts < sequences:
             for _ in range(PERIOD * 8):
                 w.append(obs=frames(s), tag=s - s % PERIOD)
                 s += 1
@@ -129,6 +135,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out")
     a = ap.parse_args(argv)
     os.makedirs(a.dir, mode=0o700, exist_ok=True)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # the finally below removes what it made
     group = Cgroup(int(a.memory_gib * 2**30))
     report = {"when": time.strftime("%Y-%m-%d %H:%M:%S"), "args": vars(a)}
     fields = {"obs": ("uint8", (LENGTH, *FRAME)), "length": ("int32", ()), "tag": ("int64", ())}
@@ -200,11 +207,12 @@ def serve(server, t, frames: Frames, first_step: int, a) -> dict:
     batch = 9
     period = batch / a.sample_rate
     checked = bad = 0
-    out = None
     t0 = time.monotonic()
+    batches = t.iterate(batch, beta=0.4, prefetch=2)  # a learner's loop: the next draws' frames read ahead
     try:
-        while time.monotonic() - t0 < a.seconds:
-            out = t.sample(batch, beta=0.4, out=out)
+        for out in batches:
+            if time.monotonic() - t0 >= a.seconds:
+                break
             for k in range(batch):
                 start = int(out.data["tag"][k])
                 if not frames.check(out.data["obs"][k], start, int(out.data["length"][k])):
@@ -214,6 +222,7 @@ def serve(server, t, frames: Frames, first_step: int, a) -> dict:
             if lag > 0:
                 time.sleep(lag)
     finally:
+        batches.close()
         stop.set()
         th.join()
     secs = time.monotonic() - t0

@@ -57,7 +57,7 @@ def details(t: dict) -> list[str]:
         rings = ", ".join(f"{b} {r['held']:,}/{r['frames']:,} frames held"
                           + (f" ({r['frames_per_item']} an item)" if r["frames_per_item"] is not None else "")
                           for b, r in f["rings"].items())
-        out.append(f"frames: {rings}; {f['in_leases']:,} in {f['leases']} writers' leases, "
+        out.append(f"frames: {rings}; {f['in_leases']:,} in {f['leases']} writers' frame leases, "
                    f"{f['evicted_for_frames']:,} items evicted for frames; "
                    f"{t['bytes_per_item']:,.0f} bytes a transition, full")
     if t.get("durable"):

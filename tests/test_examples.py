@@ -71,3 +71,11 @@ def test_apex_dqn_on_atari_smoke(tmp_path):
     pytest.importorskip("ale_py")
     out, rows = run("apex_dqn.py", tmp_path, "pong", "--env", "ALE/Pong-v5", "--actors", "1", "--envs", "1",
                     "--batch", "16", "--capacity", "1000")
+    # a frame table by default (issue 37), and what its replay holds a transition
+    assert re.search(r"^apex_dqn: ALE/Pong-v5, .* replay 1,000 items as frames,", out, re.M), out[-2000:]
+    memory = re.search(r"^apex_dqn: replay memory: ([\d,]+) bytes a transition in /dev/shm \(([\d,]+) held, "
+                       r"[\d,]+ MiB\); ([\d,]+) bytes a transition when full; ([\d.]+) frames held an item$",
+                       out, re.M)
+    assert memory, out[-2000:]
+    full = int(memory.group(3).replace(",", ""))
+    assert full < 56_448 / 4, full  # rows would be 2 x 4 x 84 x 84 bytes a transition

@@ -7,6 +7,7 @@ gather)."""
 
 import multiprocessing
 import os
+import re
 import signal
 
 import numpy as np
@@ -533,3 +534,56 @@ def test_a_scribbled_ring_tears_only_its_own_tables_items(daemon, client, tmp_pa
     after = committed_stacks(other)[0]
     assert all(np.array_equal(after[k], before[k]) for k in before)
     assert check_items(other.sample(16).data, length=10**6, n=1) == 16
+
+
+def test_status_says_what_a_frame_table_holds_and_what_a_transition_costs(daemon, client):
+    from test_cli import cli
+    t = make(client, capacity=1000)
+    for i in range(100):
+        t.insert(**transition(i))
+    client.flush()
+    st = client.stats()["tables"]["px"]
+    ring = st["frames"]["rings"]["obs"]
+    assert ring["frames"] == 1000 + 64 and ring["held"] >= 101 and st["frames"]["in_leases"] > 0
+    # the table's segments over its capacity: its rows (16 bytes), its ring
+    # (1,064 frames of 64 bytes) and references (32 bytes) an item, and books
+    assert 16 + 1064 * 64 / 1000 + 32 < st["bytes_per_item"] < 16 + 1064 * 64 / 1000 + 32 + 100
+    out = cli("status", socket=daemon.socket)
+    assert re.search(r"^ *px: frames: obs \d+/1,064 frames held \([\d.]+ an item\); \d+ in \d+ writers' frame leases, "
+                     r"0 items evicted for frames; \d+ bytes a transition, full$", out, re.M), out
+
+
+# ---- queues and rate limits ----
+def _consume(path, n, out):
+    with shmreplay.connect(path) as c:
+        q = c.table("q")
+        got = []
+        while len(got) < n:
+            b = q.sample(8, timeout=60)
+            check_items(b.data, length=10**6, n=1)
+            got += b.data["tag"].tolist()
+        out.put(got)
+
+
+def test_a_queue_of_stacks_delivers_each_item_once_whole_while_its_writer_waits_on_the_limiter(daemon, client):
+    """A queue (fifo, each item sampled once, inserts wait while it is full)
+    of frame items: the writer is held by the limiter, a learner process
+    takes every item once and whole, and the frames of items it took come
+    back to the writer (the ring holds 64 more than the queue's 16)."""
+    q = client.create_table("q", capacity=16, fields=FIELDS, frames=FRAMES, sampler="fifo", remover="fifo",
+                            max_times_sampled=1, samples_per_insert=1.0, error_buffer=(0.0, 16.0))
+    ctx = multiprocessing.get_context("spawn")
+    out = ctx.Queue()
+    p = ctx.Process(target=_consume, args=(daemon.socket, 400, out))
+    p.start()
+    try:
+        for i in range(400):
+            q.insert(timeout=60, **transition(i))
+        client.flush()
+        got = out.get(timeout=120)
+    finally:
+        p.join(60)
+    assert p.exitcode == 0
+    assert got == [tag(0, 0, i) for i in range(400)]  # each once, in order
+    st = client.stats()["tables"]["q"]
+    assert st["insert_waits"] > 0 and st["frames"]["rings"]["obs"]["frames"] == 16 + 64

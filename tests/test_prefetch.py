@@ -262,3 +262,32 @@ def test_a_small_field_is_not_read_ahead_beside_a_large_one(start_daemon, tmp_pa
         st = idle_stats(c)
         assert st["prefetch_reads"] - before == ranges_by_hand(key_slots(b.keys), offs, widths)
         assert np.array_equal(b.data["obs"][:, 0], (b.data["id"] % 251).astype(np.uint8))
+
+
+def test_a_frame_tables_draw_reads_its_items_frames_ahead(start_daemon, tmp_path):
+    """Issue 37: a draw from a file-backed frame table reads ahead its
+    slots' fields and the frames its items reference (the daemon's
+    references), each ring's frames next to each other as one range."""
+    from framestreams import FIELDS as PX, FRAMES, stack, tag
+    store = str(tmp_path / "tables")
+    d = start_daemon(storage_dirs=[store], seed=3, prefetch_threads=4)
+    with d.connect() as c:
+        t = c.create_table("f", capacity=300, fields=PX, frames=FRAMES, storage_dir=store)
+        for i in range(200):
+            t.insert(obs=stack(0, 0, i), next_obs=stack(0, 0, i + 1), action=i, reward=0.0, discount=1.0,
+                     tag=tag(0, 0, i))
+        c.flush()
+        st = idle_stats(c)
+        lo = t.mapped.layout
+        offs, widths = lo.row_spans()
+        [ring] = lo.rings
+        for _ in range(3):
+            before = st["prefetch_reads"]
+            b = t.sample(16)
+            st = idle_stats(c)
+            slots = key_slots(b.keys)
+            frames = np.unique(t.mapped.refs[slots])
+            want = (ranges_by_hand(slots, offs, widths)
+                    + ranges_by_hand(frames.astype(np.int64), np.array([ring.offset]), np.array([ring.frame_bytes])))
+            assert st["prefetch_reads"] - before == want
+        assert st["prefetch_errors"] == 0

@@ -37,6 +37,9 @@ ranges are dropped and counted, since what was drawn long ago has been
 gathered already; so memory stays bounded by the lookahead whatever the
 table size, and a disk that cannot keep up loses prefetches, never rows.
 
+A frame table's draw also has the frames its items reference read ahead
+(``read_frames``: the daemon's references, as ranges of each ring).
+
 Threads: ``add``, ``drop``, ``read``, ``stats`` and ``table_stats`` on the
 engine thread; ``stop`` once, by the daemon after the engine has stopped.
 Readers touch the queue and counters under the lock, their own scratch
@@ -61,6 +64,7 @@ import numpy as np
 
 from ...wire.records import key_slots
 from ...wire.rowranges import ranges_of
+from .ckframes import ring_columns
 
 log = logging.getLogger("shmreplayd.prefetch")
 
@@ -140,6 +144,7 @@ class Prefetcher:
         self.due: collections.deque[RowSource] = collections.deque()  # writebacks, one per file at most
         self.busy = 0         # readers working on ranges they took
         self.by_table: dict[int, RowSource] = {}  # engine thread only
+        self.frames_of: dict[int, tuple] = {}     # a frame table's references and rings; engine thread
         self.sources: set[RowSource] = set()      # under the lock
         self.next_writeback = 0.0
         self.stopping = False
@@ -164,6 +169,10 @@ class Prefetcher:
                 log.error("table %s: served without prefetch: %s", table.spec.name, exc)
                 return
             self.by_table[table.id] = src
+            if table.frames is not None:  # a draw's frames too, read from the daemon's references
+                rings = [(r.offset, r.frame_bytes, r.frames, cols) for r, cols in
+                         zip(table.map.layout.rings, ring_columns(table.spec).values())]
+                self.frames_of[table.id] = (table.map.refs, rings)
 
     def source(self, name: str, fd: int, fields: list[tuple[int, int]], words=None) -> RowSource:
         """A rows file to prefetch from; ``fields``: (offset of its first
@@ -181,6 +190,7 @@ class Prefetcher:
         return src
 
     def drop(self, table_id: int) -> None:  # the table is no longer served
+        self.frames_of.pop(table_id, None)
         src = self.by_table.pop(table_id, None)
         if src is not None:
             self.forget(src)
@@ -191,6 +201,20 @@ class Prefetcher:
         src = self.by_table.get(table_id)
         if src is not None:
             self.read_rows(src, slots if keys is None else key_slots(keys))
+            if keys is not None and table_id in self.frames_of:
+                self.read_frames(src, *self.frames_of[table_id], key_slots(keys))
+
+    def read_frames(self, src: RowSource, refs: np.ndarray, rings: list, slots: np.ndarray) -> None:
+        """A frame table's draw: the frames its items reference (the meta
+        segment's references, which only the daemon writes), each ring's
+        as ranges of frames next to each other (a stream's mostly are)."""
+        held = refs[slots]
+        for off, fb, nframes, cols in rings:
+            frames = np.unique(held[:, cols]).astype(np.int64)
+            frames = frames[frames < nframes]  # NO_REF: a slot holding none
+            offs, lens = ranges_of(frames, np.array([off], np.int64), np.array([fb], np.int64))
+            if offs.shape[0]:
+                self.put(Job(src, offs, lens, TAKE_BYTES if self.method == "pread" else 0))
 
     def read_rows(self, src: RowSource, slots: np.ndarray) -> None:
         offs, lens = ranges_of(slots, src.offs, src.widths)

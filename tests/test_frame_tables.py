@@ -286,7 +286,7 @@ def test_a_client_out_of_protocol_is_refused_or_cut_off_and_nobody_elses_items_c
 def test_frame_leases_are_capped_per_client_and_say_what_to_give_back(daemon, client):
     t = make(client, capacity=256)  # 64 frames of slack: a client holds at most 32
     got = 0
-    with pytest.raises(shmreplay.CapacityError, match="may hold at most 32: give back"):
+    with pytest.raises(shmreplay.CapacityError, match="may hold at most 32: its writers share that"):
         for _ in range(10):
             got += frame_lease(client, t, n=8)[1].shape[0]
     assert got == 32
@@ -587,3 +587,40 @@ def test_a_queue_of_stacks_delivers_each_item_once_whole_while_its_writer_waits_
     assert got == [tag(0, 0, i) for i in range(400)]  # each once, in order
     st = client.stats()["tables"]["q"]
     assert st["insert_waits"] > 0 and st["frames"]["rings"]["obs"]["frames"] == 16 + 64
+
+
+def test_several_writers_of_one_client_share_its_frame_leases(client):
+    """A vector env's streams: four n-step writers of one client, stepped
+    in turn (one client may lease half its ring's slack: 625 frames of a
+    20,000-item table's), each stream's items whole."""
+    t = make(client, capacity=20_000)
+    writers = [shmreplay.NStepWriter(t, n=3, gamma=0.5) for _ in range(4)]
+    for e in range(2):
+        for s in range(30):
+            for w, wr in enumerate(writers):
+                wr.append(obs=stack(w, e, s), action=s, reward=float(s), next_obs=stack(w, e, s + 1),
+                          terminated=s == 29, tag=tag(w, e, s))
+    for wr in writers:
+        wr.close()
+    client.flush()
+    data, _ = committed_stacks(t)
+    assert check_items(data, length=30) == 4 * 2 * 30
+
+
+def test_a_queue_never_evicts_an_unsampled_item_for_frames(client):
+    """Interleaved streams into a queue store more frames an item than its
+    ring holds for: the writer waits for the learner (here: a timeout),
+    no unsampled item is evicted for frames."""
+    q = client.create_table("q", capacity=16, fields=FIELDS, frames=FRAMES, sampler="fifo", remover="fifo",
+                            max_times_sampled=1, samples_per_insert=1.0, error_buffer=(0.0, 16.0))
+    with pytest.raises(shmreplay.ReplayTimeout, match="no frame of its 'obs' ring came free"):
+        for i in range(16):
+            obs, next_obs = fresh(i)  # eight new frames an item: 128 for a ring of 80
+            q.insert(obs=obs, next_obs=next_obs, action=0, reward=0.0, discount=0.0, tag=-1 - i, timeout=1)
+    client.flush()
+    st = client.stats()["tables"]["q"]
+    assert st["frames"]["evicted_for_frames"] == 0 and st["size"] == i and st["evictions"] == 0
+    data, _ = committed_stacks(q)
+    for k, x in enumerate(data["tag"]):
+        obs, next_obs = fresh(-1 - int(x))
+        assert np.array_equal(data["obs"][k], obs) and np.array_equal(data["next_obs"][k], next_obs)

@@ -244,6 +244,12 @@ def test_a_sampled_batch_holds_the_stacks_its_items_reference_bit_for_bit(frame_
     out.data["obs"] = wide[::2]
     take_rows(src, t.spec.fields, out, np.arange(32))
     assert wide[::2].tobytes() == want_obs.tobytes() and not wide[1::2].any()
+    # an out= array of another dtype (a batch of another table's): numpy's
+    # way, never the kernel writing uint8 rows' bytes into float32's
+    guard = np.full((32 + 8, 2, 3, 3), -1.0, np.float32)
+    out.data["obs"] = guard[:32]
+    take_rows(src, t.spec.fields, out, np.arange(32))
+    assert (guard[:32] == want_obs).all() and (guard[32:] == -1.0).all()
     # an item whose slot is reserved again after the copy: its stamp says so
     t.reserve(1, 1)  # the oldest item (slot 0) goes
     stale = stale_rows(t.map.gens, out)

@@ -249,4 +249,5 @@ class Stacks:
 
 def _writable(dst: np.ndarray, f) -> bool:
     """Can the kernels write ``dst`` (a batch's array for field ``f``)?"""
-    return dst.flags.c_contiguous and dst.flags.writeable and dst.shape[1:] == f.shape
+    return (dst.dtype == f.dtype and dst.flags.c_contiguous and dst.flags.writeable
+            and dst.shape[1:] == f.shape)  # the dtype too: the kernels write the ring's bytes a row

@@ -49,11 +49,14 @@ POLL_MIN_S, POLL_MAX_S = 1e-3, 50e-3
 
 
 def chunk_size(spec) -> int:
-    """Frames one lease asks for: a quarter of what one client may hold
-    (``FrameLeases``' cap: half the ring's slack), so a writer holds a
-    window's worth and the next chunk, and a few writers share a client."""
+    """Frames one lease asks for: a 32nd of what one client may hold
+    (``FrameLeases``' cap: half the ring's slack), 2 to CHUNK_MAX.  A
+    writer holds its window's frames (an n-step writer's: depth + n + 2)
+    in the leases they came from, and the next chunk: small chunks let
+    several writers of one client (a vector env's streams) share the cap,
+    at a round trip per chunk of steps."""
     per_owner = (spec.frames.ring_frames(spec.capacity) - spec.capacity * spec.frames.per_item) // 2
-    return max(1, min(CHUNK_MAX, per_owner // 4))
+    return max(2, min(CHUNK_MAX, per_owner // 32))
 
 
 class FrameStore:

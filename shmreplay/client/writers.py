@@ -222,9 +222,11 @@ class SequenceWriter:
         try:
             self.end_episode()
         finally:
-            self.lease.release((), timeout)
-            if self.frames is not None:  # every item that referenced a frame is committed
-                self.frames.release()
+            try:
+                self.lease.release((), timeout)
+            finally:
+                if self.frames is not None:  # every item that referenced a frame is committed
+                    self.frames.release()
 
     def __enter__(self) -> "SequenceWriter":
         return self
@@ -371,9 +373,11 @@ class NStepWriter:
         # open items are the newest taken, so nothing committed follows them
         abandoned = [] if self.lease.renewed else [(o.rid, o.pos, o.slot) for o in self.open]
         self.open.clear()
-        self.lease.release(abandoned, timeout)
-        if self.frames is not None:  # no open item references a frame: they commit with theirs
-            self.frames.release()
+        try:
+            self.lease.release(abandoned, timeout)
+        finally:
+            if self.frames is not None:  # no open item references a frame: they commit with theirs
+                self.frames.release()
 
     def __enter__(self) -> "NStepWriter":
         return self

@@ -39,6 +39,7 @@ from .counters import Blocked, LimiterCounters
 from .frames.tableframes import TableFrames
 from .select import treeops
 from .select.selection import Selection
+from .slots.barrier import consumable
 from .slots.holds import Holds
 from .slots.ledger import SlotLedger, SlotLimits
 from .slots.slotqueue import is_run
@@ -328,16 +329,23 @@ def reclaim_frames(table: Table, short: int) -> int:
     led.restamp(slots)
     freed = frames.reclaim_from(slots)
     # a durable table's retired slots free their items' frames once the
-    # next sync lands: count them as coming, or every retry of a waiting
-    # writer would evict more (and one call the whole table)
-    coming = led.retired() * frames.refs_per_item
+    # next sync lands: count them as coming, at most an item's references
+    # each (an item sharing frames with its neighbours frees fewer: its
+    # writer then waits for a sync more, never the table evicted for
+    # nothing), or every retry of a waiting writer would evict more (and
+    # one call the whole table).  A queue (consumable) never evicts an
+    # unsampled item for frames: its writer waits for the learners, as for slots
+    per_item = frames.refs_per_item
+    coming = led.retired() * per_item
+    if consumable(table.spec):
+        coming = short
     while freed + coming < short and table.counters.size > 0:  # each round evicts at least one item
         # an item frees at most its references' frames: evict no more than must go
         victims = table.evict_items(-(-(short - freed - coming) // frames.refs_per_item))
         frames.stats["evicted_for_frames"] += victims.shape[0]
         led.make_free(victims)
         usable = led.reusable(victims)
-        coming += (victims.shape[0] - usable.shape[0]) * frames.refs_per_item
+        coming += (victims.shape[0] - usable.shape[0]) * per_item
         led.restamp(usable)
         freed += frames.reclaim_from(usable)
     if freed < short:  # retired slots hold them: a writer waits for the sync that frees them

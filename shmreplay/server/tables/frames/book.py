@@ -81,8 +81,9 @@ class FrameBook:
             raise CapacityError(
                 f"a client holds {self.leases.held(owner)} frames of this table's "
                 f"{self.rings[ring]!r} ring in leases and may hold at most "
-                f"{self.leases.cap_per_owner}: give back the frame leases its streams no "
-                f"longer need (a writer's flush or close does)")
+                f"{self.leases.cap_per_owner}: its writers share that (close the ones it no "
+                f"longer uses), or give the table a larger capacity, whose ring keeps more "
+                f"frames for writers")
         out = np.empty(n, dtype=np.int64)
         got = lease_frames(ring, out, *self.queues.kernel_args)
         if not got:

@@ -24,7 +24,8 @@ Once a second it prints env steps/s, inserts/s, batches/s and the recent
 return: the mean of the last 20 episodes of the envs whose epsilon is at
 most 0.01 (the near-greedy end of the ladder; Ape-X's other envs explore).
 At the end it writes ``apex_dqn.csv`` and ``apex_dqn.png`` (the learning
-curve) under ``--out``.  Exit code 0: ``--target-return`` reached;
+curve against env steps, with the target) into ``--out`` (default: a run
+folder, ``runs/apex_dqn-<env>-seed<N>-<time>``).  Exit code 0: ``--target-return`` reached;
 3: ``--max-minutes`` passed (or ``--max-batches`` were done) first; 2: an
 actor failed; 1: an error (an uncaught exception).
 """
@@ -291,7 +292,8 @@ def main(argv=None) -> int:
     if spi > 0:  # 0: no limit (actors and learner each as fast as they go)
         table.update(samples_per_insert=spi, error_buffer=max(2.0 * args.batch, 200.0 * spi))
     eps = dqn.epsilon_ladder(args.actors * args.envs)
-    progress = dqn.Progress(args.out, "apex_dqn")
+    progress = dqn.Progress(dqn.run_dir(args, "apex_dqn"), "apex_dqn", title=dqn.title("apex_dqn", args),
+                            target=args.target_return)
     code, reached = dqn.NOT_REACHED, None
     print(f"apex_dqn: {args.env}, {args.actors} actors x {args.envs} envs, replay {capacity:,} items"
           f"{' as frames' if 'frames' in table else ''}, {spi:g} samples per insert, batch {args.batch}, "

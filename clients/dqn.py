@@ -160,11 +160,28 @@ def learner_flags(ap) -> None:
                     help="learner updates between weight hand-overs to the actors")
     ap.add_argument("--target-every", type=int, default=250)
     ap.add_argument("--device", default="cpu", help="the learner's torch device (cuda where there is one)")
-    ap.add_argument("--out", default=".", help="where the CSV and PNG go")
+    ap.add_argument("--out", default=None,
+                    help="the run folder for the CSV and PNG (default: runs/<program>-<env>-seed<N>-<time> "
+                         "under the current directory)")
     ap.add_argument("--instance", default=None, help="shared-memory name prefix of the private daemon")
 
 
 # ---- progress ----
+def run_dir(args, program: str) -> str:
+    """Where a run's CSV and PNG go: ``--out``, else a folder of its own
+    under ``runs/`` (``runs/`` is git-ignored: a run from the repository
+    leaves nothing in it to commit)."""
+    if args.out:
+        return args.out
+    env = args.env.replace("/", "-")
+    return os.path.join("runs", f"{program}-{env}-seed{args.seed}-{time.strftime('%Y%m%d-%H%M%S')}")
+
+
+def title(program: str, args) -> str:
+    """A learning curve's title: the program, the env and the seed."""
+    return f"{program}: {args.env}, seed {args.seed}"
+
+
 COLUMNS = ["seconds", "env_steps", "inserts", "batches", "episodes", "recent_return"]  # docs/guide.md, "Example programs"
 
 
@@ -172,8 +189,12 @@ class Progress:
     """Once a second: env steps/s, inserts/s, batches/s, the recent return;
     at the end a CSV and a PNG learning curve under ``out_dir``."""
 
-    def __init__(self, out_dir: str, name: str, window: int = 20):
+    def __init__(self, out_dir: str, name: str, window: int = 20, title: str | None = None,
+                 target: float | None = None):
+        """``title``: the curve's (the env and seed); ``target``: the return
+        a run aims at, drawn as a line (None: none)."""
         self.out_dir, self.name = out_dir, name
+        self.title, self.target = title or name, target
         os.makedirs(out_dir, exist_ok=True)
         self.returns: collections.deque = collections.deque(maxlen=window)
         self.episodes = 0
@@ -214,10 +235,13 @@ class Progress:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
         fig, ax = plt.subplots(figsize=(6, 3.5), dpi=100)
-        ax.plot([r["seconds"] for r in self.rows], [r["recent_return"] for r in self.rows])
-        ax.set_xlabel("seconds")
+        ax.plot([r["env_steps"] for r in self.rows], [r["recent_return"] for r in self.rows], label=self.name)
+        if self.target is not None and np.isfinite(self.target):
+            ax.axhline(self.target, color="tab:red", linestyle="--", linewidth=1, label=f"target {self.target:g}")
+        ax.set_xlabel("env steps")
         ax.set_ylabel(f"mean return, last {self.returns.maxlen} episodes")
-        ax.set_title(self.name)
+        ax.set_title(self.title)
+        ax.legend(loc="lower right", fontsize=8)
         ax.grid(alpha=0.3)
         fig.tight_layout()
         fig.savefig(path + ".png")

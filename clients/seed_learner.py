@@ -23,7 +23,8 @@
 Once a second it prints env steps/s, inserts/s, batches/s, the mean
 round-trip time of an env's step through the channel, and the recent
 return (last 20 episodes of the envs whose epsilon is at most 0.01).  At
-the end: ``seed_learner.csv`` and ``seed_learner.png`` under ``--out``.
+the end: ``seed_learner.csv`` and ``seed_learner.png`` (against env steps, with the
+target) into ``--out`` (default: a run folder, ``runs/seed_learner-<env>-seed<N>-<time>``).
 Exit code 0: ``--target-return`` reached; 3: ``--max-minutes`` passed (or
 ``--max-batches`` were done); 2: every env process died; 1: an error (an
 uncaught exception).
@@ -145,7 +146,8 @@ def main(argv=None) -> int:
                "first": ("bool", ())}
     eps = np.array(dqn.epsilon_ladder(args.envs))
     rng = np.random.default_rng(args.seed)
-    progress = dqn.Progress(args.out, "seed_learner")
+    progress = dqn.Progress(dqn.run_dir(args, "seed_learner"), "seed_learner", title=dqn.title("seed_learner", args),
+                            target=args.target_return)
     ctx = mp.get_context("spawn")
     code, reached = dqn.NOT_REACHED, None
     print(f"seed_learner: {args.env}, {args.envs} env processes, replay {capacity:,} items, "

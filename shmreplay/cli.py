@@ -74,7 +74,8 @@ def _top(admin: Admin, args) -> int:
                 print(json.dumps(st, default=str), flush=True)  # one object per line
             else:
                 sys.stdout.write("\033[H\033[2J" if sys.stdout.isatty() else "\n")
-                print("\n".join(render(st)) + f"\n\n(every {args.interval:g} s; Ctrl-C ends)", flush=True)
+                hint = "Ctrl-C ends" if args.count is None else f"screen {n + 1} of {args.count}"
+                print("\n".join(render(st)) + f"\n\n(every {args.interval:g} s; {hint})", flush=True)
             n += 1
             if args.count is None or n < args.count:
                 time.sleep(args.interval)

@@ -55,8 +55,10 @@ def test_status_shows_tables_rates_limiter_checkpoints_and_clients(start_daemon,
         assert st["memory"]["rss_bytes"] > 0 and st["version"] == shmreplay.__version__
         lines = cli("top", "--json", "--count", "2", "--interval", "0.01", socket=d.socket).splitlines()
         assert len(lines) == 2 and all(json.loads(x)["daemon_pid"] == d.pid for x in lines)
-        screen = cli("top", "--count", "1", socket=d.socket)
-        assert "Ctrl-C ends" in screen and "replay" in screen
+        screen = cli("top", "--count", "2", "--interval", "0.01", socket=d.socket)
+        # a counted top ends by itself: no Ctrl-C hint (issue 38, item 5)
+        assert "Ctrl-C" not in screen and "replay" in screen, screen
+        assert "(every 0.01 s; screen 1 of 2)" in screen and "(every 0.01 s; screen 2 of 2)" in screen
         assert json.loads(cli("tables", "--json", socket=d.socket)) == ["replay", "q"]
         ck = json.loads(cli("checkpoint", "replay", "--to", str(tmp_path / "ck"), "--json", socket=d.socket))
         assert ck[0]["table"] == "replay" and ck[0]["items"] == size

@@ -79,3 +79,21 @@ def test_apex_dqn_on_atari_smoke(tmp_path):
     assert memory, out[-2000:]
     full = int(memory.group(3).replace(",", ""))
     assert full < 56_448 / 4, full  # rows would be 2 x 4 x 84 x 84 bytes a transition
+
+
+def test_a_run_without_out_writes_into_a_run_folder_of_its_own(tmp_path):
+    """Issue 38, item 4: the default --out is runs/<program>-<env>-seed<N>-<time>
+    under the current directory (git-ignored here), never the directory
+    itself; the curve is drawn against env steps with the target."""
+    cmd = [sys.executable, os.path.join(ROOT, "clients", "apex_dqn.py"), "--max-batches", "5",
+           "--max-minutes", "8", "--target-return", "1e9", "--min-size", "200", "--actors", "1",
+           "--envs", "1", "--instance", f"test{os.getpid()}runs"]
+    p = subprocess.run(cmd, cwd=tmp_path, env=checkout_env(), capture_output=True, text=True, timeout=600)
+    assert p.returncode == NOT_REACHED, p.stdout[-3000:] + p.stderr[-3000:]
+    assert sorted(os.listdir(tmp_path)) == ["runs"]
+    [run] = os.listdir(tmp_path / "runs")
+    assert re.fullmatch(r"apex_dqn-CartPole-v1-seed0-\d{8}-\d{6}", run), run
+    assert sorted(os.listdir(tmp_path / "runs" / run)) == ["apex_dqn.csv", "apex_dqn.png"]
+    assert f"apex_dqn: wrote runs/{run}/apex_dqn.csv and runs/{run}/apex_dqn.png" in p.stdout
+    with open(os.path.join(ROOT, ".gitignore")) as f:
+        assert "/runs/" in f.read().split()

@@ -15,6 +15,8 @@ import signal
 import subprocess
 import sys
 
+import pytest
+
 from conftest import remove_entries, shm_entries
 from shmreplay.wire.names import lock_path
 from waiting import HANG_S, proc_stat, wait_for
@@ -59,13 +61,45 @@ def test_a_servers_daemon_exits_and_leaves_nothing_when_its_program_is_killed():
         assert not os.path.exists(info["socket"])
         assert not os.path.exists(lock_path(instance))
     finally:
-        if program.poll() is None:
-            program.kill()
-            program.wait(HANG_S)
-        program.stdout.close()
-        if info is not None:
-            if not gone(info["pid"]):  # the promise failed: leave nothing running for the next test
-                os.kill(info["pid"], signal.SIGKILL)
-                wait_for(lambda: gone(info["pid"]), "the leftover daemon to die")
-            shutil.rmtree(info["dir"], ignore_errors=True)  # the killed program's: Server.stop removes it
-        remove_entries(instance)
+        leave_nothing(program, info, instance)
+
+
+def leave_nothing(program, info, instance: str) -> None:
+    """Whatever a failed promise left: the program, its daemon, its folder and objects."""
+    if program.poll() is None:
+        program.kill()
+        program.wait(HANG_S)
+    for stream in (program.stdout, program.stderr):
+        if stream is not None:
+            stream.close()
+    if info is not None:
+        if not gone(info["pid"]):  # the promise failed: leave nothing running for the next test
+            os.kill(info["pid"], signal.SIGKILL)
+            wait_for(lambda: gone(info["pid"]), "the leftover daemon to die")
+        shutil.rmtree(info["dir"], ignore_errors=True)  # a killed program's: Server.stop removes it
+    remove_entries(instance)
+
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_a_program_stopped_by_sigterm_or_sigint_removes_its_servers_folder(sig):
+    """Issue 38, item 5: the program's own cleanup runs on SIGTERM (it
+    raises SystemExit(143) where the program has no handler) and on SIGINT
+    (KeyboardInterrupt): the Server's folder, its daemon, its segments and
+    its lock are gone once the program has exited."""
+    instance = f"test{os.getpid()}sig{int(sig)}"
+    program = subprocess.Popen([sys.executable, "-c", PROGRAM, instance], stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True)
+    info = None
+    try:
+        info = json.loads(program.stdout.readline())
+        assert os.path.isdir(info["dir"])
+        program.send_signal(sig)
+        code = program.wait(HANG_S)
+        assert code == (143 if sig == signal.SIGTERM else -signal.SIGINT), (code, program.stderr.read()[-2000:])
+        assert gone(info["pid"])
+        assert not os.path.exists(info["dir"]), os.listdir(info["dir"])
+        assert not shm_entries(f"shmreplay.{instance}.")
+        assert not os.path.exists(lock_path(instance))
+    finally:
+        leave_nothing(program, info, instance)

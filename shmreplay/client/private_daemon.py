@@ -29,7 +29,9 @@ SIGTERM if that thread dies (``PR_SET_PDEATHSIG``), so a program killed
 with SIGKILL leaves no daemon running behind it (its segments stay until
 ``shmreplay cleanup --instance``; the daemon's own SIGTERM path removes
 them when it gets to run).  Make a Server from the main thread, or from a
-thread that outlives it.
+thread that outlives it.  A program that gets SIGTERM (and has no handler
+of its own) or SIGINT unwinds (``SystemExit(143)``, ``KeyboardInterrupt``),
+and every Server not yet stopped is stopped at exit: its folder goes too.
 
 Who calls it: the program that owns it, from one thread.  ``connect()``
 may be called as often as needed; each ``Client`` is for one thread (and
@@ -38,6 +40,7 @@ is picklable into child processes, which connect by the same socket).
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 import functools
 import grp
@@ -49,7 +52,9 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+import weakref
 
 try:
     import tomllib
@@ -205,6 +210,8 @@ class Server:
         except BaseException:
             self.stop(check=False)
             raise
+        _live.add(self)
+        _unwind_on_sigterm()
 
     def _wait_ready(self, timeout: float) -> Client:
         deadline = time.monotonic() + timeout
@@ -268,6 +275,7 @@ class Server:
                 code = proc.wait()
         tail = self.log_tail()
         shutil.rmtree(self.dir, ignore_errors=True)
+        _live.discard(self)
         left = self.leftovers() if proc is not None else []
         self.proc = None
         if check and proc is not None and (code != 0 or left):
@@ -284,3 +292,34 @@ class Server:
     def __del__(self):
         if getattr(self, "proc", None) is not None and self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
+
+
+# Servers not stopped yet: stopped at exit, so a program that ends without
+# ``stop`` (an exception outside a ``with``, SIGINT's KeyboardInterrupt, the
+# SystemExit SIGTERM raises below) leaves no folder or daemon behind
+_live: "weakref.WeakSet[Server]" = weakref.WeakSet()
+
+
+@atexit.register
+def _stop_live() -> None:
+    for server in list(_live):
+        try:
+            server.stop(check=False)
+        except Exception:  # at exit: the rest still get stopped
+            pass
+
+
+def _unwind_on_sigterm() -> None:
+    """SIGTERM's default kills the program where it stands, leaving a
+    Server's folder (its daemon, a child, gets SIGTERM and cleans /dev/shm
+    itself): where the program has no handler of its own, and this is the
+    main thread, SIGTERM raises ``SystemExit(143)`` instead, as SIGINT
+    raises KeyboardInterrupt, so ``with`` blocks and ``atexit`` stop every
+    Server.  A program's own SIGTERM handler is left alone."""
+    if (threading.current_thread() is threading.main_thread()
+            and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL):
+        signal.signal(signal.SIGTERM, _sigterm_exit)
+
+
+def _sigterm_exit(signum, frame) -> None:
+    raise SystemExit(128 + signum)

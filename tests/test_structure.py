@@ -171,8 +171,8 @@ def test_the_tables_rooms_import_neither_each_other_nor_the_table(graph, source)
 
 def test_the_shared_root_modules_import_no_wing_but_wire(graph):
     # errors, schema, ratelimiter, priorities, ...: pure logic both sides use;
-    # cli, bench, torch and ray are tools over the client, not shared logic
-    tools = {f"{PKG}.cli", f"{PKG}.bench", f"{PKG}.torch", f"{PKG}.ray"}
+    # cli, bench, torch, sb3 and ray are tools over the client, not shared logic
+    tools = {f"{PKG}.cli", f"{PKG}.bench", f"{PKG}.torch", f"{PKG}.sb3", f"{PKG}.ray"}
     for m, deps in graph.items():
         if m.count(".") == 1 and wing(m) is None and not any(m.startswith(t) for t in tools):
             assert not {d for d in closure(graph, m) if wing(d) in ("client", "server", "inference")}, m

@@ -113,7 +113,7 @@ def test_dqn_trains_through_it(tmp_path):
         model.replay_buffer.close()
 
 
-def _add_and_sample(path, marker, out):
+def _add_and_sample(path, marker, out, go):
     buf = srb.ReplayBuffer(10_000, OBS, spaces.Discrete(4), device="cpu", socket=path, table="shared")
     try:
         for i in range(200):
@@ -121,6 +121,7 @@ def _add_and_sample(path, marker, out):
             buf.add(obs, obs, np.array([i % 4]), np.array([float(i)]), np.array([False]), [{}])
         buf.table.flush()
         out.put("added")
+        assert go.wait(120)  # both processes' rows are in (flushed) before either samples
         seen = set()
         for _ in range(200):
             seen |= set(np.unique(buf.sample(64).observations.numpy()[:, 0]).tolist())
@@ -133,12 +134,13 @@ def _add_and_sample(path, marker, out):
 
 def test_two_processes_share_one_table(daemon):
     ctx = multiprocessing.get_context("spawn")
-    out = [ctx.Queue(), ctx.Queue()]
-    procs = [ctx.Process(target=_add_and_sample, args=(daemon.socket, float(m), out[m])) for m in (0, 1)]
+    out, go = [ctx.Queue(), ctx.Queue()], ctx.Event()
+    procs = [ctx.Process(target=_add_and_sample, args=(daemon.socket, float(m), out[m], go)) for m in (0, 1)]
     for p in procs:
         p.start()
     try:
         assert [q.get(timeout=120) for q in out] == ["added", "added"]
+        go.set()
         assert [q.get(timeout=120) for q in out] == [[0.0, 1.0], [0.0, 1.0]]  # each samples the other's too
     finally:
         for p in procs:

@@ -15,7 +15,9 @@ frame ring, for the gather), ``framestream.py`` (which frames of a
 stack a writer stores), ``framestore.py`` (one writer's frames: its
 window and frame leases) and ``frametable.py`` (a frame table's handle,
 whose inserts store frames once; docs/frames.md), ``iterator.py`` (prefetching learner loop),
-``writers.py`` (sequence and n-step writers), ``loops.py`` (an actor's and a
+``writers.py`` (sequence and n-step writers) with ``openitems.py`` (what a
+writer keeps of the items it has begun) and ``envstreams.py`` (a vector
+env's streams, one writer an env, gymnasium's autoreset skipped), ``loops.py`` (an actor's and a
 learner's loop: the global step, a stop), ``retry.py`` (the calls that
 run again after a reconnect), ``private_daemon.py`` (``Server``: a daemon
 of one program's own), ``parameters.py`` (``ParameterBoard``: model

@@ -141,8 +141,12 @@ def check_rows(spec: TableSpec, names: frozenset, data, batch: bool) -> tuple[li
                 raise FieldError(f"table {name!r}: field {f.name!r} has {a.shape[0]} "
                                  f"items, earlier fields have {n}")
         elif a.shape != f.shape:
-            raise FieldError(f"table {name!r}, field {f.name!r}: shape {a.shape}, "
-                             f"expected {f.shape}")
+            if a.shape == (1, *f.shape):  # a one-env vector env's step: its env's item
+                a = a[0]
+            else:
+                raise FieldError(f"table {name!r}, field {f.name!r}: shape {a.shape}, "
+                                 f"expected {f.shape} (or (1, {', '.join(map(str, f.shape))}) from a "
+                                 "one-env vector env)".replace("(1, )", "(1,)"))
         arrays.append(a)
     return arrays, (n if batch else 1)
 

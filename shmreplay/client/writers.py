@@ -20,79 +20,13 @@ rule as ``Table``: one thread per writer.
 from __future__ import annotations
 
 import collections
-from dataclasses import dataclass
 
 import numpy as np
 
 from ..errors import FieldError, ReplayError
-from ..fields import cannot_store, unconvertible
+from .envstreams import EnvStreams
+from .openitems import OpenItem, OpenTransition, as_step, frame_refs, frame_store, roles_of
 from .pipe import deadline_of
-
-
-def _as_step(table, field, value, shape) -> np.ndarray:
-    try:  # as client/rows.py: the words only once numpy has refused the value
-        a = np.asarray(value)
-    except Exception as exc:
-        raise FieldError(f"table {table.name!r}, field {field!r}: "
-                         f"{unconvertible(value, exc, str(shape))}") from exc
-    if a.shape != shape:
-        raise FieldError(f"table {table.name!r}, field {field!r}: step shape {a.shape}, "
-                         f"expected {shape}")
-    dtype = table.spec.field(field).dtype
-    if a.dtype != dtype and not np.can_cast(a.dtype, dtype, "same_kind"):
-        raise FieldError(f"table {table.name!r}, field {field!r}: {cannot_store(a.dtype, dtype)}")
-    return a
-
-
-@dataclass(slots=True)
-class OpenItem:
-    """An item a writer has begun in a slot of its lease and not committed:
-    where the slot came from (``rid``, ``pos``: what the lease commits or
-    hands back) and how many steps it holds so far."""
-    rid: int
-    pos: int
-    slot: int
-    steps: int = 0
-    # a frame table's: the item's framed fields, kept here (not in the slot)
-    # until it commits, when their frames are stored (``_frame_refs``)
-    stacks: dict | None = None
-
-
-@dataclass(slots=True)
-class OpenTransition(OpenItem):
-    """An n-step transition begun: also its discounted reward so far."""
-    ret: float = 0.0
-
-
-def _frame_store(table, window: int, timeout):
-    """A writer's ``framestore.FrameStore`` on a frame table (None on a
-    table of rows) and the names of its framed fields."""
-    frames = table.spec.frames
-    if not frames:
-        return None, frozenset()
-    return table.frame_store(window, timeout), frozenset(name for name, _ in frames.decl)
-
-
-def _frame_refs(writer, item: OpenItem) -> np.ndarray:
-    """The references of a finished item's stacks, its frames stored as the
-    writer's window lacks them.  If that fails the item is not committed:
-    it and every later open one go back (none precedes a committed one)."""
-    try:
-        return writer.frames.item_refs(item.stacks, deadline_of(writer.timeout))
-    except BaseException:
-        writer.lease.release([(o.rid, o.pos, o.slot) for o in (item, *writer.open)])
-        writer.open.clear()
-        raise
-
-
-def _roles(table, roles, given) -> dict:
-    """A writer's role -> field name map: ``given`` overrides the defaults
-    (each role's own name)."""
-    given = dict(given or {})
-    unknown = sorted(set(given) - set(roles))
-    if unknown:
-        raise FieldError(f"table {table.name!r}: unknown writer role(s) {unknown}; the roles are {list(roles)}")
-    return {r: str(given.get(r, r)) for r in roles}
 
 
 class SequenceWriter:
@@ -116,7 +50,7 @@ class SequenceWriter:
     """
 
     def __init__(self, table, length: int, period: int, priority_fn=None,
-                 length_field: str = "length", timeout: float | None = None):
+                 length_field: str = "length", timeout: float | None = None, autoreset: str = "next_step"):
         if not (isinstance(length, int) and isinstance(period, int) and length >= 1 and period >= 1):
             raise ReplayError(f"length and period must be ints >= 1, got {length!r}, {period!r}")
         spec = table.spec
@@ -142,15 +76,29 @@ class SequenceWriter:
         # a frame table's framed fields (docs/frames.md): a sequence's steps
         # kept with the item until it commits; the window reaches back over
         # one sequence, which holds the next one's overlap
-        self.frames, self.framed = _frame_store(table, length + 2, timeout)
+        self.frames, self.framed = frame_store(table, length + 2, timeout)
+        self.envs = EnvStreams(lambda: SequenceWriter(table, length, period, priority_fn, length_field, timeout),
+                               autoreset)
 
     def append(self, **step) -> None:
         """Add one step: every time field and per-sequence field, unbatched."""
         if step.keys() != self.step_shapes.keys():
             raise FieldError(f"table {self.table.name!r}: a step needs exactly the fields "
                              f"{sorted(self.step_shapes)}, got {sorted(step)}")
-        arrays = {k: _as_step(self.table, k, v, self.step_shapes[k]) for k, v in step.items()}
+        arrays = {k: as_step(self.table, k, v, self.step_shapes[k]) for k, v in step.items()}
         self.lease.run(self._append, arrays)
+
+    def append_batch(self, step: dict, done) -> None:
+        """One step of a gymnasium vector env: ``step`` the fields batched
+        over its envs, ``done`` bool[num_envs] (terminated or truncated):
+        each env a stream of its own whose episode ends with its done step;
+        the step after it, gymnasium's autoreset, is skipped (envstreams.py)."""
+        done = np.asarray(done, dtype=bool).reshape(-1)
+        for i in self.envs.counted(done.shape[0], done):
+            w = self.envs.writers[i]
+            w.append(**{k: v[i] for k, v in step.items()})
+            if done[i]:
+                w.end_episode()
 
     def _sync(self) -> None:
         """Start of every call that writes: deferred errors, and open
@@ -199,7 +147,7 @@ class SequenceWriter:
         prio = None
         if self.priority_fn is not None:
             prio = self.priority_fn({**{f: views[f][slot] for f in views}, **(item.stacks or {})})
-        refs = None if self.frames is None else _frame_refs(self, item)
+        refs = None if self.frames is None else frame_refs(self, item)
         self.lease.commit(item.rid, item.pos, prio, refs)
         if self.frames is not None:
             self.frames.settle()
@@ -227,6 +175,7 @@ class SequenceWriter:
             finally:
                 if self.frames is not None:  # every item that referenced a frame is committed
                     self.frames.release()
+                self.envs.close(timeout)
 
     def __enter__(self) -> "SequenceWriter":
         return self
@@ -261,14 +210,14 @@ class NStepWriter:
     ROLES = ("obs", "action", "reward", "discount", "next_obs")
 
     def __init__(self, table, n: int = 3, gamma: float = 0.99, priority_fn=None,
-                 timeout: float | None = None, fields: dict | None = None):
+                 timeout: float | None = None, fields: dict | None = None, autoreset: str = "next_step"):
         if not isinstance(n, int) or n < 1:
             raise ReplayError(f"n must be an int >= 1, got {n!r}")
         if not 0.0 <= gamma <= 1.0:
             raise ReplayError(f"gamma must be in [0, 1], got {gamma}")
         spec = table.spec
         names = {f.name: f for f in spec.fields}
-        role = _roles(table, self.ROLES, fields)
+        role = roles_of(table, self.ROLES, fields)
         missing = [f"{r} ({role[r]!r})" if role[r] != r else r for r in self.ROLES if role[r] not in names]
         if missing:
             raise FieldError(f"table {table.name!r} lacks the n-step field(s) {', '.join(missing)}; "
@@ -293,8 +242,10 @@ class NStepWriter:
         # a frame table's stacks (docs/frames.md), through a store whose window
         # reaches back from a transition's next_obs to its obs (n steps) and
         # that stack's first frame
-        self.frames, self.framed = _frame_store(
+        self.frames, self.framed = frame_store(
             table, max((spec.frames.depth(b) for b in spec.frames.bases), default=0) + n + 2, timeout)
+        # a vector env's streams (append_batch): an n-step writer of their own each
+        self.envs = EnvStreams(lambda: NStepWriter(table, n, gamma, priority_fn, timeout, fields), autoreset)
 
     def append(self, obs, action, reward, next_obs, terminated: bool = False,
                truncated: bool = False, **extras) -> None:
@@ -304,11 +255,28 @@ class NStepWriter:
                              f"{sorted(self.extras)}, got {sorted(extras)}")
         t, role = self.table, self.role
         step = {role["obs"]: obs, role["action"]: action, role["next_obs"]: next_obs, **extras}
-        arrays = {k: _as_step(t, k, v, self.step_shapes[k]) for k, v in step.items()}
+        arrays = {k: as_step(t, k, v, self.step_shapes[k]) for k, v in step.items()}
         r = float(reward)
         if not np.isfinite(r):
             raise ReplayError(f"reward must be finite, got {reward!r}")
         self.lease.run(self._append, arrays, r, bool(terminated), bool(truncated))
+
+    def append_batch(self, obs, action, reward, next_obs, terminated, truncated, **extras) -> None:
+        """One step of a gymnasium vector env, every argument batched over its
+        envs (``reward`` of shape (num_envs,)): each env a stream of its own,
+        its items exactly those ``append`` makes of its steps; the step after
+        an env's episode ended is gymnasium's autoreset, no transition, and
+        skipped (``autoreset="next_step"``, envstreams.py)."""
+        reward = np.asarray(reward)
+        if reward.ndim != 1:
+            raise ReplayError(f"append_batch takes a vector env's step (reward of shape (num_envs,)), got "
+                              f"reward of shape {reward.shape}: one env's step goes to append")
+        n = reward.shape[0]
+        term = np.asarray(terminated, dtype=bool).reshape(n)
+        trunc = np.asarray(truncated, dtype=bool).reshape(n)
+        for i in self.envs.counted(n, term | trunc):
+            self.envs.writers[i].append(obs[i], action[i], reward[i], next_obs[i], term[i], trunc[i],
+                                        **{k: v[i] for k, v in extras.items()})
 
     def _append(self, arrays: dict, r: float, terminated: bool, truncated: bool) -> None:
         lease = self.lease
@@ -358,7 +326,7 @@ class NStepWriter:
         if self.priority_fn is not None:
             prio = self.priority_fn({**{f: v[f][slot] for f in v}, **stacks})
         if store is not None:
-            refs = _frame_refs(self, item)
+            refs = frame_refs(self, item)
         self.lease.commit(item.rid, item.pos, prio, refs)
         if store is not None:
             store.settle()
@@ -378,6 +346,7 @@ class NStepWriter:
         finally:
             if self.frames is not None:  # no open item references a frame: they commit with theirs
                 self.frames.release()
+            self.envs.close(timeout)
 
     def __enter__(self) -> "NStepWriter":
         return self

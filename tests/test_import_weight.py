@@ -21,9 +21,10 @@ PROGRAM = r"""
 import sys, threading
 import numpy as np
 
-def no_torch(step):
-    loaded = sorted(m for m in sys.modules if m == "torch" or m.startswith("torch."))
-    assert not loaded, f"{step} imported torch ({len(loaded)} modules: {loaded[:5]})"
+def no_torch(step):  # nor the libraries shmreplay.sb3 and the torchrl plug-in stand on (issue 38)
+    loaded = sorted(m for m in sys.modules if m.split(".")[0] in ("torch", "stable_baselines3", "torchrl",
+                                                                  "tensordict"))
+    assert not loaded, f"{step} imported torch or an RL library ({len(loaded)} modules: {loaded[:5]})"
 
 import shmreplay
 no_torch("import shmreplay")

@@ -24,7 +24,9 @@ transitions up to ``buffer_size // n_envs``.  What is new goes in
 * ``frames={"obs": 4, "next_obs": "obs"}``: Atari's stacked observations
   (SB3 hands them channel-first, ``(4, 84, 84)``) stored as frames, each
   once (docs/frames.md): ~7.7 KB a transition instead of 56 KB;
-* ``storage_dir=DIR``: a table in a file, for buffers larger than RAM.
+* ``storage_dir=DIR``: a table in a file, for buffers larger than RAM;
+* ``seed=N``: the private daemon's sampler seed, so that a run's draws
+  repeat (with the same adds and samples in the same order).
 
 ``reset()`` empties a buffer whose table it made; a shared table is left
 to its owner (``shmreplay drop``).  ``optimize_memory_usage`` is taken
@@ -53,7 +55,7 @@ class _TableBuffer(BaseBuffer):
     def __init__(self, buffer_size, observation_space, action_space, device="auto", n_envs: int = 1,
                  optimize_memory_usage: bool = False, handle_timeout_termination: bool = True,
                  table: str | None = None, socket: str | None = None, frames: dict | None = None,
-                 storage_dir: str | None = None, timeout: float | None = 60.0):
+                 storage_dir: str | None = None, timeout: float | None = 60.0, seed: int | None = None):
         super().__init__(buffer_size, observation_space, action_space, device, n_envs=n_envs)
         self.capacity = max(int(buffer_size), 1)      # transitions, all envs together
         self.buffer_size = max(self.capacity // n_envs, 1)  # rows of n_envs, as SB3 counts them
@@ -66,7 +68,8 @@ class _TableBuffer(BaseBuffer):
                     remover="fifo", **({"frames": frames} if frames else {}),
                     **({"storage_dir": storage_dir} if storage_dir else {}))
         self._spec, self._owned = spec, socket is None
-        self._server = Server(**({"storage_dirs": [storage_dir]} if storage_dir else {})) if socket is None else None
+        opts = {**({"storage_dirs": [storage_dir]} if storage_dir else {}), **({} if seed is None else {"seed": seed})}
+        self._server = Server(**opts) if socket is None else None
         self._client = self._server.connect() if socket is None else connect(socket)
         self._table = self._client.create_table(exist_ok=True, **spec)
         self._names = tuple(fields)

@@ -167,3 +167,19 @@ def test_reset_empties_a_buffer_that_made_its_table():
         assert buf.size() == 0 and buf.pos == 0 and not buf.full
     finally:
         buf.close()
+
+
+def test_a_seeded_private_buffer_draws_the_same_transitions_again():
+    """``seed=``: the same adds, the same draws (a learning run repeats)."""
+    def run(seed):
+        obs_space, act = spaces.Box(-1.0, 1.0, (3,), np.float32, seed=5), spaces.Discrete(4, seed=5)
+        buf = srb.ReplayBuffer(1000, obs_space, act, device="cpu", seed=seed)
+        try:
+            for step in steps(np.random.default_rng(3), 1, 50, obs_space, act):
+                buf.add(*step)
+            return [buf.sample(16).observations.numpy().tobytes() for _ in range(5)]
+        finally:
+            buf.close()
+    first = run(11)
+    assert run(11) == first
+    assert run(12) != first

@@ -65,6 +65,7 @@ import time
 from typing import NamedTuple
 
 import numpy as np
+from harness import results
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CAPACITY = 10_000           # CleanRL's buffer_size
@@ -430,11 +431,7 @@ def main(argv=None) -> int:
     from shmreplay.bench import runner
     report = {"machine": runner.machine(), "time": time.strftime("%Y-%m-%dT%H:%M:%S"), "steps": a.steps,
               "seeds": seeds, "torch_threads": a.torch_threads, "loadavg_end": load, "runs": runs}
-    out = a.out or os.path.join(ROOT, "benchmarks", "results", time.strftime("dropin-%Y%m%d-%H%M%S.json"))
-    os.makedirs(os.path.dirname(out), exist_ok=True)
-    with open(out, "w") as f:
-        json.dump(report, f, indent=1)
-    print(f"\nwrote {out}")
+    print(f"\nwrote {results.write(report, 'dropin', a.out)}")
     return 0
 
 

@@ -44,10 +44,10 @@ import sys
 import time
 
 import numpy as np
+from harness import results
 
 import shmreplay
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 FRAME = (84, 84)
 DEPTH, N_STEP, EPISODE = 4, 3, 1000
@@ -252,11 +252,7 @@ def main(argv=None) -> int:
                      f"sequence, {q['frames_over_rows_bytes']:.3f}x (target <= 0.55: {'met' if q['met'] else 'NOT met'}); "
                      f"sampled {q['sequences_per_s_sampled']} sequences/s")
     print("\n".join(lines))
-    out = a.out or os.path.join(ROOT, "benchmarks", "results", time.strftime("frames-%Y%m%d-%H%M%S.json"))
-    os.makedirs(os.path.dirname(out), exist_ok=True)
-    with open(out, "w") as f:
-        json.dump(report, f, indent=1)
-    print(f"wrote {out}")
+    print(f"wrote {results.write(report, 'frames', a.out)}")
     return 0
 
 

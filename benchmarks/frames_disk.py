@@ -41,10 +41,10 @@ import threading
 import time
 
 import numpy as np
+from harness import results
 
 import shmreplay
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FRAME = (210, 160, 3)
 LENGTH, PERIOD, EPISODE = 80, 40, 1000
 POOL = 32
@@ -170,11 +170,7 @@ def main(argv=None) -> int:
           f"(asked {a.insert_rate:g} and {a.sample_rate:g}) for {s['seconds']} s in {a.memory_gib:g} GiB "
           f"(peak {s['peak_memory'] / 2**30 if s['peak_memory'] else float('nan'):.2f} GiB); "
           f"{s['checked']:,} sampled sequences checked, {s['bad']} wrong")
-    out = a.out or os.path.join(ROOT, "benchmarks", "results", time.strftime("frames-disk-%Y%m%d-%H%M%S.json"))
-    os.makedirs(os.path.dirname(out), exist_ok=True)
-    with open(out, "w") as fh:
-        json.dump(report, fh, indent=1)
-    print(f"wrote {out}")
+    print(f"wrote {results.write(report, 'frames-disk', a.out)}")
     return 0 if s["bad"] == 0 else 1
 
 

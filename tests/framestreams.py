@@ -8,6 +8,10 @@ learner samples from its item's ``tag``.
   ``FrameStackObservation`` (``padding_type="reset"``) makes it: frames
   t-3..t, the episode's first frame standing in for steps before it;
 * ``tag(w, e, t)`` and ``untag``: an item's stream position as one int64;
+* ``make``, ``transition``, ``stacked``, ``fresh``: a frame table of these
+  fields, one stream's plain transitions, items as a batch, stacks no
+  stream shares; ``frames_stored``: the frames a table's items hold once
+  its writers gave their leases back;
 * ``write_nstep(table, w, episodes, length, n)``: an ``NStepWriter`` over
   such a stream, rewards the step numbers, episodes of ``length`` steps
   that terminate; ``expected_next(w, e, t, length, n)``: the next_obs an
@@ -15,6 +19,8 @@ learner samples from its item's ``tag``.
 """
 
 import numpy as np
+
+from waiting import wait_for
 
 FRAME, DEPTH = (8, 8), 4
 FIELDS = {"obs": ("uint8", (DEPTH, *FRAME)), "next_obs": ("uint8", (DEPTH, *FRAME)),
@@ -65,3 +71,32 @@ def check_items(data: dict, length: int, n: int = 3) -> int:
         assert np.array_equal(data["next_obs"][i], expected_next(w, e, t, length, n)), (w, e, t)
         assert data["action"][i] == t
     return len(data["tag"])
+
+
+def make(client, name="px", capacity=256, **kw):
+    return client.create_table(name, capacity=capacity, fields=FIELDS, frames=FRAMES, **kw)
+
+
+def transition(i: int) -> dict:
+    """Transition i of one stream of 0 .. as a plain insert gives it."""
+    return {"obs": stack(0, 0, i), "next_obs": stack(0, 0, i + 1), "action": i, "reward": float(i),
+            "discount": 0.5, "tag": tag(0, 0, i)}
+
+
+def stacked(items: list[dict]) -> dict:
+    return {k: np.stack([np.asarray(it[k]) for it in items]) for k in items[0]}
+
+
+def frames_stored(daemon, client, name="px") -> int:
+    """Frames the table's items hold: those held once no writer holds a
+    lease (call it when the writers have closed their clients)."""
+    wait_for(lambda: client.stats()["tables"][name]["frames"]["in_leases"] == 0,
+             "the writers' frame leases are given back")
+    return client.stats()["tables"][name]["frames"]["rings"]["obs"]["held"]
+
+
+def fresh(i: int):
+    """Stacks of eight frames no stream shares, known from ``i``."""
+    rng = np.random.default_rng([99, i])
+    return (rng.integers(0, 256, (DEPTH, 8, 8), dtype=np.uint8),
+            rng.integers(0, 256, (DEPTH, 8, 8), dtype=np.uint8))

@@ -10,5 +10,6 @@ root is on sys.path under ``python3 -m pytest`` and pyproject's
 private daemon with file-backed tables kept across restarts) and
 ``seedrow.py`` (the DQN Atari seed row at its size), both for
 ``benchmarks/capacity.py``; ``raycluster.py``: a two-node Ray cluster on
-127.0.0.1 (``benchmarks/ray_ingest.py`` and the Ray tests).
+127.0.0.1 (``benchmarks/ray_ingest.py`` and the Ray tests); ``results.py``:
+where a benchmark's JSON report goes, and writing it.
 """

@@ -54,6 +54,16 @@ def _fits(refs, keys, rows, col0, depth, nrows) -> bool:
 
 
 @numba.njit(**JIT)
+def _ask_first(ring, refs, keys, rows, col) -> None:
+    """Ask for the first AHEAD rows' first frames before the copy starts
+    (the copy then asks AHEAD rows ahead of itself)."""
+    for i in range(min(AHEAD, rows.shape[0])):
+        f = np.intp(refs[np.intp(keys[rows[i]] & _MASK), col])
+        if f < ring.shape[0]:
+            prefetch_line(ring, f * ring.shape[1])
+
+
+@numba.njit(**JIT)
 def take_stacks(ring, refs, keys, rows, col0, depth, addr, nrows) -> int:
     """For each r in ``rows``: the stack of the item in slot ``keys[r] &
     0xFFFFFFFF``, frames ``refs[slot, col0 : col0 + depth]`` of ``ring``
@@ -73,10 +83,7 @@ def take_stacks(ring, refs, keys, rows, col0, depth, addr, nrows) -> int:
     nframes, fb = ring.shape[0], ring.shape[1]
     m = rows.shape[0]
     torn = 0
-    for i in range(min(AHEAD, m)):
-        f = np.intp(refs[np.intp(keys[rows[i]] & _MASK), col0])
-        if f < nframes:
-            prefetch_line(ring, f * fb)
+    _ask_first(ring, refs, keys, rows, col0)
     for i in range(m):
         if i + AHEAD < m:
             f = np.intp(refs[np.intp(keys[rows[i + AHEAD]] & _MASK), col0])
@@ -132,10 +139,7 @@ def take_pairs(ring, refs, keys, rows, col_a, col_b, depth, addr_a, addr_b, nrow
     nframes, fb = ring.shape[0], ring.shape[1]
     m = rows.shape[0]
     torn = 0
-    for i in range(min(AHEAD, m)):
-        f = np.intp(refs[np.intp(keys[rows[i]] & _MASK), col_a])
-        if f < nframes:
-            prefetch_line(ring, f * fb)
+    _ask_first(ring, refs, keys, rows, col_a)
     for i in range(m):
         if i + AHEAD < m:  # every page of the row's frames: their TLB walks start early
             s2 = np.intp(keys[rows[i + AHEAD]] & _MASK)

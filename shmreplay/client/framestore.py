@@ -77,7 +77,6 @@ class FrameStore:
         self._chunks: list[deque] = [deque() for _ in self._bases]  # [lid, frames, used, last no]
         self._stored = [0] * len(self._bases)  # frames stored so far, per ring
         self._table_id, self._rings, self._words, self._epoch = 0, [], None, None
-        self.leased = 0  # frames leased so far (a writer's count: tests, stats)
 
     # ---- the table as mapped now (its handle) ----
     def bind(self, table_id: int, rings: dict, words, epoch: int) -> None:
@@ -129,15 +128,11 @@ class FrameStore:
                 self._send_back(chunks.popleft()[0])
             self._windows[r] = FrameWindow(self._windows[r].size)
 
-    def held(self) -> int:
-        """Frames this store's leases hold."""
-        return sum(c[1].shape[0] for chunks in self._chunks for c in chunks)
-
     # ---- frames ----
     def _store(self, r: int, frame: np.ndarray, deadline: float | None) -> int:
         """Write ``frame`` into the next frame of ring ``r``'s lease (a new
-        lease when it is used up); returns its reference."""
-        frame = np.asarray(frame, dtype=self._dtype[self._bases[r]])
+        lease when it is used up); returns its reference.  ``frame`` has the
+        ring's dtype already (``item_refs`` cast its stack)."""
         chunks = self._chunks[r]
         if not chunks or chunks[-1][2] == chunks[-1][1].shape[0]:
             chunks.append(self._lease(r, deadline))
@@ -164,7 +159,6 @@ class FrameStore:
             seq = pipe.send(FR.put_frames, self._table_id, r, self.chunk)
             lid, frames = pipe.wait(seq, FR.read_frames_reply)
             if lid:
-                self.leased += frames.shape[0]
                 return [lid, frames, 0, self._stored[r]]
             if time.monotonic() + pause > deadline:
                 raise ReplayTimeout(

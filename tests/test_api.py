@@ -84,6 +84,36 @@ def test_create_table_exist_ok_returns_same_table_and_rejects_other_schema(clien
         client.create_table("x", capacity=11, fields=SMALL_FIELDS, exist_ok=True)
 
 
+def test_processes_making_one_table_at_once_each_get_it(daemon):
+    """Issue 38: TorchRL's collector workers each make the table they feed
+    at start, together.  A create with exist_ok waits for another client's
+    create of the name under way (a table of a million slots takes the
+    daemon milliseconds to make) and returns that table, instead of
+    refusing it as "being created by another client"."""
+    clients = [daemon.connect() for _ in range(4)]
+    start, made, failed = threading.Barrier(4), {}, []
+
+    def make(i):
+        start.wait()
+        try:
+            made[i] = clients[i].create_table("shared", capacity=1_000_000, fields=SMALL_FIELDS,
+                                              exist_ok=True).id
+        except shmreplay.ReplayError as exc:
+            failed.append(exc)
+
+    threads = [threading.Thread(target=make, args=(i,)) for i in range(4)]
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        for c in clients:
+            c.close()
+    assert not failed, failed
+    assert len(made) == 4 and len(set(made.values())) == 1, made
+
+
 def test_several_tables_per_daemon(client):
     a = client.create_table("a", capacity=50, fields=SMALL_FIELDS)
     b = client.create_table("b", capacity=50, fields={"x": ("float64", (3,))}, sampler="uniform")

@@ -103,3 +103,33 @@ def test_a_program_stopped_by_sigterm_or_sigint_removes_its_servers_folder(sig):
         assert not os.path.exists(lock_path(instance))
     finally:
         leave_nothing(program, info, instance)
+
+
+FORKING = """
+import json, os, sys
+import shmreplay
+with shmreplay.Server(tables=[dict(name="replay", capacity=100, fields={"x": ("float32", ())})],
+                      instance=sys.argv[1]) as server:
+    child = os.fork()
+    if child == 0:
+        sys.exit(0)  # a worker ending normally: its interpreter runs the atexit hooks
+    _, status = os.waitpid(child, 0)
+    with server.connect() as c:  # the parent's daemon still serves
+        c.table("replay").insert(x=1.0)
+        c.flush()
+        print(json.dumps({"child": os.waitstatus_to_exitcode(status), "len": len(c.table("replay")),
+                          "dir": os.path.isdir(server.dir)}), flush=True)
+"""
+
+
+def test_a_forked_child_ending_leaves_its_parents_server_running():
+    """A TorchRL collector worker (a forked child) holds a copy of the
+    program's Server: its exit must not stop the parent's daemon."""
+    instance = f"test{os.getpid()}fork"
+    try:
+        out = subprocess.run([sys.executable, "-c", FORKING, instance], capture_output=True, text=True,
+                             timeout=HANG_S)
+        assert out.returncode == 0, out.stderr[-2000:]
+        assert json.loads(out.stdout) == {"child": 0, "len": 1, "dir": True}
+    finally:
+        remove_entries(instance)

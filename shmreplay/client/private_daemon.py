@@ -161,6 +161,7 @@ class Server:
             raise ReplayError("give daemon options in the config file or as keywords, not both")
         gid = None if group is None else _group_id(group)
         self.instance = instance or f"local{os.getpid()}x{next(_counter)}"
+        self.owner_pid = os.getpid()  # a forked child's copy is not its to stop at exit
         self.dir = tempfile.mkdtemp(prefix="shmreplay-server-")
         if len(os.fsencode(os.path.join(self.dir, "shmreplay.sock"))) > SOCKET_PATH_MAX:
             # a long $TMPDIR leaves no room for a Unix socket's path: a
@@ -257,7 +258,13 @@ class Server:
         """SIGTERM the daemon and wait (a daemon that does not stop in
         STOP_TIMEOUT_S is killed); remove the temporary directory.  With
         ``check``, raise ServerFailed if it did not exit 0 or left objects
-        in /dev/shm.  Returns its exit code; idempotent."""
+        in /dev/shm.  Returns its exit code; idempotent.  In a forked child
+        (a worker holding a copy) it only drops the copy: the daemon is
+        the parent's."""
+        if self.owner_pid != os.getpid():
+            self.proc, self._clients = None, []
+            _live.discard(self)
+            return 0
         for c in self._clients:
             try:
                 c.close()
@@ -290,7 +297,8 @@ class Server:
         self.stop(check=exc_type is None)
 
     def __del__(self):
-        if getattr(self, "proc", None) is not None and self.proc.poll() is None:
+        if (getattr(self, "proc", None) is not None and getattr(self, "owner_pid", None) == os.getpid()
+                and self.proc.poll() is None):
             self.proc.send_signal(signal.SIGTERM)
 
 
@@ -302,7 +310,7 @@ _live: "weakref.WeakSet[Server]" = weakref.WeakSet()
 
 @atexit.register
 def _stop_live() -> None:
-    for server in list(_live):
+    for server in list(_live):  # stop() leaves a forked child's copies alone
         try:
             server.stop(check=False)
         except Exception:  # at exit: the rest still get stopped

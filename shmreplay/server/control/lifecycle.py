@@ -19,6 +19,7 @@ is what keeps them apart.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import dataclasses
 import functools
@@ -44,22 +45,48 @@ from .syncs import Syncer
 
 log = logging.getLogger("shmreplayd.control")
 
+# a create with exist_ok waits this long for another client's create of the
+# same name to end (then answers as for a table that exists): under the
+# client's default request timeout (30 s), so the client hears the answer
+CREATE_WAIT_S = 20.0
+
 
 class TableLifecycle:
     def __init__(self, srv):
         self.srv = srv  # the ControlServer: its config, loop, engine calls and gate
         self.cfg = srv.cfg
         self.next_table_id = 1
-        self.creating: set[str] = set()
+        self.creating: dict[str, asyncio.Event] = {}  # set when that create ends
         self.adopted: set[str] = set()  # tables taken over from a dead daemon
         self.set_aside = SetAside()  # tables found, or declared, that cannot be served (setaside.py)
         self.book = TableBook(srv.cfg)  # who created each table: per-user limits (quotas.py)
         self.syncs = Syncer(srv)  # durable file-backed tables' syncs (syncs.py)
 
     async def create(self, wire: dict, exist_ok: bool, peer=None) -> dict:
-        """``peer`` (an access.Peer) asks; None: the daemon itself."""
-        srv = self.srv
+        """``peer`` (an access.Peer) asks; None: the daemon itself.  With
+        ``exist_ok``, a create of the same name under way is waited for
+        (CREATE_WAIT_S), so processes that all make the table they share
+        at start (TorchRL's collector workers) each get it."""
         asked = spec_from_wire(wire, asked=True)
+        deadline = time.monotonic() + CREATE_WAIT_S
+        while True:
+            ended = self.creating.get(asked.name)
+            if ended is None or not exist_ok:
+                made = await self._create(asked, exist_ok, peer)
+                if made is not None:
+                    return made
+                continue  # another create of the name began during our awaits: wait for it
+            try:
+                await asyncio.wait_for(ended.wait(), max(deadline - time.monotonic(), 0.0))
+            except asyncio.TimeoutError:
+                raise TableExists(f"table {asked.name!r} is still being created by another client "
+                                  f"after {CREATE_WAIT_S:.0f} s; try again") from None
+
+    async def _create(self, asked, exist_ok: bool, peer) -> dict | None:
+        """Make the table, or return the one that exists (exist_ok, the
+        same definition); None when another create of the name is under
+        way (exist_ok)."""
+        srv = self.srv
         self.set_aside.refuse(asked.name)
         existing = await srv.call(srv.engine.describe, asked.name)
         have = None if existing is None else spec_from_wire(existing["spec"])
@@ -75,8 +102,10 @@ class TableLifecycle:
             raise TableExists(f"table {spec.name!r} exists already"
                               + (" with a different schema" if exist_ok else ""))
         if spec.name in self.creating:
+            if exist_ok:
+                return None  # create() waits for that one
             raise TableExists(f"table {spec.name!r} is being created by another client")
-        self.creating.add(spec.name)  # before the next await: a second create must see it
+        self.creating[spec.name] = asyncio.Event()  # before the next await: a second create must see it
         try:
             count = len(await srv.call(srv.engine.table_names))
             if count + len(self.creating) - 1 >= self.cfg.max_tables:
@@ -89,7 +118,7 @@ class TableLifecycle:
                 self.book.release(spec.name)
                 raise
         finally:
-            self.creating.discard(spec.name)
+            self.creating.pop(spec.name).set()
 
     async def open(self, name: str) -> dict:
         """A client attaches to a table: its description, once its rows

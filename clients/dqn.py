@@ -199,12 +199,17 @@ class Progress:
         self.returns: collections.deque = collections.deque(maxlen=window)
         self.episodes = 0
         self.rows: list[dict] = []
+        self.evaluations: list[tuple[int, float]] = []  # (env steps, mean greedy return): points on the curve
         self.t0 = self.last_t = time.monotonic()
         self.last = (0, 0, 0)
 
     def episode(self, ret: float) -> None:
         self.returns.append(float(ret))
         self.episodes += 1
+
+    def evaluation(self, env_steps: int, mean_return: float) -> None:
+        """A greedy evaluation's mean return, drawn as a point on the curve."""
+        self.evaluations.append((int(env_steps), float(mean_return)))
 
     @property
     def recent(self) -> float:
@@ -236,6 +241,8 @@ class Progress:
         import matplotlib.pyplot as plt
         fig, ax = plt.subplots(figsize=(6, 3.5), dpi=100)
         ax.plot([r["env_steps"] for r in self.rows], [r["recent_return"] for r in self.rows], label=self.name)
+        if self.evaluations:
+            ax.plot(*zip(*self.evaluations), "o", color="tab:green", markersize=4, label="greedy evaluation")
         if self.target is not None and np.isfinite(self.target):
             ax.axhline(self.target, color="tab:red", linestyle="--", linewidth=1, label=f"target {self.target:g}")
         ax.set_xlabel("env steps")

@@ -21,7 +21,8 @@ samplers), ``priorities.py`` (priority checks), ``numbaconf.py`` (numba
 flags), ``version.py``.  Tools over the client: ``cli.py`` (the
 ``shmreplay`` command) with ``statusview.py`` (its status screen),
 ``torch.py`` (``shmreplay.torch``: batches as tensors), ``sb3.py``
-(``shmreplay.sb3``: stable-baselines3's replay buffers), ``ray/``
+(``shmreplay.sb3``: stable-baselines3's replay buffers), ``torchrl/``
+(``shmreplay.torchrl``: TorchRL's replay buffers), ``ray/``
 (``shmreplay.ray``: actors anywhere on a Ray cluster) and ``bench/`` (the
 benchmark cells).  docs/layout.md, "Where things are", maps it.
 """

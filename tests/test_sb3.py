@@ -106,6 +106,7 @@ def test_dqn_trains_through_it(tmp_path):
     try:
         model.learn(600)
         assert isinstance(model.replay_buffer, srb.ReplayBuffer)
+        model.replay_buffer.table.flush()  # the last adds count once the daemon applied them
         assert model._n_updates > 100 and model.replay_buffer.table.inserts == 600
         with pytest.raises(shmreplay.ReplayError, match="checkpoint the table"):
             model.save_replay_buffer(str(tmp_path / "buffer.pkl"))
@@ -183,3 +184,28 @@ def test_a_seeded_private_buffer_draws_the_same_transitions_again():
     first = run(11)
     assert run(11) == first
     assert run(12) != first
+
+
+@pytest.mark.parametrize("adds, samples", [(1, 1), (16, 4)])
+def test_batches_drawn_ahead_lack_nothing_sb3s_loops_added(adds, samples):
+    """``ahead=True`` (the default): SAC's loop (an add, a sample) and
+    DQN's (a rollout of adds, then a round of samples with none between)
+    each draw from everything added so far, once the loop's rhythm is
+    known (after its second round: the first interval is not counted):
+    every batch of 2,000 draws from at most a few hundred items holds the
+    newest one.  Without the dropped early draw of DQN's first batch, the
+    newest would be missing every round."""
+    act = spaces.Discrete(4)
+    buf = srb.ReplayBuffer(10_000, spaces.Box(0.0, 1e6, (1,), np.float32), act, device="cpu", seed=7)
+    try:
+        n = 0
+        for round_ in range(12):
+            for _ in range(adds):
+                n += 1
+                buf.add(np.array([[n]], np.float32), np.array([[n]], np.float32), np.array([0]),
+                        np.array([1.0]), np.array([False]), [{}])
+            for _ in range(samples):
+                newest = buf.sample(2000).observations.max().item()
+                assert round_ < 2 or newest == n, (round_, newest, n)
+    finally:
+        buf.close()

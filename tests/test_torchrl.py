@@ -12,12 +12,12 @@ import numpy as np
 import pytest
 import torch
 
-from tensordict import TensorDict  # noqa: E402
-from torchrl.collectors import MultiSyncCollector, RandomPolicy  # noqa: E402
-from torchrl.data import LazyTensorStorage, TensorDictReplayBuffer  # noqa: E402
+from tensordict import TensorDict
+from torchrl.collectors import MultiSyncCollector, RandomPolicy
+from torchrl.data import LazyTensorStorage, TensorDictReplayBuffer
 
-import shmreplay  # noqa: E402
-import shmreplay.torchrl as srl  # noqa: E402
+import shmreplay
+import shmreplay.torchrl as srl
 
 
 def items(first: int, n: int) -> TensorDict:
@@ -185,7 +185,7 @@ def test_torchrls_collector_workers_feed_a_learner():
     assert s["observation"].shape == (1000, 4) and s["action"].shape == (1000, 2)
     # a transition's next observation is where the episode went, not where it was
     assert not torch.equal(s["observation"], s["next", "observation"])
-    assert sampled >= 64
+    assert sampled == 64 * 5  # a batch a collector round (1,000 frames in rounds of 200)
     rb.close()
 
 
@@ -219,6 +219,30 @@ def test_keys_choose_what_is_stored_and_the_rest_is_left_out(socket):
     rb.close()
 
 
+def test_a_buffer_that_reads_first_keeps_its_keys_and_takes_one_priority_for_all(socket):
+    """A collector's worker asks the write count before its first extend:
+    the table another worker made is found first, and ``keys=`` must still
+    leave the other entries out.  A single priority applies to every index
+    (TorchRL's ``update_priority(index, 5.0)``); ``beta`` anneals."""
+    maker = srl.PrioritizedReplayBuffer(alpha=1.0, beta=0.4, storage=50, batch_size=200, socket=socket,
+                                        keys=["id", ("next", "reward")])
+    maker.extend(items(0, 4))
+    late = srl.PrioritizedReplayBuffer(alpha=1.0, beta=0.4, storage=50, batch_size=200, socket=socket,
+                                       keys=["id", ("next", "reward")])
+    assert late.write_count == 4 and len(late) == 4  # found, before any write of its own
+    late.extend(items(4, 4).set("action_value", torch.zeros(4, 2)))  # more entries: left out
+    assert len(late) == 8
+    s = late.sample()
+    late.update_priority(s["index"][s["id"] == 0][:1], 5.0)  # one slot: item 0
+    late.update_priority(s["index"][s["id"] != 0], 1.0)  # one value for every other index
+    late.beta = 1.0
+    s = late.sample()
+    p = np.where(s["id"].numpy() == 0, 5.0, 1.0) / 12.0  # max priority 1 before; now 5 + 7 x 1
+    np.testing.assert_allclose(s["priority_weight"].numpy(), (p / p.min()) ** -1.0, rtol=1e-5)
+    maker.close()
+    late.close()
+
+
 def test_bad_input_says_what_to_do_and_loses_nothing(socket):
     rb = srl.PrioritizedReplayBuffer(alpha=0.6, beta=0.4, storage=10, batch_size=4, socket=socket)
     with pytest.raises(shmreplay.ReplayError, match="extend the buffer before sampling"):
@@ -241,7 +265,16 @@ def test_bad_input_says_what_to_do_and_loses_nothing(socket):
     with pytest.raises(shmreplay.ReplayError, match="outside"):
         rb.update_priority(torch.tensor([10]), torch.tensor([1.0]), generation=torch.tensor([1]))
     with pytest.raises(shmreplay.ReplayError, match="no batch size"):
-        srl.ReplayBuffer(storage=10, socket=socket, table="other").sample()
+        with srl.ReplayBuffer(storage=10, socket=socket, table="other") as other:
+            other.sample()
+    with pytest.raises(shmreplay.ReplayError, match="samples prioritized"):
+        with srl.ReplayBuffer(storage=10, socket=socket) as uniform:  # the same table, another sampler
+            len(uniform)
+    with pytest.raises(shmreplay.ReplayError, match="no 'td_error'"):
+        rb.update_tensordict_priority(rb.sample())
+    with pytest.raises(shmreplay.ReplayError, match="index_generation"):
+        s = rb.sample()
+        rb.update_priority(s["index"], torch.ones(4), generation=s["index_generation"][:2])
     with pytest.raises(shmreplay.ReplayError, match="shared daemon"):
         srl.ReplayBuffer(storage=10, socket=socket, seed=1)
     with pytest.raises(shmreplay.ReplayError, match="which other processes share"):

@@ -52,7 +52,7 @@ workers straight into the table; a forked worker's client opens its own
 connection.  The private daemon is stopped by the process that made it.
 ``shared`` is True (the data lives in the daemon) and ``share()`` does
 nothing.  ``empty()`` drops and remakes a table the buffer made; a shared
-table is left to its owner.  ``state_dict``/``dumps`` are refused: the
+table raises instead (``shmreplay drop`` is its owner's).  ``state_dict``/``dumps`` are refused: the
 daemon checkpoints (``client.checkpoint``).
 
 Imports torch and tensordict (and not torchrl itself); ``import
@@ -60,8 +60,8 @@ shmreplay`` imports neither.  One thread at a time per buffer, TorchRL's;
 the prefetch thread has its own connection.
 
 The package: ``buffers.py`` (the buffers and the storage view TorchRL's
-collectors read) and ``tdform.py`` (TensorDict entries as table fields
-and back).
+collectors read), ``tableside.py`` (a buffer's daemon, connection and
+table) and ``tdform.py`` (TensorDict entries as table fields and back).
 """
 
 from .buffers import PrioritizedReplayBuffer, ReplayBuffer, TableView

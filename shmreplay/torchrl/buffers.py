@@ -10,14 +10,16 @@ another process connects there anew.
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import torch
 from tensordict import TensorDictBase
 
-from ..client import Server, connect
 from ..errors import ReplayError
 from ..wire.records import make_keys
-from .tdform import TensorDictForm, field_name
+from .tableside import BufferTable
+from .tdform import field_name
 
 TABLE = "replay"
 _UNSAMPLED = np.iinfo(np.uint64).max
@@ -52,47 +54,23 @@ class ReplayBuffer:
         self._batch_size = None if batch_size is None else int(batch_size)
         self._prefetch = prefetch or 0
         self.priority_key = priority_key
-        # the entries to store (None: the first extend's); others are left out
-        self._keys = None if keys is None else [field_name(k) for k in keys]
         self._alpha, self._beta, self._eps = float(alpha), float(beta), float(eps)
         self.timeout = timeout
-        self._spec = dict(name=table or TABLE, capacity=capacity, remover="fifo",
-                          sampler="prioritized" if self.prioritized else "uniform",
-                          **({"alpha": self._alpha} if self.prioritized else {}),
-                          **({"frames": {field_name(k): v if isinstance(v, int) else field_name(v)
-                                         for k, v in frames.items()}} if frames else {}),
-                          **({"storage_dir": storage_dir} if storage_dir else {}))
+        spec = dict(name=table or TABLE, capacity=capacity, remover="fifo",
+                    sampler="prioritized" if self.prioritized else "uniform",
+                    **({"alpha": self._alpha} if self.prioritized else {}),
+                    **({"frames": {field_name(k): v if isinstance(v, int) else field_name(v)
+                                   for k, v in frames.items()}} if frames else {}),
+                    **({"storage_dir": storage_dir} if storage_dir else {}))
         opts = {**({"storage_dirs": [storage_dir]} if storage_dir else {}),
                 **({} if seed is None else {"seed": seed})}
-        self._server = Server(**opts) if socket is None else None
-        self._owned = socket is None
-        self._attach(socket or self._server.socket)
-
-    def _attach(self, socket: str) -> None:
-        self._socket = socket
-        self._client = connect(socket, timeout=30.0)
-        self._table = self._form = self._batches = None
-        self._unflushed = False
+        # the entries to store (None: the first extend's); others are left out
+        stored = None if keys is None else [field_name(k) for k in keys]
+        self._side = BufferTable(spec, stored, (priority_key,) if self.prioritized else (),
+                                 type(self).__name__, socket, opts)
+        self._batches = None  # the prefetching iterator, made at the first sample
+        self._batches_pid = None  # the process whose thread fills it
         self._last_keys = None  # slot -> the key this buffer last sampled there
-
-    # ---- the table, made at the first write ----
-    def _writable(self, td: TensorDictBase):
-        if self._table is None:
-            skip = (self.priority_key,) if self.prioritized else ()
-            form, fields = TensorDictForm.of(td, skip, self._keys)
-            self._table = self._client.create_table(fields=fields, exist_ok=True, **self._spec)
-            self._form = TensorDictForm([f.name for f in self._table.spec.fields], skip, self._keys is not None)
-        return self._table
-
-    def _readable(self):
-        if self._table is None:
-            try:
-                self._table = self._client.table(self._spec["name"])
-            except KeyError:
-                return None  # nothing extended yet, by anyone
-            skip = (self.priority_key,) if self.prioritized else ()
-            self._form = TensorDictForm([f.name for f in self._table.spec.fields], skip)
-        return self._table
 
     # ---- writing ----
     def extend(self, tensordicts: TensorDictBase, *, update_priority: bool | None = None) -> None:
@@ -101,15 +79,13 @@ class ReplayBuffer:
             raise ReplayError(f"extend takes a TensorDict, got {type(tensordicts).__name__}")
         if tensordicts.batch_dims == 0:
             raise ReplayError("extend takes a TensorDict with a batch dimension; add() takes one item")
-        table = self._writable(tensordicts)
         n = tensordicts.shape[0]
         prios = None
         if self.prioritized and update_priority is not False:
             p = tensordicts.get(self.priority_key, None)
             if p is not None:
                 prios = p.detach().reshape(n, -1).amax(1).double().cpu().numpy() + self._eps
-        table.insert_batch(self._form.arrays(tensordicts), priorities=prios, timeout=self.timeout)
-        self._unflushed = True
+        self._side.insert(tensordicts, prios, self.timeout)
 
     def add(self, data: TensorDictBase) -> None:
         """Store one item (a TensorDict without a batch dimension)."""
@@ -119,18 +95,12 @@ class ReplayBuffer:
 
     # ---- reading ----
     def __len__(self) -> int:
-        table = self._readable()
-        if table is None:
-            return 0
-        if self._unflushed:  # count this process's commits, as TorchRL's len does
-            table.flush()
-            self._unflushed = False
-        return min(len(table), table.capacity)
+        return self._side.length()
 
     @property
     def write_count(self) -> int:
         """Items written to the table so far, by every writer."""
-        table = self._readable()
+        table = self._side.readable()
         return 0 if table is None else table.inserts
 
     @property
@@ -139,7 +109,19 @@ class ReplayBuffer:
 
     @property
     def capacity(self) -> int:
-        return self._spec["capacity"]
+        """The table's (the buffer's storage size until the table exists)."""
+        return self._side.capacity
+
+    @property
+    def beta(self) -> float:
+        return self._beta
+
+    @beta.setter
+    def beta(self, value: float) -> None:
+        """Anneal beta (TorchRL's ``rb.sampler.beta``); prefetched batches
+        drawn with the old one are dropped."""
+        self._beta = float(value)
+        self._close_batches()
 
     @property
     def device(self) -> torch.device:
@@ -151,23 +133,24 @@ class ReplayBuffer:
         n = self._batch_size if batch_size is None else int(batch_size)
         if n is None:
             raise ReplayError("no batch size: give sample(batch_size) or ReplayBuffer(batch_size=...)")
-        table = self._readable()
+        table = self._side.readable()
         if table is None:
-            raise ReplayError(f"table {self._spec['name']!r} is empty: extend the buffer before sampling")
+            raise ReplayError(f"table {self._side.name!r} is empty: extend the buffer before sampling")
         if self._prefetch and n == self._batch_size:
-            return self._finish(self._prefetched(), return_info, copy=True)
+            return self._finish(self._prefetched(table), return_info, copy=True)
         return self._finish(table.sample(n, self._beta, timeout=self.timeout), return_info, copy=False)
 
-    def _prefetched(self):
-        if self._batches is None:
-            self._batches = self._table.iterate(self._batch_size, self._beta, prefetch=self._prefetch,
-                                                timeout=self.timeout)
+    def _prefetched(self, table):
+        if self._batches is None or self._batches_pid != os.getpid():  # none, or a forked copy's
+            self._batches = table.iterate(self._batch_size, self._beta, prefetch=self._prefetch,
+                                          timeout=self.timeout)
+            self._batches_pid = os.getpid()
         return next(self._batches)
 
     def _finish(self, batch, return_info: bool, copy: bool):
         data = {k: a.copy() for k, a in batch.data.items()} if copy else batch.data
         n = len(batch)
-        td = self._form.tensordict(data, n, self._device)
+        td = self._side.form.tensordict(data, n, self._device)
         slots = batch.indices
         info = {"index": torch.from_numpy(slots),
                 "index_generation": torch.from_numpy((batch.keys >> np.uint64(32)).astype(np.int64))}
@@ -175,7 +158,7 @@ class ReplayBuffer:
             weight = torch.from_numpy(batch.weights.astype(np.float32))
             info["priority_weight"] = info["_weight"] = weight
             if self._last_keys is None:
-                self._last_keys = np.full(self._table.capacity, _UNSAMPLED, np.uint64)
+                self._last_keys = np.full(self._side.capacity, _UNSAMPLED, np.uint64)
             self._last_keys[slots] = batch.keys
         for key, value in info.items():
             td.set(key, value if self._device is None else value.to(self._device))
@@ -216,30 +199,24 @@ class ReplayBuffer:
     @property
     def table(self):
         """The ``shmreplay.Table`` under the buffer (None before the first write)."""
-        return self._readable()
+        return self._side.readable()
 
     def empty(self, empty_write_count: bool = True) -> None:
-        if not self._owned:
-            raise ReplayError(f"empty() would drop table {self._spec['name']!r}, which other processes "
-                              "share; drop it with `shmreplay drop` if you mean to")
+        """Drop the table this buffer made (made again at the next write);
+        the table's write count goes with it."""
         self._close_batches()
-        if self._readable() is not None:
-            self._client.drop_table(self._spec["name"])
-        self._table = self._form = None
+        self._side.drop()
         self._last_keys = None
 
     def _close_batches(self) -> None:
-        if self._batches is not None:
+        if self._batches is not None and self._batches_pid == os.getpid():
             self._batches.close()
-            self._batches = None
+        self._batches = None
 
     def close(self) -> None:
         """Close the connection, and stop the private daemon if the buffer made one."""
         self._close_batches()
-        self._client.close()
-        if self._server is not None:
-            self._server.stop(check=False)
-            self._server = None
+        self._side.close()
 
     def __enter__(self):
         return self
@@ -248,18 +225,11 @@ class ReplayBuffer:
         self.close()
 
     def __repr__(self) -> str:
-        return (f"shmreplay.torchrl.{type(self).__name__}(table={self._spec['name']!r}, "
-                f"capacity={self._spec['capacity']}, socket={self._socket!r})")
+        return (f"shmreplay.torchrl.{type(self).__name__}(table={self._side.name!r}, "
+                f"capacity={self.capacity}, socket={self._side.socket!r})")
 
-    def __getstate__(self):  # into a collector's worker: the same daemon and table
-        state = {k: v for k, v in self.__dict__.items()
-                 if k not in ("_client", "_table", "_form", "_batches", "_server", "_last_keys")}
-        return {**state, "_owned": False}
-
-    def __setstate__(self, state) -> None:
-        self.__dict__.update(state)
-        self._server = None
-        self._attach(state["_socket"])
+    def __getstate__(self):  # into a collector's worker: the same daemon and table (BufferTable)
+        return {**self.__dict__, "_batches": None, "_batches_pid": None, "_last_keys": None}
 
     def state_dict(self):
         raise ReplayError("a shmreplay buffer's data lives in its daemon and is not saved with the "
@@ -281,27 +251,37 @@ class PrioritizedReplayBuffer(ReplayBuffer):
         (with ``generation``, its ``"index_generation"``; without, the
         generation this buffer's last sample of the slot saw)."""
         slots = torch.as_tensor(index).reshape(-1).cpu().numpy().astype(np.int64)
-        p = torch.as_tensor(priority).detach().reshape(slots.shape[0], -1).amax(1).double().cpu().numpy()
+        p = torch.as_tensor(priority).detach().double().cpu()
+        if p.numel() == 1:
+            p = p.reshape(1).expand(slots.shape[0])  # one priority for every index, as TorchRL takes it
+        p = p.reshape(slots.shape[0], -1).amax(1).numpy()
         cap = self.capacity
         if slots.size and (slots.min() < 0 or slots.max() >= cap):
             raise ReplayError(f"index holds slots outside 0..{cap - 1}: pass the sample's 'index'")
         if generation is not None:
-            keys = make_keys(torch.as_tensor(generation).reshape(-1).cpu().numpy(), slots)
+            gens = torch.as_tensor(generation).reshape(-1).cpu().numpy()
+            if gens.shape != slots.shape:
+                raise ReplayError(f"generation has {gens.shape[0]} entries for {slots.shape[0]} indices: "
+                                  "pass the sample's 'index_generation' with its 'index'")
+            keys = make_keys(gens, slots)
         else:
             keys = (np.full(0, _UNSAMPLED, np.uint64) if self._last_keys is None
                     else self._last_keys[slots])
             if keys.shape[0] != slots.shape[0] or (keys == _UNSAMPLED).any():
                 raise ReplayError("update_priority got slots this buffer never sampled: pass "
                                   "generation=sample['index_generation'] (or update_tensordict_priority)")
-        table = self._readable()
+        table = self._side.readable()
         if table is None:
             raise ReplayError("update_priority before anything was extended: there is no item to update")
         table.update_priorities(keys, p + self._eps)
 
     def update_tensordict_priority(self, data: TensorDictBase) -> None:
         """``update_priority`` from a sampled TensorDict carrying ``priority_key``."""
-        self.update_priority(data.get("index"), data.get(self.priority_key),
-                             data.get("index_generation", None))
+        priority = data.get(self.priority_key, None)
+        if priority is None:
+            raise ReplayError(f"the TensorDict has no {self.priority_key!r} (the buffer's priority_key): "
+                              "set it to the new priorities first")
+        self.update_priority(data.get("index"), priority, data.get("index_generation", None))
 
 
 class TableView:

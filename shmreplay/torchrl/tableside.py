@@ -15,7 +15,7 @@ buffer's thread.
 from __future__ import annotations
 
 import os
-from multiprocessing.util import Finalize
+from multiprocessing.util import Finalize, register_after_fork
 
 from tensordict import TensorDictBase
 
@@ -29,6 +29,10 @@ def _close_quietly(client) -> None:
         client.close()  # flushes this process's inserts
     except ReplayError:
         pass  # at exit, the daemon may be gone already (a private one stopped first)
+
+
+def _flush_at_exit(side: "BufferTable") -> None:
+    Finalize(side, _close_quietly, args=(side.client,), exitpriority=10)
 
 
 class BufferTable:
@@ -55,8 +59,14 @@ class BufferTable:
         self._unflushed = False
         # a collector's worker process ends without close(): flush its last
         # extend on the way out (multiprocessing runs these finalizers at a
-        # worker's exit, forked or spawned, and at the program's)
-        Finalize(self, _close_quietly, args=(self._client,), exitpriority=10)
+        # worker's exit, and at the program's; a worker it forks starts
+        # with none, and registers its own after the fork)
+        _flush_at_exit(self)
+        register_after_fork(self, _flush_at_exit)
+
+    @property
+    def client(self):
+        return self._client
 
     @property
     def name(self) -> str:

@@ -300,6 +300,8 @@ def test_bad_input_says_what_to_do_and_loses_nothing(socket):
     with pytest.raises(shmreplay.ReplayError, match="index_generation"):
         s = rb.sample()
         rb.update_priority(s["index"], torch.ones(4), generation=s["index_generation"][:2])
+    with pytest.raises(shmreplay.ReplayError, match="never stores it"):
+        srl.PrioritizedReplayBuffer(alpha=0.6, beta=0.4, storage=10, socket=socket, keys=["id", "td_error"])
     with pytest.raises(shmreplay.ReplayError, match="shared daemon"):
         srl.ReplayBuffer(storage=10, socket=socket, seed=1)
     with pytest.raises(shmreplay.ReplayError, match="which other processes share"):

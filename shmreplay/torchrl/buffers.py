@@ -66,6 +66,9 @@ class ReplayBuffer:
                 **({} if seed is None else {"seed": seed})}
         # the entries to store (None: the first extend's); others are left out
         stored = None if keys is None else [field_name(k) for k in keys]
+        if self.prioritized and stored is not None and field_name(priority_key) in stored:
+            raise ReplayError(f"keys= names {priority_key!r}, the priority_key: a prioritized buffer takes it "
+                              "as the items' priorities and never stores it; leave it out of keys=")
         self._side = BufferTable(spec, stored, (priority_key,) if self.prioritized else (),
                                  type(self).__name__, socket, opts)
         self._batches = None  # the prefetching iterator, made at the first sample

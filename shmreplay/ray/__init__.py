@@ -104,7 +104,9 @@ table side: the client, the chunks written into the table),
 (each producer's secret key and what the ingest owes it); ``writer.py`` (``RemoteWriter``) with ``packing.py`` (a
 small chunk's wire form) and ``steps.py`` (the n-step and sequence
 writers, remote); ``relay.py`` (a ``ParameterBoard`` read on the replay
-node for remote actors).
+node for remote actors); ``shardmath.py`` (issue 39, its first part: how
+a batch splits over shards by priority mass so that it is drawn as from
+one table of their union, and the weights against the global minimum).
 """
 
 from .ingest import start_ingest

@@ -36,6 +36,15 @@ def _capacity_device(storage):
     return int(size), (None if device in (None, "auto") else torch.device(device))
 
 
+def _item_priorities(values, n: int) -> np.ndarray:
+    """One float64 priority for each of n items: the max over an item's
+    entries (TorchRL's "max" reduction); a single value for every item."""
+    p = torch.as_tensor(values).detach().double().cpu()
+    if p.numel() == 1:
+        p = p.reshape(1).expand(n)
+    return p.reshape(n, -1).amax(1).numpy()
+
+
 class ReplayBuffer:
     """TorchRL's ``TensorDictReplayBuffer`` over a table: uniform draws."""
 
@@ -87,7 +96,7 @@ class ReplayBuffer:
         if self.prioritized and update_priority is not False:
             p = tensordicts.get(self.priority_key, None)
             if p is not None:
-                prios = p.detach().reshape(n, -1).amax(1).double().cpu().numpy() + self._eps
+                prios = _item_priorities(p, n) + self._eps
         self._side.insert(tensordicts, prios, self.timeout)
 
     def add(self, data: TensorDictBase) -> None:
@@ -254,10 +263,7 @@ class PrioritizedReplayBuffer(ReplayBuffer):
         (with ``generation``, its ``"index_generation"``; without, the
         generation this buffer's last sample of the slot saw)."""
         slots = torch.as_tensor(index).reshape(-1).cpu().numpy().astype(np.int64)
-        p = torch.as_tensor(priority).detach().double().cpu()
-        if p.numel() == 1:
-            p = p.reshape(1).expand(slots.shape[0])  # one priority for every index, as TorchRL takes it
-        p = p.reshape(slots.shape[0], -1).amax(1).numpy()
+        p = _item_priorities(priority, slots.shape[0])
         cap = self.capacity
         if slots.size and (slots.min() < 0 or slots.max() >= cap):
             raise ReplayError(f"index holds slots outside 0..{cap - 1}: pass the sample's 'index'")

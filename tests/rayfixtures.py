@@ -56,6 +56,26 @@ def cluster():
     assert not [p for p in absent if os.path.exists(p)], "Ray made state of its own outside the run"
 
 
+@pytest.fixture(scope="module")
+def cluster3():
+    """A three-node cluster (the head, ``replay_node``; two more,
+    ``remote_node_1`` and ``remote_node_2``), all on 127.0.0.1, for the
+    sharded tables' modules: the ``LocalCluster`` itself (``node_ids``,
+    ``lose_node``), this process its driver."""
+    absent = [p for p in RAY_DEFAULTS if not os.path.exists(p)]
+    c = LocalCluster(remote_cpus=1, object_store_bytes=100_000_000,
+                     pythonpath=os.pathsep.join([HERE, CHECKOUT]), remote_nodes=2)
+    try:
+        c.start()
+        c.connect()
+        yield c
+    finally:
+        c.stop()
+    assert not c.leftovers()
+    assert not os.path.exists(c.temp), f"the nodes' session files are left in {c.temp}"
+    assert not [p for p in absent if os.path.exists(p)], "Ray made state of its own outside the run"
+
+
 def before_the_ingest_thread(attempt, tries: int = 3):
     """What ``attempt(k)`` (k = 0, 1, ...) saw, from a run in which the
     ingest's thread could not yet have inserted the chunks it held.

@@ -133,3 +133,30 @@ def test_a_forked_child_ending_leaves_its_parents_server_running():
         assert json.loads(out.stdout) == {"child": 0, "len": 1, "dir": True}
     finally:
         remove_entries(instance)
+
+
+def test_a_server_whose_daemon_was_killed_starts_it_again_with_its_items():
+    """``Server.restart`` (what a shard host does when its daemon dies):
+    the same socket and instance, the tables adopted with their items; a
+    client with ``reconnect=True`` carries on; refused while it runs."""
+    import numpy as np
+    import shmreplay
+    from shmreplay.errors import ReplayError
+    with shmreplay.Server(tables=[dict(name="t", capacity=16, fields={"x": ("float32", ())})]) as server:
+        c = server.connect(reconnect=True)
+        t = c.table("t")
+        t.insert_batch({"x": np.arange(5, dtype=np.float32)})
+        c.flush()
+        with pytest.raises(ReplayError, match="is running"):
+            server.restart()
+        first = server.pid
+        os.kill(first, signal.SIGKILL)
+        server.proc.wait()
+        server.restart()
+        assert server.pid != first and server.proc.poll() is None
+        assert len(t) == 5 and sorted(t.sample(64).data["x"].tolist())[0] == 0.0
+        t.insert(x=9.0)
+        c.flush()
+        assert len(t) == 6
+    with pytest.raises(ReplayError, match="stopped"):
+        server.restart()

@@ -48,9 +48,14 @@ REAP_S = 30.0    # ... and for what is left of one to go after SIGKILL
 
 
 class LocalCluster:
-    def __init__(self, remote_cpus: int, object_store_bytes: int, pythonpath: str | None = None):
-        """``pythonpath``: a folder the nodes' workers import from (a test's helpers)."""
+    def __init__(self, remote_cpus: int, object_store_bytes: int, pythonpath: str | None = None,
+                 remote_nodes: int = 1):
+        """``pythonpath``: a folder the nodes' workers import from (a test's
+        helpers).  ``remote_nodes``: nodes besides the head, each with
+        ``remote_cpus`` (labelled ``remote_node``, and ``remote_node_<k>``
+        for the k-th, k from 1)."""
         self.remote_cpus, self.store, self.pythonpath = remote_cpus, object_store_bytes, pythonpath
+        self.remote_nodes = remote_nodes
         self.nodes: list[subprocess.Popen] = []
         self.sessions: list[int] = []  # each node's session id (its ``ray start``'s pid)
         self.temp = self.address = None
@@ -71,9 +76,16 @@ class LocalCluster:
             if self.nodes[0].poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError(f"the Ray head node did not come up (exit code {self.nodes[0].poll()})")
             time.sleep(0.1)
-        self.nodes.append(self._node(f"--address={self.address}", f"--num-cpus={self.remote_cpus}",
-                                     "--resources=" + json.dumps({"remote_node": self.remote_cpus})))
+        if self.remote_nodes == 1:
+            self._remote(1)
         return self.address
+
+    def _remote(self, k: int) -> None:
+        # nodes on one address clash on their agents' fixed default ports
+        ports = [f"--{flag}={_free_port()}" for flag in AGENT_PORTS] if self.remote_nodes > 1 else []
+        self.nodes.append(self._node(f"--address={self.address}", f"--num-cpus={self.remote_cpus}", *ports,
+                                     "--resources=" + json.dumps({"remote_node": self.remote_cpus,
+                                                                  f"remote_node_{k}": 1})))
 
     def connect(self, **init) -> str:
         """``ray.init`` this process as the cluster's driver, wait for the
@@ -82,15 +94,50 @@ class LocalCluster:
         self._saved = {k: os.environ.get(k) for k in ENV}
         os.environ.update(ENV)
         ray.init(address=self.address, logging_level="ERROR", log_to_driver=False, **init)
+        if self.remote_nodes > 1:
+            # one at a time: raylets starting together in one session folder
+            # race for the names of their sockets (one dies, "bind: Address
+            # already in use")
+            for k in range(1, self.remote_nodes + 1):
+                self._remote(k)
+                deadline = time.monotonic() + START_S
+                while not ray.cluster_resources().get(f"remote_node_{k}"):
+                    if self.nodes[-1].poll() is not None or time.monotonic() > deadline:
+                        raise RuntimeError(f"Ray node {k} did not join (exit code {self.nodes[-1].poll()})")
+                    time.sleep(0.1)
         deadline = time.monotonic() + START_S
-        while ray.cluster_resources().get("remote_node") != self.remote_cpus:
+        while ray.cluster_resources().get("remote_node") != self.remote_cpus * self.remote_nodes:
             if time.monotonic() > deadline:
-                raise RuntimeError("the second Ray node did not join")
+                raise RuntimeError("the other Ray nodes did not join")
             time.sleep(0.1)
         return next(n["NodeID"] for n in ray.nodes() if n["Alive"] and "replay_node" in n["Resources"])
 
+    def node_ids(self) -> list[str]:
+        """The alive nodes' ids: the head's first, then the k-th remote node's."""
+        import ray
+        alive = [n for n in ray.nodes() if n["Alive"]]
+        head = [n["NodeID"] for n in alive if "replay_node" in n["Resources"]]
+        rest = sorted((next(int(r.rsplit("_", 1)[1]) for r in n["Resources"] if r.startswith("remote_node_")),
+                       n["NodeID"]) for n in alive if "remote_node" in n["Resources"])
+        return head + [node for _, node in rest]
+
+    def lose_node(self, k: int) -> None:
+        """Stop the k-th remote node for good (every process of its session),
+        as a box that went away: what ran there dies with it."""
+        _stop(self.nodes[k])
+        deadline = time.monotonic() + REAP_S
+        while _session(self.sessions[k]):
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"node {k}'s processes outlived SIGKILL for {REAP_S} s")
+            for pid in _session(self.sessions[k]):
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            time.sleep(0.05)
+
     def stop(self) -> None:
-        """Disconnect the driver, stop both nodes, remove the temp folder."""
+        """Disconnect the driver, stop every node, remove the temp folder."""
         try:
             import ray
             if ray.is_initialized():
@@ -123,6 +170,16 @@ class LocalCluster:
                              start_new_session=True)
         self.sessions.append(p.pid)
         return p
+
+
+AGENT_PORTS = ("dashboard-agent-listen-port", "dashboard-agent-grpc-port", "metrics-export-port",
+               "runtime-env-agent-port", "node-manager-port", "object-manager-port")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def listening(port: int) -> bool:

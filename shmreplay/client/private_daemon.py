@@ -193,12 +193,10 @@ class Server:
             # both 0600: with group= the directory lets the group pass through
             with open(os.open(self.config, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as f:
                 f.write(_toml_doc(_private_config(doc, None if gid is None else gid)))
-            with open(os.open(self.log_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "wb") as log:
-                self.proc = subprocess.Popen(
-                    [python or sys.executable, "-m", "shmreplay.server.daemon", "--config", self.config,
-                     "--socket", self.socket, "--instance", self.instance],
-                    stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                    env=env, preexec_fn=functools.partial(_die_with_parent, preexec))
+            self._argv = [python or sys.executable, "-m", "shmreplay.server.daemon", "--config", self.config,
+                          "--socket", self.socket, "--instance", self.instance]
+            self._env, self._preexec = env, preexec
+            self._launch(os.O_EXCL)
             admin = self._wait_ready(timeout)
             try:
                 for t in tables:
@@ -213,6 +211,29 @@ class Server:
             raise
         _live.add(self)
         _unwind_on_sigterm()
+
+    def _launch(self, mode: int) -> None:
+        """Start ``shmreplayd`` on this Server's socket and instance, its
+        output appended to the log (``mode``: O_EXCL the first time)."""
+        flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW | mode
+        with open(os.open(self.log_path, flags, 0o600), "ab") as log:
+            self.proc = subprocess.Popen(self._argv, stdout=log, stderr=subprocess.STDOUT,
+                                         stdin=subprocess.DEVNULL, env=self._env,
+                                         preexec_fn=functools.partial(_die_with_parent, self._preexec))
+
+    def restart(self, timeout: float = START_TIMEOUT_S) -> None:
+        """Start the daemon again after it died (SIGKILL, OOM, a crash), on
+        the same socket and instance: it adopts the tables the dead one
+        left in /dev/shm (server/control/recovery.py), so their items come
+        back; clients with ``reconnect=True`` carry on.  Returns once it
+        serves.  Refused while it runs, once stopped, and in a forked copy;
+        the daemon is a child of the calling thread from then on."""
+        if self.owner_pid != os.getpid() or self.proc is None:
+            raise ReplayError("this Server is stopped (or a forked copy): make a new one")
+        if self.proc.poll() is None:
+            raise ReplayError(f"shmreplayd (pid {self.proc.pid}) is running: stop or kill it first")
+        self._launch(0)
+        self._wait_ready(timeout).close()
 
     def _wait_ready(self, timeout: float) -> Client:
         deadline = time.monotonic() + timeout

@@ -104,16 +104,29 @@ table side: the client, the chunks written into the table),
 (each producer's secret key and what the ingest owes it); ``writer.py`` (``RemoteWriter``) with ``packing.py`` (a
 small chunk's wire form) and ``steps.py`` (the n-step and sequence
 writers, remote); ``relay.py`` (a ``ParameterBoard`` read on the replay
-node for remote actors); ``shardmath.py`` (issue 39, its first part: how
-a batch splits over shards by priority mass so that it is drawn as from
-one table of their union, and the weights against the global minimum).
+node for remote actors).
+
+Sharded tables (one table over several nodes' daemons, sampled as one
+table of their union; docs/scaling.md): ``shardtable.py``
+(``ShardedTable``) with ``shardbook.py`` (a learner's agents and what each
+shard last reported), ``sharddraws.py`` (one batch over the shards) and
+``shardmath.py`` (how a batch splits by priority mass, and the weights
+against the global minimum); ``shardagent.py`` (a learner's client of one
+shard, on its node); ``shardhost.py`` (a node's shard daemon and ingests:
+``start_shards``); ``shardwriter.py`` (``ShardedWriter``: the local shard
+first, else in turn).
 """
 
 from .ingest import start_ingest
 from .inserter import LEASE_KEEP_S
 from .relay import start_parameter_relay
+from .sharddraws import ShardBatch
+from .shardhost import Shard, attach_shards, start_shards, stop_shards
+from .shardtable import ShardedTable
+from .shardwriter import ShardedWriter
 from .steps import RemoteNStepWriter, RemoteSequenceWriter
 from .writer import ChunkRefused, RemoteWriter
 
 __all__ = ["ChunkRefused", "LEASE_KEEP_S", "RemoteNStepWriter", "RemoteSequenceWriter", "RemoteWriter",
-           "start_ingest", "start_parameter_relay"]
+           "Shard", "ShardBatch", "ShardedTable", "ShardedWriter", "attach_shards", "start_ingest",
+           "start_parameter_relay", "start_shards", "stop_shards"]

@@ -62,6 +62,8 @@ def snapshot_stats(t, pids: dict | None = None) -> dict:
            "orphaned": orphaned, "orphan_holders": orphan_holders,
            "limiter": {**t.counters.snapshot(led.pending), **limiter_state(t, led.pending)},
            "max_priority": t.selection.max_priority, "sampler": t.spec.sampler,
+           # what a shard reports to a sharded table's learner (ray/shardmath.py)
+           "mass": t.selection.mass, "least": t.selection.least,
            "remover": t.spec.remover, "rows": t.map.rows.name, "rows_bytes": t.map.layout.rows_size,
            "file_backed": t.spec.file_backed, "durable": t.durable is not None}
     if t.durable is not None:

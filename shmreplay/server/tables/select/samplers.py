@@ -25,6 +25,13 @@ class SamplerBase:
 
     scratch = (np.empty(0, np.int64), np.empty(0))  # grown on demand: slots, values
 
+    @property
+    def least(self) -> float:
+        """The smallest mass one item adds (what a shard reports as its
+        minimum, ray/shardmath.py): 1 where items are equally likely, 0
+        when there is none."""
+        return 1.0 if self.mass > 0 else 0.0
+
     def _scratch(self, n: int) -> tuple[np.ndarray, np.ndarray]:
         if self.scratch[0].shape[0] < n:
             self.scratch = (np.empty(n, np.int64), np.empty(n))
@@ -96,6 +103,13 @@ class PrioritizedSampler(SamplerBase):
     @property
     def mass(self) -> float:
         return float(self.sums[1])
+
+    @property
+    def least(self) -> float:
+        """The smallest positive p^alpha (the min tree's root; +inf there
+        when no item has a positive priority: 0 here)."""
+        m = float(self.mins[1])
+        return m if np.isfinite(m) else 0.0
 
     def pick(self, n: int, rng, beta: float = 0.0, uses_left=None):
         u01 = rng.random(n)

@@ -55,6 +55,11 @@ class Selection:
         """> 0 iff the sampler can pick something."""
         return self.sampler.mass
 
+    @property
+    def least(self) -> float:
+        """The smallest mass of one sampleable item (0: none)."""
+        return self.sampler.least
+
     # ---- items in and out ----
     def stamp(self, slots: np.ndarray, given: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
         """New items' marks in the segment, written before their state says

@@ -1,0 +1,143 @@
+"""A learner's hand on one shard: an actor on the shard's node that reports
+the shard's mass, draws the shard's part of a batch and packs its rows.
+
+A ``ShardedTable`` (shardtable.py) starts one ``ShardAgent`` per shard,
+pinned to the shard's node (``soft=False``), owned by the learner's
+process: a learner that dies takes its agents with it, and their clients'
+holds and leases go back to the daemons as any local client's do.  The
+agent is an ordinary local client of the shard's daemon: it draws with
+``Table.sample`` (stratified, the table's own limits and reuse rules),
+gathers the rows from the node's shared memory, and packs them, with each
+row's key and probability, into one array (``row_dtype``): the batch's
+part travels through Ray's object store as that one array, not a call or
+an array per row or per field.
+
+A daemon that does not answer (killed, restarting) makes ``report`` say
+``down`` instead of raising, at once: the agent reconnects (once, for at
+most ``CONNECT_S``) at its next call, so a shard whose daemon came back
+serves again from the next batch.
+
+Who calls it: the ``ShardedTable`` that made it; its methods run one at a
+time (a Ray actor without concurrency).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..client.client import connect
+from ..errors import DaemonUnavailable, ReplayError, UnknownTable
+
+CONNECT_S = 5.0  # how long an agent waits to reach its daemon per call
+KEY, PROB = "_shard_key", "_shard_p"  # the packed row's key and probability
+
+
+def row_dtype(fields: list) -> np.dtype:
+    """A packed row: the table's fields (``[name, dtype, shape]``, the wire
+    form), then the item's key and its probability within the shard."""
+    return np.dtype([(name, np.dtype(dt), tuple(shape)) for name, dt, shape in fields]
+                    + [(KEY, np.uint64), (PROB, np.float64)])
+
+
+class ShardAgent:
+    """One learner's client of one shard's table (see the module docstring)."""
+
+    def __init__(self, socket: str, table: str):
+        self.socket, self.name = socket, table
+        self.client = self.table = self.row = None
+
+    def _table(self):
+        if self.client is None:
+            self.client = connect(self.socket, timeout=CONNECT_S)
+            self.table = None
+        if self.table is None:
+            self.table = self.client.table(self.name)
+            self.row = row_dtype([f.to_wire() for f in self.table.spec.fields])
+        return self.table
+
+    def _lose_client(self) -> None:
+        try:
+            if self.client is not None:
+                self.client.close()
+        except ReplayError:
+            pass
+        self.client = self.table = None
+
+    def close(self) -> None:
+        """Close the client (the learner's own agent, at the table's close)."""
+        self._lose_client()
+
+    def _call(self, fn):
+        try:
+            return fn(self._table())
+        except DaemonUnavailable:
+            self._lose_client()
+            raise
+
+    # ---- the table ----
+    def create(self, kwargs: dict, queue: bool) -> dict:
+        """Make this shard's table (``Client.create_table``'s or
+        ``create_queue``'s arguments); returns ``describe()``."""
+        if self.client is None:
+            self.client = connect(self.socket, timeout=CONNECT_S)
+        make = self.client.create_queue if queue else self.client.create_table
+        make(self.name, **kwargs)
+        return self.describe()
+
+    def describe(self) -> dict:
+        """The table's definition (``TableSpec.to_wire``)."""
+        spec = self._call(lambda t: t.spec)
+        if spec.frames:
+            raise ReplayError(f"table {self.name!r} stores frames: a sharded table takes tables of rows")
+        return spec.to_wire()
+
+    def drop(self) -> None:
+        if self.client is None:
+            self.client = connect(self.socket, timeout=CONNECT_S)
+        try:
+            self.client.drop_table(self.name)
+        except UnknownTable:
+            pass
+        self.table = None
+
+    # ---- a learner's calls ----
+    def report(self) -> dict:
+        """The shard's mass (sum of p^alpha of its sampleable items; their
+        count on a uniform or order sampler), its smallest one (``least``)
+        and its size; ``{"down": why}`` when its daemon does not answer."""
+        try:
+            self._call(lambda t: None)
+            stats = self.client.stats()["tables"][self.name]
+        except DaemonUnavailable as exc:
+            self._lose_client()
+            return {"down": str(exc)}
+        except KeyError:
+            return {"down": f"the daemon has no table {self.name!r} (dropped, or not adopted after a restart)"}
+        return {"mass": stats["mass"], "least": stats["least"], "size": stats["size"],
+                "capacity": stats["capacity"], "samples": stats["samples"], "inserts": stats["inserts"]}
+
+    def draw(self, k: int, beta: float, timeout: float | None) -> np.ndarray:
+        """Draw k items and return them packed: one structured array of
+        ``row_dtype`` (rows, key, probability within the shard)."""
+        b = self._call(lambda t: t.sample(k, beta=beta, timeout=timeout))
+        out = np.empty(k, self.row)
+        for name in b.data:
+            out[name] = b.data[name]
+        out[KEY] = b.keys
+        out[PROB] = b.probabilities
+        return out
+
+    def update(self, keys: np.ndarray, priorities: np.ndarray) -> None:
+        """New priorities for keys this shard gave (stale ones are skipped
+        and counted by the table, as a local learner's)."""
+        self._call(lambda t: t.update_priorities(keys, priorities))
+
+    def checkpoint(self, to: str) -> list:
+        """A checkpoint of this shard's table into ``to`` on its node."""
+        return self._call(lambda t: self.client.checkpoint(to, tables=self.name))
+
+    def stats(self) -> dict:
+        """The table's stats as the shard's daemon reports them, with the
+        daemon's count of connected clients (``daemon_clients``)."""
+        got = self._call(lambda t: self.client.stats())
+        return {**got["tables"][self.name], "daemon_clients": got["clients"]}

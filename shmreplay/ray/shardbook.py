@@ -1,0 +1,201 @@
+"""What one learner knows of a sharded table's shards: its agent on each,
+what each last reported, and which are lost for good.
+
+The learner's own shard (one on the node it runs on) is served in this
+process by a ``ShardAgent`` object, a local client of that node's daemon:
+its rows are gathered from the node's shared memory, with no Ray call.
+Every other shard gets an agent actor pinned to its node and owned by
+this process.
+
+A call to an agent that fails tells the kind of failure apart:
+
+* the agent answers ``down`` (its daemon does not answer): the shard is
+  left out of this batch and asked again at the next;
+* the agent actor died and its node is alive: a new agent is started
+  (the next batch uses it);
+* the agent actor died with its node (Ray says the node is dead): the
+  shard is ``lost`` for good, with the items it last reported; the table
+  serves on with the rest;
+* no answer within ``CALL_S``: left out of this batch.
+
+Who calls it: the ``ShardedTable`` that owns it, one thread at a time.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+from ..errors import DaemonUnavailable, PriorityError, ReplayError
+from .shardagent import KEY, PROB, ShardAgent
+
+CALL_S = 30.0  # the longest a report or a draw's answer is waited for past its own timeout
+
+
+class ShardBook:
+    def __init__(self, shards: list, name: str):
+        self.shards, self.name = list(shards), name
+        self.here = ray.get_runtime_context().get_node_id()
+        self.lost: dict = {}  # shard -> {"node", "why", "items"}
+        self.last: list = [{} for _ in self.shards]  # each shard's last good report
+        self.local = next((i for i, s in enumerate(self.shards) if s.node == self.here), None)
+        self.agents = [ShardAgent(s.socket, name) if i == self.local else self._start_agent(i)
+                       for i, s in enumerate(self.shards)]
+        self.pending: list = []  # priority updates sent to remote agents, not yet seen through
+        self.updates_lost = 0
+
+    count = property(lambda self: len(self.shards))
+
+    def _start_agent(self, i: int):
+        s = self.shards[i]
+        return ray.remote(ShardAgent).options(
+            num_cpus=0, max_restarts=0,
+            scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=s.node, soft=False)).remote(s.socket, self.name)
+
+    def close(self) -> None:
+        for i, a in enumerate(self.agents):
+            if i == self.local:
+                a.close()
+            elif a is not None:
+                ray.kill(a)
+        self.agents = [None] * len(self.shards)
+
+    # ---- calls to every shard ----
+    def call(self, method: str, *args, shards=None, timeout: float | None = CALL_S) -> dict:
+        """``method(*args)`` on each shard in service (or ``shards``): shard ->
+        its answer, or the exception it raised (``ray.get`` unwrapped)."""
+        idx = [i for i in (range(self.count) if shards is None else shards) if i not in self.lost]
+        refs = {i: getattr(self.agents[i], method).remote(*args) for i in idx if i != self.local}
+        out = {}
+        if self.local in idx:
+            try:
+                out[self.local] = getattr(self.agents[self.local], method)(*args)
+            except ReplayError as exc:
+                out[self.local] = exc
+        for i, ref in refs.items():
+            out[i] = self._get(i, ref, timeout)
+        return out
+
+    def _get(self, i: int, ref, timeout):
+        try:
+            return ray.get(ref, timeout=timeout)
+        except ray.exceptions.GetTimeoutError:
+            ray.cancel(ref)
+            return DaemonUnavailable(f"shard {i} (node {self.shards[i].node[:12]}) did not answer within {timeout} s")
+        except ray.exceptions.RayTaskError as exc:
+            cause = exc.cause if isinstance(exc.cause, BaseException) else exc
+            return cause
+        except ray.exceptions.RayActorError as exc:
+            return self._agent_died(i, exc)
+
+    def _agent_died(self, i: int, exc) -> DaemonUnavailable:
+        node = self.shards[i].node
+        alive = {n["NodeID"]: n["Alive"] for n in ray.nodes()}
+        if not alive.get(node, False):
+            self.lost[i] = {"node": node, "why": f"its node is gone: {type(exc).__name__}",
+                            "items": self.last[i].get("size", 0)}
+            self.agents[i] = None
+            return DaemonUnavailable(f"shard {i} is lost: node {node[:12]} is gone")
+        self.agents[i] = self._start_agent(i)
+        return DaemonUnavailable(f"shard {i}'s agent died ({type(exc).__name__}); a new one serves the next batch")
+
+    # ---- what ShardDraws asks ----
+    def reports(self, exclude=()) -> dict:
+        """shard -> its report, or ``{"down": why}``, for shards in service
+        not in ``exclude``."""
+        got = self.call("report", shards=[i for i in range(self.count) if i not in exclude])
+        out = {}
+        for i, r in got.items():
+            if isinstance(r, BaseException):
+                r = {"down": str(r)}
+            elif "down" not in r:
+                self.last[i] = r
+            out[i] = r
+        for i, info in self.lost.items():
+            if i not in exclude:
+                out[i] = {"down": f"lost: {info['why']}"}
+        return out
+
+    def last_mass(self, i: int) -> float:
+        return float(self.last[i].get("mass", 0.0))
+
+    def last_least(self) -> float:
+        seen = [r["least"] for r in self.last if r.get("least", 0) > 0]
+        return min(seen) if seen else 1.0
+
+    def draw(self, counts: dict, beta: float, deadline: float | None) -> tuple[dict, dict]:
+        """Each shard's draw of its count: ({shard: (data, keys, p within
+        the shard)}, {shard: the exception a failed draw raised})."""
+        import time
+        wait = None if deadline is None else max(0.0, deadline - time.monotonic())
+        idx = list(counts)
+        refs = {i: self.agents[i].draw.remote(counts[i], beta, wait) for i in idx if i != self.local}
+        got, failed = {}, {}
+        if self.local in counts:
+            try:
+                got[self.local] = _unpacked(self.agents[self.local].draw(counts[self.local], beta, wait))
+            except ReplayError as exc:
+                failed[self.local] = exc
+        for i, ref in refs.items():
+            r = self._get(i, ref, None if wait is None else wait + CALL_S)
+            if isinstance(r, BaseException):
+                failed[i] = r
+            else:
+                got[i] = _unpacked(r)
+        return {i: got[i] for i in idx if i in got}, failed
+
+    # ---- priority updates ----
+    def update(self, keys, priorities, shards) -> None:
+        """New priorities to the shards the keys came from; what earlier
+        updates to remote shards raised comes up here (bad priorities), a
+        shard out of service drops them (counted: ``updates_lost``)."""
+        keys = np.ascontiguousarray(keys, np.uint64)
+        prios = np.ascontiguousarray(priorities, np.float64)
+        where = np.ascontiguousarray(shards, np.int64)
+        if not keys.shape == prios.shape == where.shape or keys.ndim != 1:
+            raise PriorityError(f"keys, priorities and shards must be 1-d and as long: got {keys.shape}, "
+                                f"{prios.shape}, {where.shape}")
+        if not np.all(np.isfinite(prios)) or np.any(prios < 0):
+            raise PriorityError("priorities must be finite and >= 0 (no NaN, no inf)")
+        if where.size and (where.min() < 0 or where.max() >= self.count):
+            raise PriorityError(f"shards must be 0..{self.count - 1} (a batch's ``shards``), got {where.max()}")
+        self._settle(0)
+        for i in np.unique(where):
+            i = int(i)
+            if i in self.lost:
+                self.updates_lost += int(np.count_nonzero(where == i))
+                continue
+            sel = where == i
+            if i == self.local:
+                try:
+                    self.agents[i].update(keys[sel], prios[sel])
+                except DaemonUnavailable:
+                    self.updates_lost += int(np.count_nonzero(sel))
+            else:
+                self.pending.append((i, int(np.count_nonzero(sel)), self.agents[i].update.remote(keys[sel], prios[sel])))
+
+    def settle(self, timeout: float = CALL_S) -> None:
+        """Wait for every update sent so far (``ShardedTable.flush``)."""
+        self._settle(timeout)
+
+    def _settle(self, timeout: float) -> None:
+        keep = []
+        for i, n, ref in self.pending:
+            ready, _ = ray.wait([ref], timeout=timeout)
+            if not ready:
+                keep.append((i, n, ref))
+                continue
+            r = self._get(i, ref, 0)
+            if isinstance(r, DaemonUnavailable):
+                self.updates_lost += n
+            elif isinstance(r, BaseException):
+                self.pending = keep
+                raise r
+        self.pending = keep
+
+
+def _unpacked(rec: np.ndarray) -> tuple[dict, np.ndarray, np.ndarray]:
+    """A packed part's rows as views: (field -> rows, keys, probabilities)."""
+    names = [n for n in rec.dtype.names if n not in (KEY, PROB)]
+    return {n: rec[n] for n in names}, rec[KEY], rec[PROB]

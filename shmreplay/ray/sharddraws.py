@@ -1,0 +1,205 @@
+"""One batch drawn over a sharded table's shards, as from one table of their union.
+
+For a batch of B: every shard in service reports its mass M_s (sum of
+p^alpha of its sampleable items; their count on a uniform or order
+sampler) and its smallest item mass m_s (shardagent.py); ``shardmath.split``
+cuts B over the shards by stratified positions over the cumulated masses;
+each shard draws its count from its own table (stratified, the table's own
+limits and reuse rules) and packs the rows; the learner's own shard is
+drawn through its local client, straight into the batch's arrays.  Each
+row then carries
+
+* P(i) = P_s(i) x M_s / M, P_s(i) the probability the shard's table gave
+  it and M the sum of the masses the split used: exactly the chance the
+  draw picked it (split picks shard s with M_s / M, the shard then item i
+  with P_s(i));
+* its weight (P(i) / P_min)^-beta with P_min = min_s m_s / M, which is
+  (p_i^alpha / min_s m_s)^-beta: the weight one table of the union gives.
+
+An order sampler's rows (fifo, lifo, a queue) carry probability and weight
+1, as a local table's; a queue batch is split by the shards' ready items,
+no shard asked for more than it holds.
+
+Shards left out of a batch are said in it (``ShardBatch.missing``: shard
+index -> why, and ``mass_left_out``, the mass they last reported): a
+daemon that does not answer, a shard whose node is gone (``lost``, for
+good).  A shard whose draw fails after the split (its daemon died in
+between) is left out and its part drawn from the others in a next round
+(at most one round per shard); those rows carry their own round's P.
+Rows a shard gave for a batch that then failed (a limit's timeout in
+another shard) are kept and start the next batch: a queue's items are
+never drawn and dropped.
+
+Who calls it: the ``ShardedTable`` that owns it, one thread at a time (its
+``sample``: the caller's thread, or the prefetch thread of ``iterate``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import numpy as np
+import ray
+
+from ..client.gather import SampleBatch
+from ..errors import DaemonUnavailable, RateLimited, ReplayError
+from . import shardmath
+
+POLL_S = (0.02, 0.5)  # waits between reports while nothing can be drawn: first, longest
+
+
+@dataclasses.dataclass
+class ShardBatch(SampleBatch):
+    """A ``SampleBatch`` drawn over shards: ``shards[i]`` is the shard row
+    i came from (pass it to ``ShardedTable.update_priorities``); ``missing``
+    the shards left out (index -> why), ``mass_left_out`` the mass they
+    last reported (0 when none was)."""
+
+    shards: np.ndarray = None
+    missing: dict = dataclasses.field(default_factory=dict)
+    mass_left_out: float = 0.0
+
+
+@dataclasses.dataclass
+class Part:
+    """Rows one shard gave: field -> rows, their keys, their p^alpha
+    (P_s(i) x M_s; None on an order sampler) and the split's total mass M."""
+
+    shard: int
+    data: dict
+    keys: np.ndarray
+    p_alpha: np.ndarray | None
+    total: float
+
+    def __len__(self) -> int:
+        return self.keys.shape[0]
+
+    def cut(self, k: int) -> tuple["Part", "Part"]:
+        """The first k rows, and the rest."""
+        def half(s):
+            return Part(self.shard, {f: a[s] for f, a in self.data.items()}, self.keys[s],
+                        None if self.p_alpha is None else self.p_alpha[s], self.total)
+        return half(slice(None, k)), half(slice(k, None))
+
+
+class ShardDraws:
+    def __init__(self, book, fields, ordered: bool, seed=None, split: str = "mass"):
+        """``book``: the table's ``ShardBook`` (reports, agents, the local
+        shard); ``ordered``: an order sampler (probabilities and weights 1);
+        ``split``: "mass", or "in_turn", the rule of a client that samples
+        each server in turn (Reverb's), kept to compare against: its rows'
+        P(i) are not what it drew with."""
+        if split not in ("mass", "in_turn"):
+            raise ReplayError(f"split must be 'mass' or 'in_turn', got {split!r}")
+        self.book, self.fields, self.ordered, self.split = book, fields, ordered, split
+        self.rng = np.random.default_rng(seed)
+        self.carry: list[Part] = []  # what shards gave for a batch that then failed
+
+    def sample(self, n: int, beta: float, out: ShardBatch | None, timeout: float | None) -> ShardBatch:
+        if not isinstance(n, (int, np.integer)) or n < 1:
+            raise ReplayError(f"batch_size must be an int >= 1, got {n!r}")
+        out = out if out is not None else new_batch(self.fields, n)
+        if len(out) != n:
+            raise ReplayError(f"out= holds {len(out)} rows, the batch asks for {n}")
+        deadline = None if timeout is None else time.monotonic() + timeout
+        parts, missing, left_out = self._carried(n), {}, {}
+        rows, least, wait = sum(map(len, parts)), np.inf, POLL_S[0]
+        while rows < n:
+            if len(missing) >= self.book.count:
+                self.carry = parts + self.carry
+                raise DaemonUnavailable(f"every shard of the table is out of service: {missing}")
+            reports = self.book.reports(exclude=missing)
+            for i, r in reports.items():
+                if "down" in r:
+                    missing[i] = r["down"]
+                    left_out[i] = self.book.last_mass(i)
+            usable = {i: r for i, r in reports.items() if "down" not in r and r["mass"] > 0}
+            if not usable:
+                if missing and len(missing) >= self.book.count:
+                    continue  # raised above
+                if deadline is not None and time.monotonic() + wait > deadline:
+                    self.carry = parts + self.carry
+                    raise RateLimited(f"no shard of the table held an item to draw within {timeout} s"
+                                      + (f" (left out: {missing})" if missing else ""))
+                time.sleep(wait)  # every shard empty: as a local table's sample, wait for items
+                wait = min(2 * wait, POLL_S[1])
+                continue
+            least = min(least, min(r["least"] for r in usable.values()))
+            counts = self._counts(usable, n - rows)
+            total = float(sum(r["mass"] for r in usable.values()))
+            got, failed = self.book.draw(counts, beta, deadline)
+            for shard, (data, keys, p_local) in got.items():
+                parts.append(Part(shard, data, keys, None if self.ordered else p_local * usable[shard]["mass"],
+                                  total))
+                rows += keys.shape[0]
+            for shard, why in failed.items():
+                if not isinstance(why, DaemonUnavailable):  # a limit's timeout, bad input: keep what came
+                    self.carry = parts + self.carry
+                    raise why
+                missing[shard] = str(why)
+                left_out[shard] = usable[shard]["mass"]
+        self._finish(parts, out, beta, least)
+        out.missing, out.mass_left_out = dict(missing), float(sum(left_out.values()))
+        return out
+
+    def _carried(self, n: int) -> list:
+        """Up to n rows of what a failed batch got, oldest first."""
+        parts, rows = [], 0
+        while self.carry and rows < n:
+            part = self.carry.pop(0)
+            if rows + len(part) > n:
+                part, rest = part.cut(n - rows)
+                self.carry.insert(0, rest)
+            parts.append(part)
+            rows += len(part)
+        return parts
+
+    def _counts(self, usable: dict, n: int) -> dict:
+        """Draws per usable shard: by mass (``shardmath.split``); an order
+        sampler's by ready items, none over what a shard holds unless the
+        shards hold fewer than n in all (then the largest waits for more)."""
+        ids = sorted(usable)
+        if self.split == "in_turn":
+            counts = shardmath.in_turn(n, len(ids))
+        else:
+            counts = shardmath.split([usable[i]["mass"] for i in ids], n, self.rng)
+        out = dict(zip(ids, (int(c) for c in counts)))
+        if self.ordered:
+            size = {i: int(usable[i]["mass"]) for i in ids}
+            extra = sum(max(0, out[i] - size[i]) for i in ids)
+            for i in ids:
+                out[i] = min(out[i], size[i])
+            for i in sorted(ids, key=lambda i: size[i] - out[i], reverse=True):
+                give = min(extra, size[i] - out[i])
+                out[i] += give
+                extra -= give
+            out[max(ids, key=lambda i: size[i])] += extra
+        return {i: c for i, c in out.items() if c > 0}
+
+    def _finish(self, parts: list, out: ShardBatch, beta: float, least: float) -> None:
+        """Copy every part's rows into the batch, with its shard, P and weight
+        (a batch of carried rows only: against the last minimum reported)."""
+        if not np.isfinite(least):
+            least = self.book.last_least()
+        at = 0
+        for part in parts:
+            k, sl = len(part), slice(at, at + len(part))
+            for f in self.fields:
+                out.data[f.name][sl] = part.data[f.name]
+            out.keys[sl] = part.keys
+            out.shards[sl] = part.shard
+            if part.p_alpha is None:
+                out.probabilities[sl] = 1.0
+                out.weights[sl] = 1.0
+            else:
+                out.probabilities[sl] = shardmath.probabilities(part.p_alpha, part.total)
+                out.weights[sl] = shardmath.weights(part.p_alpha, part.total, least, beta)
+            at += k
+        out.redraws = 0
+
+
+def new_batch(fields, n: int) -> ShardBatch:
+    """An empty batch of n rows of ``fields``."""
+    return ShardBatch({f.name: np.empty((n, *f.shape), f.dtype) for f in fields}, np.empty(n, np.uint64),
+                      np.empty(n), np.empty(n), shards=np.empty(n, np.int32))

@@ -1,0 +1,139 @@
+"""Issue 39, item 5: what a sharded table does when part of it fails, on a
+real three-node Ray cluster on 127.0.0.1: a shard's daemon killed and
+started again, a learner killed while its draw waits in a shard, a
+shard's node lost for good (last: the node stays gone for the module)."""
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+ray = pytest.importorskip("ray")
+import shmreplay.ray as sray  # noqa: E402
+from daemons import checkout_env  # noqa: E402
+from rayfixtures import cluster3  # noqa: E402,F401 (a fixture)
+from shardkit import FIELDS, LABELS, held, on, write  # noqa: E402
+from waiting import wait_for  # noqa: E402
+
+pytestmark = pytest.mark.xdist_group("ray")
+
+
+@pytest.fixture(scope="module")
+def shards(cluster3):
+    got = sray.start_shards(cluster3.node_ids(), auto_restart=False)
+    places = ray.get([s.host.where.remote() for s in got])
+    yield got
+    sray.stop_shards(got)  # a lost node's shard is skipped: its box went with it
+    for s, place in zip(got, places):  # what a lost box left on this one (they share /tmp and /dev/shm here)
+        if os.path.exists(os.path.dirname(s.socket)):
+            subprocess.run([sys.executable, "-m", "shmreplay.cli", "cleanup", "--instance", place["instance"]],
+                           env=checkout_env(), check=True, capture_output=True)
+            shutil.rmtree(os.path.dirname(s.socket))
+
+
+def fill(t, sizes, priorities, base: int = 0):
+    ray.get([write.options(**on(LABELS[s])).remote(t.writer(), base + 100 * s + np.arange(n),
+                                                  np.full(n, priorities[s])) for s, n in enumerate(sizes)])
+
+
+def where(shard) -> dict:
+    return ray.get(shard.host.where.remote())
+
+
+def test_a_shard_whose_daemon_died_is_left_out_until_it_is_back_with_its_items(shards):
+    t = sray.ShardedTable.create(shards, "crash", capacity=300, fields=FIELDS, alpha=1.0, seed=7)
+    try:
+        fill(t, (10, 10, 10), (1.0, 2.0, 4.0))  # masses 10, 20, 40
+        assert not t.sample(64).missing  # the learner has seen every shard's mass
+        os.kill(where(shards[1])["pid"], signal.SIGKILL)
+        wait_for(lambda: not where(shards[1])["running"], "shard 1's daemon to be dead")
+        for _ in range(3):  # batches go on from the other shards, and say what they left out
+            b = t.sample(64)
+            assert list(b.missing) == [1] and b.mass_left_out == 20.0
+            assert set(b.shards.tolist()) == {0, 2}
+            p = np.where(b.shards == 0, 1.0, 4.0)
+            np.testing.assert_allclose(b.probabilities, p / 50.0, rtol=1e-12)  # the live shards' union
+        assert "down" in t.stats()["shards"][1]
+
+        back = ray.get(shards[1].host.restart_daemon.remote())
+        assert back["running"] and back["restarts"] == 1
+        b = t.sample(256)  # the restarted daemon adopted the table: its items are back
+        assert not b.missing and set(b.shards.tolist()) == {0, 1, 2}
+        np.testing.assert_allclose(b.probabilities, np.array([1.0, 2.0, 4.0])[b.shards] / 70.0, rtol=1e-12)
+        assert ray.get(held.options(**on(LABELS[1])).remote(shards[1].socket, "crash"))[0] == list(range(100, 110))
+
+        # by default a host starts its daemon again by itself
+        ray.get(shards[1].host.set_auto_restart.remote(True))
+        os.kill(where(shards[1])["pid"], signal.SIGKILL)
+        wait_for(lambda: (lambda w: w["running"] and w["restarts"] == 2)(where(shards[1])),
+                 "shard 1's daemon to be started again by its host")
+        wait_for(lambda: not t.sample(32).missing, "shard 1 back in the batches")
+        assert t.stats()["shards"][1]["size"] == 10
+    finally:
+        ray.get(shards[1].host.set_auto_restart.remote(False))
+        t.drop()
+
+
+@ray.remote(num_cpus=0)
+class Learner:
+    """A learner on another node: its agents are its own (they die with it)."""
+
+    def __init__(self, table):
+        self.table = table
+
+    def draw_until_held(self) -> None:
+        while True:
+            self.table.sample(8)  # no timeout: waits in a shard's limits for ever
+
+
+def test_a_learner_killed_mid_batch_leaves_the_shards_serving_and_holding_nothing(shards):
+    # at most one sample an insert in each shard: a learner soon waits in one
+    t = sray.ShardedTable.create(shards, "held", capacity=300, fields=FIELDS, sampler="uniform",
+                                 samples_per_insert=1.0, error_buffer=(0.0, 100.0))
+    try:
+        fill(t, (4, 4, 4), (1.0, 1.0, 1.0))
+        clients = [e["daemon_clients"] for e in t.stats()["shards"]]
+        learner = Learner.options(**on("remote_node_1")).remote(t)
+        run = learner.draw_until_held.remote()
+        wait_for(lambda: sum(e["sample_waits"] for e in t.stats()["shards"]) > 0,
+                 "the learner's draw to wait in a shard's limiter")
+        ray.kill(learner)
+        with pytest.raises(ray.exceptions.RayActorError):
+            ray.get(run)
+        # its agents went with it: no shard holds a slot or a client for it
+        wait_for(lambda: all(not e["holders"] and e["held"] == 0 for e in t.stats()["shards"]),
+                 "the dead learner's holds to go")
+        fill(t, (20, 20, 20), (1.0, 1.0, 1.0), base=1000)
+        b = t.sample(8, timeout=60.0)  # the shards serve on
+        assert len(b) == 8 and not b.missing
+        assert clients == [e["daemon_clients"] for e in t.stats()["shards"]]
+    finally:
+        t.drop()
+
+
+def test_a_shard_whose_node_is_lost_is_named_in_stats_and_the_table_serves_on(cluster3, shards):
+    t = sray.ShardedTable.create(shards, "lose", capacity=300, fields=FIELDS, alpha=1.0, seed=9)
+    try:
+        fill(t, (10, 12, 14), (1.0, 1.0, 1.0))
+        before = t.sample(64)
+        assert set(before.shards.tolist()) == {0, 1, 2}
+        cluster3.lose_node(2)
+        b = t.sample(64)
+        assert list(b.missing) == [2] and "lost" in b.missing[2] and set(b.shards.tolist()) <= {0, 1}
+        np.testing.assert_allclose(b.probabilities, 1 / 22, rtol=1e-12)
+        st = t.stats()
+        assert st["lost"][2]["items"] == 14 and st["lost"][2]["node"] == shards[2].node
+        assert st["items_lost"] == 14 and st["size"] == 22 and "lost" in st["shards"][2]
+        t.update_priorities(before.keys, np.ones(64), before.shards)  # updates for the lost shard are dropped
+        t.flush()
+        assert t.stats()["updates_lost"] == int(np.count_nonzero(before.shards == 2))
+        # writers: the head's and remote_node_1's go to their own shards; one elsewhere
+        # (here the driver's copy, on the head) is not stopped by the lost shard
+        fill(t, (5, 5), (1.0, 1.0), base=5000)
+        assert t.stats()["size"] == 32
+    finally:
+        t.drop()

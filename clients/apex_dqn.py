@@ -33,6 +33,7 @@ actor failed; 1: an error (an uncaught exception).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import multiprocessing as mp
 import os
 import queue
@@ -60,6 +61,9 @@ def parse(argv=None):
                          "and the learner stay here (docs/scaling.md)")
     ap.add_argument("--actor-resource", metavar="NAME", default=None,
                     help="with --ray: each actor asks for resources={NAME: 1}")
+    ap.add_argument("--shards", type=int, default=0, metavar="N",
+                    help="with --ray: split the replay table over shard daemons on N nodes (this one "
+                         "first), sampled as one table (shmreplay.ray.ShardedTable, apex_ray.py)")
     ap.add_argument("--rows", action="store_true",
                     help="Atari: keep obs and next_obs stacks as rows, not as frames stored once "
                          "(a frame table, docs/frames.md: ~8x less replay memory)")
@@ -134,40 +138,6 @@ def actor(index: int, args, client, eps: list, stop, episodes, steps) -> None:
         client.close()
 
 
-class RayActor:
-    """An actor on any node of a Ray cluster (``--ray``): writes through the
-    ingest on the replay node, reads weights through the relay there."""
-
-    def __init__(self, index, args, eps, ingest, relay):
-        self.index, self.args, self.eps, self.ingest, self.relay = index, args, eps, ingest, relay
-        self.steps, self.episodes, self.stop = 0, [], False
-
-    def run(self) -> None:
-        import ray
-        import shmreplay.ray as sray
-        args = self.args
-
-        def episode(e, ret):
-            self.episodes.append((e, ret))
-
-        def stepped(n):
-            self.steps += n
-        act(self.index, args, self.eps, shmreplay.actor_steps(None, stop=lambda: self.stop),
-            writer=lambda prio: sray.RemoteNStepWriter(self.ingest, n=args.n_step, gamma=args.gamma,
-                                                       priority_fn=prio, chunk=32),
-            latest=lambda v: ray.get(self.relay.latest.remote(v)),
-            episode=episode, stepped=stepped)
-
-    def report(self) -> tuple:
-        """Env steps so far and the episodes finished since the last report."""
-        out, self.episodes = self.episodes, []
-        return self.steps, out
-
-    def finish(self) -> None:
-        self.stop = True
-
-
-# ---- the actors, as the learner sees them ----
 class LocalCrew:
     """Actor processes on this box (the default)."""
 
@@ -203,59 +173,6 @@ class LocalCrew:
             if p.is_alive():
                 p.terminate()
                 p.join(10)
-
-
-class RayCrew:
-    """Actors as Ray actors anywhere in the cluster at ``--ray`` (with
-    ``--actor-resource NAME``, only on nodes that offer NAME); the daemon,
-    the ingest and the weights relay stay on this node."""
-
-    def __init__(self, args, eps, server, client, like):
-        import ray
-        import shmreplay.ray as sray
-        self.ray = ray
-        # the workers import dqn (the actors' code refers to it) from a copy of its folder
-        ray.init(address=args.ray, runtime_env={"working_dir": os.path.dirname(os.path.abspath(dqn.__file__))},
-                 logging_level="ERROR", log_to_driver=False)
-        self.ingest = sray.start_ingest(server.socket, "replay")
-        self.relay = sray.start_parameter_relay(server.socket, "policy", like)
-        opts = dict(num_cpus=1, max_concurrency=2)
-        if args.actor_resource:
-            opts["resources"] = {args.actor_resource: 1}
-        cls = ray.remote(RayActor).options(**opts)
-        self.actors = [cls.remote(a, args, eps[a * args.envs:(a + 1) * args.envs], self.ingest, self.relay)
-                       for a in range(args.actors)]
-        self.runs = [x.run.remote() for x in self.actors]
-        self.counts = [0] * len(self.actors)
-        self._episodes: list = []
-
-    @property
-    def steps(self) -> int:
-        return sum(self.counts)
-
-    def episodes(self) -> list:
-        for i, (n, eps) in enumerate(self.ray.get([x.report.remote() for x in self.actors], timeout=60)):
-            self.counts[i] = n
-            self._episodes += eps
-        out, self._episodes = self._episodes, []
-        return out
-
-    def failed(self) -> bool:
-        done, _ = self.ray.wait(self.runs, num_returns=len(self.runs), timeout=0)
-        return bool(done)  # a run ends only when told to: one that ended failed
-
-    def stop(self) -> None:
-        ray = self.ray
-        try:
-            self.episodes()  # the last counts
-            ray.get([x.finish.remote() for x in self.actors], timeout=60)
-            # an actor whose writer waits for the rate limiter (the learner has
-            # stopped sampling) never gets to look: it is killed below
-            ray.wait(self.runs, num_returns=len(self.runs), timeout=2)
-        finally:
-            for x in [*self.actors, self.ingest, self.relay]:
-                ray.kill(x)
-            ray.shutdown()
 
 
 # ---- learner ----
@@ -298,14 +215,25 @@ def main(argv=None) -> int:
     print(f"apex_dqn: {args.env}, {args.actors} actors x {args.envs} envs, replay {capacity:,} items"
           f"{' as frames' if 'frames' in table else ''}, {spi:g} samples per insert, batch {args.batch}, "
           f"seed {args.seed}", flush=True)
-    with shmreplay.Server(tables=[table], instance=args.instance) as server:
+    if args.shards and (not args.ray or "frames" in table):
+        raise SystemExit("apex_dqn: --shards needs --ray, and tables of rows (--rows for Atari)")
+    shards = None
+    if args.ray:
+        import apex_ray  # clients/apex_ray.py
+        apex_ray.connect(args)
+    with shmreplay.Server(tables=[] if args.shards else [table], instance=args.instance) as server:
         client = server.connect()
-        replay = client.table("replay")
+        if args.shards:
+            shards, replay = apex_ray.sharded_replay(args, table)
+        else:
+            replay = client.table("replay")
         learner = dqn.DoubleDQN(fields["obs"][1], actions, lr=args.lr, target_every=args.target_every,
                                 device=args.device)
         board = shmreplay.ParameterBoard.create(client, "policy", like=srt.numpy_state(learner.online))
         board.publish(srt.numpy_state(learner.online), flush=True)
-        crew = (RayCrew if args.ray else LocalCrew)(args, eps, server, client, srt.numpy_state(learner.online))
+        like = srt.numpy_state(learner.online)
+        crew = (apex_ray.RayCrew(args, eps, server, client, like, shards) if args.ray
+                else LocalCrew(args, eps, server, client, like))
         deadline = started + 60.0 * args.max_minutes
         next_tick = time.monotonic() + 1.0
         batches = 0
@@ -332,15 +260,26 @@ def main(argv=None) -> int:
 
         # stop: report() once a second, also while the actors fill min_size; a
         # batch the actors make no progress towards for 60 s raises ReplayTimeout
-        with srt.learner_batches(replay, args.batch, args.max_batches, beta=args.beta, stop=report) as loop:
+        if shards:  # each update to the shard its key came from
+            loop = apex_ray.sharded_batches(replay, args, report)
+            update = lambda b, p: replay.update_priorities(b.keys, p, b.batch.shards)  # noqa: E731
+        else:
+            loop = srt.learner_batches(replay, args.batch, args.max_batches, beta=args.beta, stop=report)
+            update = lambda b, p: replay.update_priorities(b.keys, p)  # noqa: E731
+        with contextlib.closing(loop):
             for b in loop:
                 d = b if args.device == "cpu" else b.to(args.device)  # non_blocking from pinned
-                replay.update_priorities(b.keys, learner.step(d.data, d.weights) + 1e-3)
+                update(b, learner.step(d.data, d.weights) + 1e-3)
                 batches += 1
                 if batches % args.publish_every == 0:
                     board.publish(srt.numpy_state(learner.online))
         progress.tick(crew.steps, replay.inserts, batches)  # the last row: where the run ended
-        print(f"apex_dqn: {replay_memory(client, server.instance)}", flush=True)
+        if shards:
+            sizes = [e.get("size") for e in replay.stats()["shards"]]
+            print(f"apex_dqn: replay over {len(shards)} shards holds {sizes} transitions", flush=True)
+            replay.close()
+        else:
+            print(f"apex_dqn: {replay_memory(client, server.instance)}", flush=True)
         crew.stop()
         client.close()
     csv_path, png_path = progress.save()

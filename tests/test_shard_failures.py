@@ -61,6 +61,7 @@ def test_a_shard_whose_daemon_died_is_left_out_until_it_is_back_with_its_items(s
 
         back = ray.get(shards[1].host.restart_daemon.remote())
         assert back["running"] and back["restarts"] == 1
+        assert list(t.sample(8).missing) == [1]  # split by the last answers; this one asks shard 1 again
         b = t.sample(256)  # the restarted daemon adopted the table: its items are back
         assert not b.missing and set(b.shards.tolist()) == {0, 1, 2}
         np.testing.assert_allclose(b.probabilities, np.array([1.0, 2.0, 4.0])[b.shards] / 70.0, rtol=1e-12)
@@ -113,6 +114,27 @@ def test_a_learner_killed_mid_batch_leaves_the_shards_serving_and_holding_nothin
         assert clients == [e["daemon_clients"] for e in t.stats()["shards"]]
     finally:
         t.drop()
+
+
+def test_a_dead_hosts_daemon_leaves_its_items_to_the_next_start_of_its_instance(cluster3):
+    """Another job kills a shard's host: its daemon stops (the host's
+    child) and keeps the shard's table, which ``start_shards`` with the
+    same instance adopts."""
+    node, inst = cluster3.node_ids()[1], f"t{os.getpid()}host"
+    [first] = sray.start_shards([node], instance=inst)
+    pid = where(first)["pid"]
+    with sray.ShardedTable.create([first], "kept", capacity=50, fields=FIELDS) as t:
+        assert ray.get(write.options(**on("remote_node_1")).remote(t.writer(), np.arange(10))) == 0
+    ray.kill(first.host)
+    wait_for(lambda: not os.path.exists(f"/proc/{pid}"), "the dead host's daemon to stop")
+    [again] = sray.start_shards([node], instance=inst)
+    try:
+        assert ray.get(held.options(**on("remote_node_1")).remote(again.socket, "kept")) == (
+            list(range(10)), [1.0] * 10)
+    finally:
+        sray.stop_shards([again])
+        shutil.rmtree(os.path.dirname(first.socket), ignore_errors=True)  # the dead host's folder
+    assert not [n for n in os.listdir("/dev/shm") if inst in n]
 
 
 def test_a_shard_whose_node_is_lost_is_named_in_stats_and_the_table_serves_on(cluster3, shards):

@@ -192,8 +192,9 @@ def test_rows_come_one_array_a_shard_and_in_the_local_and_torch_forms(shards):
     try:
         fill(t, [np.ones(20)] * 3, offsets=[0, 100, 200])
         agent = ray.remote(ShardAgent).options(**on("remote_node_1")).remote(shards[1].socket, "forms")
-        packed = ray.get(agent.draw.remote(16, 0.4, 10.0))  # what one shard's part of a batch is
+        report, packed = ray.get(agent.draw.remote(16, 0.4, 10.0))  # what one shard's part of a batch is
         ray.kill(agent)
+        assert report["mass"] == report["size"] == 20 and report["least"] == 1.0  # with it, the next split's
         assert isinstance(packed, np.ndarray) and packed.shape == (16,)
         assert packed.dtype.names == ("id", "obs", KEY, PROB)
         assert np.array_equal(packed["obs"], rows(packed["id"])["obs"]) and set(packed["id"] // 100) == {1}
@@ -237,3 +238,66 @@ def test_tables_are_made_opened_and_dropped_on_every_shard_and_bad_input_is_refu
     for s in range(3):
         with pytest.raises(Exception, match="whole"):
             ray.get(held.options(**on(LABELS[s])).remote(shards[s].socket, "whole"))
+
+
+class Nonsense(ShardAgent):
+    """A shard's agent gone bad (a buggy build, another job's code in its
+    process): a report of NaN mass, or rows of another layout."""
+
+    def __init__(self, socket, table, how):
+        super().__init__(socket, table)
+        self.how = how
+
+    def report(self):
+        got = super().report()
+        return {**got, "mass": float("nan")} if self.how == "report" else got
+
+    def draw(self, k, beta, timeout):
+        report, rows = super().draw(k, beta, timeout)
+        return report, (rows if self.how == "report" else rows[["id", KEY, PROB]])
+
+
+@pytest.mark.parametrize("how", ["report", "draw"])
+def test_a_shard_that_sends_nonsense_is_left_out_and_the_batch_comes_from_the_rest(shards, how):
+    t = sray.ShardedTable.create(shards, f"bad_{how}", capacity=96, fields=FIELDS, seed=8)
+    try:
+        fill(t, [np.ones(10)] * 3, offsets=[0, 100, 200])
+        ray.kill(t.book.agents[1])
+        t.book.agents[1] = ray.remote(Nonsense).options(**on("remote_node_1")).remote(shards[1].socket,
+                                                                                      f"bad_{how}", how)
+        b = t.sample(64)
+        assert list(b.missing) == [1] and set(b.shards.tolist()) == {0, 2}
+        assert ("reported mass nan" if how == "report" else "sent") in b.missing[1]
+        assert np.array_equal(b.data["obs"], rows(b.data["id"])["obs"])
+    finally:
+        t.drop()
+
+
+def test_apex_dqn_runs_with_its_replay_split_over_three_nodes(cluster3, tmp_path):
+    """Item 7, smoke: clients/apex_dqn.py --ray --shards 3, its actors on
+    the two other nodes (each writes to its own node's shard), the
+    learner's batches drawn over the shards.  (Learning to 475 is a
+    README command: docs/scaling.md gives a run.)"""
+    import re
+    import subprocess
+    import sys
+    from benchmarks.harness.raycluster import ENV
+    from daemons import CHECKOUT, checkout_env
+    name = f"test{os.getpid()}apexshards"
+
+    def ours():  # what daemons leave: segments, Server folders
+        return set(os.listdir("/dev/shm")) | {d for d in os.listdir("/tmp") if d.startswith("shmreplay-server-")}
+    before = ours()
+    p = subprocess.run([sys.executable, os.path.join(CHECKOUT, "clients", "apex_dqn.py"),
+                        "--ray", ray.get_runtime_context().gcs_address, "--shards", "3",
+                        "--actor-resource", "remote_node", "--actors", "2", "--envs", "2", "--max-batches", "5",
+                        "--batch", "32", "--max-minutes", "8", "--target-return", "1e9", "--min-size", "150",
+                        "--out", str(tmp_path), "--instance", name],
+                       capture_output=True, text=True, timeout=600, env=checkout_env(**ENV), cwd=tmp_path)
+    assert p.returncode == 3, p.stdout[-3000:] + p.stderr[-3000:]
+    done = re.search(r"([\d,]+) env steps, ([\d,]+) batches", p.stdout)
+    assert done and int(done.group(1).replace(",", "")) > 0 and done.group(2) == "5", p.stdout[-2000:]
+    held = re.search(r"replay over 3 shards holds \[(\d+), (\d+), (\d+)\]", p.stdout)
+    # no actor on the head: its shard holds nothing; the actors' own nodes' shards hold what they wrote
+    assert held and held.group(1) == "0" and int(held.group(2)) + int(held.group(3)) > 0, p.stdout[-2000:]
+    assert ours() == before  # its board's daemon and its three shard daemons left nothing

@@ -12,16 +12,21 @@ row's key and probability, into one array (``row_dtype``): the batch's
 part travels through Ray's object store as that one array, not a call or
 an array per row or per field.
 
-A daemon that does not answer (killed, restarting) makes ``report`` say
-``down`` instead of raising, at once: the agent reconnects (once, for at
-most ``CONNECT_S``) at its next call, so a shard whose daemon came back
-serves again from the next batch.
+Every call answers with the shard's report, read from the table's live
+words in shared memory (no round trip to the daemon): a draw's answer
+carries the report the learner splits its next batch by, so a batch costs
+one call per shard.  A daemon that is gone (killed, restarting) makes the
+report say ``down`` instead of raising, at once: the agent reconnects
+(once, for at most ``CONNECT_S``) at its next call, so a shard whose
+daemon came back serves again from the next batch.
 
 Who calls it: the ``ShardedTable`` that made it; its methods run one at a
 time (a Ray actor without concurrency).
 """
 
 from __future__ import annotations
+
+import os
 
 import numpy as np
 
@@ -30,6 +35,16 @@ from ..errors import DaemonUnavailable, ReplayError, UnknownTable
 
 CONNECT_S = 5.0  # how long an agent waits to reach its daemon per call
 KEY, PROB = "_shard_key", "_shard_p"  # the packed row's key and probability
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's daemon (a service): it exists
+        return True
 
 
 def row_dtype(fields: list) -> np.dtype:
@@ -103,29 +118,41 @@ class ShardAgent:
     # ---- a learner's calls ----
     def report(self) -> dict:
         """The shard's mass (sum of p^alpha of its sampleable items; their
-        count on a uniform or order sampler), its smallest one (``least``)
-        and its size; ``{"down": why}`` when its daemon does not answer."""
+        count on a uniform or order sampler), its smallest one (``least``),
+        its size and counters: read from the table's live words (no round
+        trip to the daemon); ``{"down": why}`` when the daemon is gone."""
         try:
-            self._call(lambda t: None)
-            stats = self.client.stats()["tables"][self.name]
+            t = self._table()
         except DaemonUnavailable as exc:
             self._lose_client()
             return {"down": str(exc)}
-        except KeyError:
+        except UnknownTable:
+            self._lose_client()
             return {"down": f"the daemon has no table {self.name!r} (dropped, or not adopted after a restart)"}
-        return {"mass": stats["mass"], "least": stats["least"], "size": stats["size"],
-                "capacity": stats["capacity"], "samples": stats["samples"], "inserts": stats["inserts"]}
+        pid = self.client.daemon_pid
+        if not _alive(pid):  # its words stay mapped after it died: they say nothing now
+            self._lose_client()
+            return {"down": f"its daemon (pid {pid}) is gone"}
+        w = t.mapped.words
+        mass, least = w.mass, w.least
+        if mass > 0 and least == 0:  # a daemon from before the word: ask it
+            least = self.client.stats()["tables"][self.name]["least"]
+        return {"mass": mass, "least": least, "size": w.size, "inserts": w.inserts, "samples": w.samples}
 
-    def draw(self, k: int, beta: float, timeout: float | None) -> np.ndarray:
-        """Draw k items and return them packed: one structured array of
-        ``row_dtype`` (rows, key, probability within the shard)."""
+    def draw(self, k: int, beta: float, timeout: float | None) -> tuple:
+        """Draw k items; returns (the shard's report after the draw, the
+        rows packed into one array of ``row_dtype``: rows, key, probability
+        within the shard), or (the report, None) when the shard has nothing
+        to draw now or its daemon is gone (``report`` says which)."""
+        if "down" in (before := self.report()) or before["mass"] <= 0:
+            return before, None
         b = self._call(lambda t: t.sample(k, beta=beta, timeout=timeout))
         out = np.empty(k, self.row)
         for name in b.data:
             out[name] = b.data[name]
         out[KEY] = b.keys
         out[PROB] = b.probabilities
-        return out
+        return self.report(), out
 
     def update(self, keys: np.ndarray, priorities: np.ndarray) -> None:
         """New priorities for keys this shard gave (stale ones are skipped

@@ -23,12 +23,21 @@ Who calls it: the ``ShardedTable`` that owns it, one thread at a time.
 
 from __future__ import annotations
 
+import math
+import time
+
 import numpy as np
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from ..errors import DaemonUnavailable, PriorityError, ReplayError
-from .shardagent import KEY, PROB, ShardAgent
+from .shardagent import KEY, PROB, ShardAgent, row_dtype
+
+class Emptied(ReplayError):
+    """A shard the split counted on had nothing to draw when asked (its
+    items' priorities went to 0, or a queue's went to another learner):
+    its part is drawn from the others; it is not out of service."""
+
 
 CALL_S = 30.0  # the longest a report or a draw's answer is waited for past its own timeout
 
@@ -36,6 +45,7 @@ CALL_S = 30.0  # the longest a report or a draw's answer is waited for past its 
 class ShardBook:
     def __init__(self, shards: list, name: str):
         self.shards, self.name = list(shards), name
+        self.row = None  # the packed row (``bind``, once the table's fields are known)
         self.here = ray.get_runtime_context().get_node_id()
         self.lost: dict = {}  # shard -> {"node", "why", "items"}
         self.last: list = [{} for _ in self.shards]  # each shard's last good report
@@ -46,6 +56,10 @@ class ShardBook:
         self.updates_lost = 0
 
     count = property(lambda self: len(self.shards))
+
+    def bind(self, fields) -> None:
+        """The table's fields: what every shard's packed part must be."""
+        self.row = row_dtype([f.to_wire() for f in fields])
 
     def _start_agent(self, i: int):
         s = self.shards[i]
@@ -105,13 +119,7 @@ class ShardBook:
         """shard -> its report, or ``{"down": why}``, for shards in service
         not in ``exclude``."""
         got = self.call("report", shards=[i for i in range(self.count) if i not in exclude])
-        out = {}
-        for i, r in got.items():
-            if isinstance(r, BaseException):
-                r = {"down": str(r)}
-            elif "down" not in r:
-                self.last[i] = r
-            out[i] = r
+        out = {i: {"down": str(r)} if isinstance(r, BaseException) else self._checked(i, r) for i, r in got.items()}
         for i, info in self.lost.items():
             if i not in exclude:
                 out[i] = {"down": f"lost: {info['why']}"}
@@ -124,26 +132,58 @@ class ShardBook:
         seen = [r["least"] for r in self.last if r.get("least", 0) > 0]
         return min(seen) if seen else 1.0
 
-    def draw(self, counts: dict, beta: float, deadline: float | None) -> tuple[dict, dict]:
-        """Each shard's draw of its count: ({shard: (data, keys, p within
-        the shard)}, {shard: the exception a failed draw raised})."""
-        import time
+    def exchange(self, counts: dict, beta: float, deadline: float | None) -> tuple[dict, dict, dict]:
+        """One call to each shard in service: a draw of its count where it
+        has one, a report elsewhere.  Returns ({shard: (data, keys, p within
+        the shard)}, {shard: why its draw failed}, {shard: its report})."""
         wait = None if deadline is None else max(0.0, deadline - time.monotonic())
-        idx = list(counts)
-        refs = {i: self.agents[i].draw.remote(counts[i], beta, wait) for i in idx if i != self.local}
-        got, failed = {}, {}
-        if self.local in counts:
+        live = [i for i in range(self.count) if i not in self.lost]
+        calls = {i: self.agents[i].draw.remote(counts[i], beta, wait) if i in counts else self.agents[i].report.remote()
+                 for i in live if i != self.local}
+        answers = {}
+        if self.local in live:
             try:
-                got[self.local] = _unpacked(self.agents[self.local].draw(counts[self.local], beta, wait))
+                mine = self.agents[self.local]
+                answers[self.local] = mine.draw(counts[self.local], beta, wait) if self.local in counts else mine.report()
             except ReplayError as exc:
-                failed[self.local] = exc
-        for i, ref in refs.items():
-            r = self._get(i, ref, None if wait is None else wait + CALL_S)
-            if isinstance(r, BaseException):
-                failed[i] = r
+                answers[self.local] = exc
+        for i, ref in calls.items():
+            answers[i] = self._get(i, ref, None if wait is None else wait + CALL_S)
+        got, failed, fresh = {}, {}, {}
+        for i, a in answers.items():
+            if isinstance(a, BaseException):
+                fresh[i] = {"down": str(a)}
+                if i in counts:
+                    failed[i] = a
+                continue
+            report, rows = a if i in counts else (a, None)
+            fresh[i] = self._checked(i, report)
+            if i not in counts:
+                continue
+            if "down" in fresh[i]:
+                failed[i] = DaemonUnavailable(fresh[i]["down"])
+            elif rows is None:
+                failed[i] = Emptied(f"shard {i} had nothing to draw (emptied since its last report)")
+            elif bad := _bad_part(rows, counts[i], self.row):
+                failed[i] = DaemonUnavailable(f"shard {i} sent {bad}: left out")
             else:
-                got[i] = _unpacked(r)
-        return {i: got[i] for i in idx if i in got}, failed
+                got[i] = _unpacked(rows)
+        for i, info in self.lost.items():
+            fresh[i] = {"down": f"lost: {info['why']}"}
+        return {i: got[i] for i in counts if i in got}, failed, fresh
+
+    def _checked(self, i: int, r) -> dict:
+        """A report as the learner may use it: checked (``_bad_report``),
+        kept as the shard's last good one; else ``{"down": why}``."""
+        if not isinstance(r, dict):
+            return {"down": f"shard {i} answered {type(r).__name__}, not a report: left out"}
+        if "down" in r:
+            return {"down": str(r["down"])}
+        bad = _bad_report(r)
+        if bad:  # one shard's nonsense never stops the batch: it is left out, and said why
+            return {"down": f"shard {i} reported {bad}: left out"}
+        self.last[i] = r
+        return r
 
     # ---- priority updates ----
     def update(self, keys, priorities, shards) -> None:
@@ -193,6 +233,32 @@ class ShardBook:
                 self.pending = keep
                 raise r
         self.pending = keep
+
+
+def _bad_report(r) -> str | None:
+    """What is wrong with a shard's report (None: nothing): masses must be
+    finite and >= 0, sizes ints >= 0."""
+    try:
+        mass, least = float(r["mass"]), float(r["least"])
+        size = r["size"]
+    except (KeyError, TypeError, ValueError):
+        return f"a report without mass, least and size ({type(r).__name__})"
+    if not (math.isfinite(mass) and math.isfinite(least) and mass >= 0 and least >= 0):
+        return f"mass {mass!r}, least {least!r} (not finite and >= 0)"
+    if not isinstance(size, int) or size < 0:
+        return f"size {size!r}"
+    return None
+
+
+def _bad_part(rec, k: int, row: np.dtype) -> str | None:
+    """What is wrong with a shard's packed part of k rows (None: nothing)."""
+    if not isinstance(rec, np.ndarray) or rec.dtype != row or rec.shape != (k,):
+        got = f"{rec.dtype}{rec.shape}" if isinstance(rec, np.ndarray) else type(rec).__name__
+        return f"{got} for {k} rows of the table's packed row"
+    p = rec[PROB]
+    if not np.all((p > 0) & (p <= 1)):
+        return "probabilities outside (0, 1]"
+    return None
 
 
 def _unpacked(rec: np.ndarray) -> tuple[dict, np.ndarray, np.ndarray]:

@@ -45,6 +45,7 @@ import ray
 from ..client.gather import SampleBatch
 from ..errors import DaemonUnavailable, RateLimited, ReplayError
 from . import shardmath
+from .shardbook import Emptied
 
 POLL_S = (0.02, 0.5)  # waits between reports while nothing can be drawn: first, longest
 
@@ -95,6 +96,7 @@ class ShardDraws:
         self.book, self.fields, self.ordered, self.split = book, fields, ordered, split
         self.rng = np.random.default_rng(seed)
         self.carry: list[Part] = []  # what shards gave for a batch that then failed
+        self.reports: dict = {}  # each shard's last answer: the next batch is split by these
 
     def sample(self, n: int, beta: float, out: ShardBatch | None, timeout: float | None) -> ShardBatch:
         if not isinstance(n, (int, np.integer)) or n < 1:
@@ -104,41 +106,52 @@ class ShardDraws:
             raise ReplayError(f"out= holds {len(out)} rows, the batch asks for {n}")
         deadline = None if timeout is None else time.monotonic() + timeout
         parts, missing, left_out = self._carried(n), {}, {}
-        rows, least, wait = sum(map(len, parts)), np.inf, POLL_S[0]
+        rows, least, wait, usable, drawn = sum(map(len, parts)), np.inf, POLL_S[0], None, []
+        if not self.reports:
+            self.reports = self.book.reports()  # the first batch: a round of reports to split by
         while rows < n:
-            if len(missing) >= self.book.count:
-                self.carry = parts + self.carry
-                raise DaemonUnavailable(f"every shard of the table is out of service: {missing}")
-            reports = self.book.reports(exclude=missing)
-            for i, r in reports.items():
-                if "down" in r:
-                    missing[i] = r["down"]
-                    left_out[i] = self.book.last_mass(i)
-            usable = {i: r for i, r in reports.items() if "down" not in r and r["mass"] > 0}
-            if not usable:
-                if missing and len(missing) >= self.book.count:
-                    continue  # raised above
-                if deadline is not None and time.monotonic() + wait > deadline:
+            if usable is None:  # the shards to split over, by their last answers
+                for i, r in self.reports.items():
+                    if "down" in r and i not in missing:
+                        missing[i], left_out[i] = r["down"], self.book.last_mass(i)
+                if len(missing) >= self.book.count:
+                    self.reports = {}  # ask every shard again next time
                     self.carry = parts + self.carry
-                    raise RateLimited(f"no shard of the table held an item to draw within {timeout} s"
-                                      + (f" (left out: {missing})" if missing else ""))
-                time.sleep(wait)  # every shard empty: as a local table's sample, wait for items
-                wait = min(2 * wait, POLL_S[1])
-                continue
-            least = min(least, min(r["least"] for r in usable.values()))
+                    raise DaemonUnavailable(f"every shard of the table is out of service: {missing}")
+                usable = {i: r for i, r in self.reports.items() if i not in missing and r["mass"] > 0}
+                split = dict(usable)
+                if not usable:
+                    if deadline is not None and time.monotonic() + wait > deadline:
+                        self.carry = parts + self.carry
+                        raise RateLimited(f"no shard of the table held an item to draw within {timeout} s"
+                                          + (f" (left out: {missing})" if missing else ""))
+                    time.sleep(wait)  # every shard empty: as a local table's sample, wait for items
+                    wait = min(2 * wait, POLL_S[1])
+                    self.reports, usable = self.book.reports(exclude=missing), None
+                    continue
             counts = self._counts(usable, n - rows)
-            total = float(sum(r["mass"] for r in usable.values()))
-            got, failed = self.book.draw(counts, beta, deadline)
+            got, failed, fresh = self.book.exchange(counts, beta, deadline)
+            self.reports = {**self.reports, **fresh}  # the next batch's split
             for shard, (data, keys, p_local) in got.items():
-                parts.append(Part(shard, data, keys, None if self.ordered else p_local * usable[shard]["mass"],
-                                  total))
+                part = Part(shard, data, keys, None if self.ordered else p_local * usable[shard]["mass"], 0.0)
+                parts.append(part)
+                drawn.append(part)
                 rows += keys.shape[0]
             for shard, why in failed.items():
-                if not isinstance(why, DaemonUnavailable):  # a limit's timeout, bad input: keep what came
+                if isinstance(why, DaemonUnavailable):
+                    missing[shard], left_out[shard] = str(why), usable[shard]["mass"]
+                elif not isinstance(why, Emptied):  # a limit's timeout, bad input: keep what came
+                    _settle(drawn, usable, split)
                     self.carry = parts + self.carry
                     raise why
-                missing[shard] = str(why)
-                left_out[shard] = usable[shard]["mass"]
+                del usable[shard]  # its part is drawn again from the rest (rejection: the rest's distribution)
+            if not usable or rows == n:
+                # every row drawn over this split was drawn as from the union
+                # of the shards that stayed in it: its P and P_min are theirs
+                _settle(drawn, usable, split)
+                if usable:
+                    least = min(least, min(_least_share(self.reports.get(i, r), r) for i, r in usable.items()))
+                usable, drawn = None, []
         self._finish(parts, out, beta, least)
         out.missing, out.mass_left_out = dict(missing), float(sum(left_out.values()))
         return out
@@ -197,6 +210,26 @@ class ShardDraws:
                 out.weights[sl] = shardmath.weights(part.p_alpha, part.total, least, beta)
             at += k
         out.redraws = 0
+
+
+def _settle(drawn: list, usable: dict, split: dict) -> None:
+    """The total mass of the parts drawn over one split: the shards that
+    stayed in it (those that failed were drawn again from the rest), or,
+    when none did, those that gave rows."""
+    kept = usable or {p.shard: split[p.shard] for p in drawn}
+    total = float(sum(r["mass"] for r in kept.values()))
+    for part in drawn:
+        part.total = total
+
+
+def _least_share(now: dict, split: dict) -> float:
+    """A shard's least likely item's chance in the split: its smallest mass
+    over its mass now (its report with this round's answer, else the
+    split's), times the mass the split gave it; min over shards, over the
+    split's total, is P_min.  With nothing written between the two
+    reports, the shard's smallest mass itself."""
+    r = now if "down" not in now and now.get("mass", 0) > 0 else split
+    return r["least"] / r["mass"] * split["mass"]
 
 
 def new_batch(fields, n: int) -> ShardBatch:

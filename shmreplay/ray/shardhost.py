@@ -12,12 +12,18 @@ way the host owns the ingest actor of each of the node's tables
 ingests live as long as the host, not as long as whichever learner made
 the table.
 
-A host and the daemon it started share their fate: the daemon is the
-host's child (``PR_SET_PDEATHSIG``), so a host that dies, or a node that is
-lost, takes that shard's items with it; the sharded table then serves on
-with the other shards (``shardtable.py``) and its stats name what was lost.
-A host is never restarted by Ray (``max_restarts=0``): a new one would
-start an empty daemon under another socket.
+A daemon started here keeps its tables in /dev/shm whenever it stops
+(``retain_tables``): only ``stop_shards``, the operator's own stop, drops
+them first.  It is the host's child (``PR_SET_PDEATHSIG``): a host that
+dies (killed by another job, its worker crashed) stops its daemon, which
+leaves the shard's items behind for the next daemon of its instance, and
+the sharded table serves on with the other shards (``shardtable.py``).
+``start_shards(instance=...)`` names each daemon's instance after it and
+the shard's place, so starting the shards again with the same name adopts
+what a dead host's daemon left (its socket is then another).  A host is
+never restarted by Ray (``max_restarts=0``): that new one would start an
+empty daemon under an instance of its own.  A node lost for good takes
+its shard's items with it.
 
 Who calls it: ``start_shards`` / ``attach_shards`` / ``stop_shards`` a
 driver, one thread.  The host's methods run one at a time (a Ray actor
@@ -163,46 +169,59 @@ class ShardHost:
             self.forget(table)
         with self._lock:
             self._stopping = True
-            if self.server is not None and self.server.proc is not None and self.server.proc.poll() is not None:
-                # a daemon killed and not started again left its tables:
-                # a new one adopts them and goes the clean way, as a
-                # running one would (no other path removes a segment)
+            if self.server is None:
+                return
+            if self.server.proc is not None and self.server.proc.poll() is not None:
+                # a daemon killed and not started again left its tables: a
+                # new one adopts them, so they go the way a running one's do
                 try:
                     self.server.restart()
                 except ReplayError:
                     pass  # its log says why; ``shmreplay cleanup --instance`` removes them
-        if self.server is not None:
-            self.server.stop(check=False)
+            try:  # the daemon keeps its tables at shutdown (retain_tables): drop them first
+                with self.server.connect(timeout=10.0) as admin:
+                    for name in admin.list_tables():
+                        admin.drop_table(name)
+            except ReplayError:
+                pass  # a daemon that does not answer leaves them to ``shmreplay cleanup``
+        self.server.stop(check=False)
 
 
-def start_shards(nodes: list[str] | None = None, auto_restart: bool = True, **server_options) -> list[Shard]:
+def start_shards(nodes: list[str] | None = None, auto_restart: bool = True, instance: str | None = None,
+                 **server_options) -> list[Shard]:
     """A shard daemon for each of ``nodes`` (Ray node ids, a node may come
     more than once; default each alive node), each owned by a ``ShardHost``
     pinned there.  ``server_options``: ``shmreplay.Server``'s (``group=``,
     daemon keys such as ``log_level``); ``tables=`` is refused (make them
     with ``ShardedTable.create``).  ``auto_restart``: a daemon that dies is
-    started again (off: ``ShardHost.restart_daemon`` does it).  Returns the
-    shards, in the order of ``nodes``."""
+    started again (off: ``ShardHost.restart_daemon`` does it).
+    ``instance``: the daemons' instances are ``<instance>s<k>`` (k: the
+    place in ``nodes``), so a second ``start_shards`` with the same name
+    adopts the tables a dead host's daemon left (default: an instance of
+    each Server's own).  Returns the shards, in the order of ``nodes``."""
     if "tables" in server_options:
         raise ReplayError("start_shards makes no tables: use ShardedTable.create on the shards it returns")
     nodes = list(nodes) if nodes is not None else [n["NodeID"] for n in ray.nodes() if n["Alive"]]
-    return _hosts([(node, None) for node in nodes], server_options, auto_restart)
+    options = [{**server_options, "retain_tables": True,
+                **({"instance": f"{instance}s{k}"} if instance is not None else {})} for k in range(len(nodes))]
+    return _hosts([(node, None) for node in nodes], options, auto_restart)
 
 
 def attach_shards(sockets) -> list[Shard]:
     """Shards on daemons the operator runs (a systemd service on each box):
     ``sockets``, (Ray node id, that daemon's socket path there) pairs, or a
     dict of them."""
-    return _hosts(list(sockets.items()) if isinstance(sockets, dict) else list(sockets), {}, False)
+    places = list(sockets.items()) if isinstance(sockets, dict) else list(sockets)
+    return _hosts(places, [{}] * len(places), False)
 
 
-def _hosts(places: list, server_options: dict, auto_restart: bool) -> list[Shard]:
+def _hosts(places: list, options: list, auto_restart: bool) -> list[Shard]:
     if not places:
         raise ReplayError("no nodes to put shards on")
     handles = [ray.remote(ShardHost).options(
         num_cpus=0, max_restarts=0,
         scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=node, soft=False)).remote(
-            sock, server_options, auto_restart) for node, sock in places]
+            sock, opts, auto_restart) for (node, sock), opts in zip(places, options)]
     try:
         where = ray.get([h.where.remote() for h in handles], timeout=HOST_START_S)
     except BaseException:

@@ -74,6 +74,7 @@ class ShardedTable:
             self.book.close()
             raise
         self.spec = good[0]
+        self.book.bind(self.spec.fields)
         self.draws = ShardDraws(self.book, self.spec.fields, self.spec.sampler in ("fifo", "lifo"), seed, split)
 
     @classmethod
@@ -151,7 +152,13 @@ class ShardedTable:
         return ShardedWriter(self.shards, self.name, chunk, in_flight)
 
     def __len__(self) -> int:
+        """Items in the shards in service (a report from each)."""
         return sum(r.get("size", 0) for r in self.book.reports().values())
+
+    @property
+    def inserts(self) -> int:
+        """Items inserted so far into the shards in service (a report from each)."""
+        return sum(r.get("inserts", 0) for r in self.book.reports().values())
 
     def stats(self) -> dict:
         """Per shard: its node and its table's stats (or why it is out of
@@ -241,16 +248,23 @@ class ShardBatches:
 
     def __next__(self):
         while True:
-            if self.stop.is_set():
-                raise StopIteration
-            try:
-                batch, exc = self.ready.get(timeout=0.25)
-            except queue.Empty:
-                continue
-            if exc is not None:
-                self.close()
-                raise exc
-            return batch
+            batch = self.next_within(0.25)
+            if batch is not None:
+                return batch
+
+    def next_within(self, timeout: float):
+        """The next batch, or None if none came within ``timeout`` s (a
+        loop that does other work while the actors fill the shards)."""
+        if self.stop.is_set():
+            raise StopIteration
+        try:
+            batch, exc = self.ready.get(timeout=timeout)
+        except queue.Empty:
+            return None
+        if exc is not None:
+            self.close()
+            raise exc
+        return batch
 
     def close(self) -> None:
         self.stop.set()

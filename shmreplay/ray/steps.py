@@ -14,6 +14,7 @@ import numpy as np
 import ray
 
 from ..errors import ReplayError
+from .shardwriter import ShardedWriter
 from .writer import RemoteWriter
 
 
@@ -34,7 +35,8 @@ class PendingTransition(PendingItem):
 
 class RemoteNStepWriter:
     """``NStepWriter``'s transitions, built in the producer and sent through
-    a ``RemoteWriter``: the same ``append`` and the same n-step return,
+    a ``RemoteWriter`` (or, given a sharded table's writer, ``ShardedTable.
+    writer()``, through it): the same ``append`` and the same n-step return,
     discount and next observation (see ``shmreplay.NStepWriter``); roles map
     to the table's own names with ``fields=``.  ``priority_fn(item)`` gets
     the finished transition as a dict by field name.  ``close()`` drops
@@ -48,7 +50,8 @@ class RemoteNStepWriter:
             raise ReplayError(f"n must be an int >= 1 and gamma in [0, 1], got {n!r}, {gamma!r}")
         self.role = {r: str((fields or {}).get(r, r)) for r in self.ROLES}
         self.n, self.gamma, self.priority_fn = n, float(gamma), priority_fn
-        self.writer = RemoteWriter(ingest, chunk, in_flight, hold=hold)
+        self.writer = ingest if isinstance(ingest, ShardedWriter) else RemoteWriter(ingest, chunk, in_flight,
+                                                                                   hold=hold)
         self.open: collections.deque[PendingTransition] = collections.deque()
 
     def append(self, obs, action, reward, next_obs, terminated: bool = False, truncated: bool = False,

@@ -31,6 +31,7 @@ LIVE_MASS = 7      # float64: the sampler's total mass; 0 means nothing can be d
 # file's bytes, so addone.py carries a hash of this file (``COMPILED_IN``,
 # checked by tests/test_add_one.py) and a change here changes it too
 LIVE_EPOCH = 8
+LIVE_LEAST = 9     # float64: the smallest mass one sampleable item adds (0: none); a sharded table's global minimum
 
 
 class LiveWords:
@@ -38,12 +39,13 @@ class LiveWords:
     plain Python int (cheaper on a writer's hot path than a numpy scalar);
     the engine thread is the only writer."""
 
-    __slots__ = ("_w", "_mass", "words")
+    __slots__ = ("_w", "_mass", "_least", "words")
 
     def __init__(self, words: np.ndarray):
         self.words = words  # uint64[LIVE_WORDS], for kernels (``client.addone``)
         self._w = memoryview(words).cast("B").cast("Q")
         self._mass = words[LIVE_MASS:LIVE_MASS + 1].view(np.float64)
+        self._least = words[LIVE_LEAST:LIVE_LEAST + 1].view(np.float64)
 
     size = property(lambda self: self._w[LIVE_SIZE])
     inserts = property(lambda self: self._w[LIVE_INSERTS])
@@ -69,14 +71,19 @@ class LiveWords:
     def mass(self, value: float) -> None:
         self._mass[0] = value
 
+    @property
+    def least(self) -> float:
+        return float(self._least[0])
+
     def publish(self, size: int, inserts: int, pending: int, samples: int, deletes: int,
-                free: int, uses: int, mass: float) -> None:
+                free: int, uses: int, mass: float, least: float = 0.0) -> None:
         """Engine thread: the counters clients read for len() and the
         rate-limiter probes."""
         w = self._w
         w[LIVE_SIZE], w[LIVE_INSERTS], w[LIVE_PENDING] = size, inserts, pending
         w[LIVE_SAMPLES], w[LIVE_DELETES], w[LIVE_FREE], w[LIVE_USES] = samples, deletes, free, uses
         self._mass[0] = mass
+        self._least[0] = least
 
     def set_counters(self, inserts: int, samples: int, deletes: int) -> None:
         """Checkpoint restore: the limiter counters a table restarts from."""

@@ -97,9 +97,9 @@ class LimiterCounters:
         self.deletes = w.deletes
         self.samples = ratelimiter.restored_samples(self.spec, self.inserts, w.samples, can_sample)
 
-    def publish(self, pending: int, free: int, mass: float) -> None:
+    def publish(self, pending: int, free: int, mass: float, least: float) -> None:
         self.words.publish(self.size, self.inserts, pending, self.samples, self.deletes, free,
-                           self.uses_left, mass)
+                           self.uses_left, mass, least)
 
     def snapshot(self, pending: int) -> dict:
         return {"inserts": self.inserts, "samples": self.samples, "deletes": self.deletes,

@@ -69,7 +69,7 @@ class Table:
 
     def publish(self) -> None:
         """Mirror the counters into the segment for clients' probes."""
-        self.counters.publish(self.ledger.pending, len(self.ledger.free), self.selection.mass)
+        self.counters.publish(self.ledger.pending, len(self.ledger.free), self.selection.mass, self.selection.least)
 
     def keys_of(self, slots: np.ndarray) -> np.ndarray:
         return self.selection.keys_of(slots)

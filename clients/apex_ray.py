@@ -46,7 +46,8 @@ def sharded_replay(args, table: dict):
     nodes = [here] + sorted(n["NodeID"] for n in ray.nodes() if n["Alive"] and n["NodeID"] != here)
     if len(nodes) < args.shards:
         raise SystemExit(f"apex_dqn: --shards {args.shards} needs as many nodes; the cluster has {len(nodes)}")
-    shards = sray.start_shards(nodes[:args.shards])
+    # the shards' daemons are named after --instance (each <instance>s<k>)
+    shards = sray.start_shards(nodes[:args.shards], instance=args.instance)
     spec = {k: v for k, v in table.items() if k not in ("name", "capacity", "fields", "frames")}
     spec["min_size_to_sample"] = max(1, math.ceil(spec.get("min_size_to_sample", 1) / args.shards))
     try:

@@ -86,6 +86,9 @@ class Learner:
     def __init__(self, table):
         self.table = table
 
+    def pid(self) -> int:
+        return os.getpid()
+
     def draw_until_held(self) -> None:
         while True:
             self.table.sample(8)  # no timeout: waits in a shard's limits for ever
@@ -97,21 +100,22 @@ def test_a_learner_killed_mid_batch_leaves_the_shards_serving_and_holding_nothin
                                  samples_per_insert=1.0, error_buffer=(0.0, 100.0))
     try:
         fill(t, (4, 4, 4), (1.0, 1.0, 1.0))
-        clients = [e["daemon_clients"] for e in t.stats()["shards"]]
         learner = Learner.options(**on("remote_node_1")).remote(t)
+        pid = ray.get(learner.pid.remote())
         run = learner.draw_until_held.remote()
         wait_for(lambda: sum(e["sample_waits"] for e in t.stats()["shards"]) > 0,
                  "the learner's draw to wait in a shard's limiter")
+        assert pid in t.stats()["shards"][1]["daemon_client_pids"]  # its own node's shard, in its process
         ray.kill(learner)
         with pytest.raises(ray.exceptions.RayActorError):
             ray.get(run)
-        # its agents went with it: no shard holds a slot or a client for it
-        wait_for(lambda: all(not e["holders"] and e["held"] == 0 for e in t.stats()["shards"]),
-                 "the dead learner's holds to go")
+        # its agents went with it: no shard holds a slot for it, nor a client of a dead process
+        wait_for(lambda: all(not e["holders"] and e["held"] == 0
+                             and all(os.path.exists(f"/proc/{p}") for p in e["daemon_client_pids"])
+                             for e in t.stats()["shards"]), "the dead learner's holds and clients to go")
         fill(t, (20, 20, 20), (1.0, 1.0, 1.0), base=1000)
         b = t.sample(8, timeout=60.0)  # the shards serve on
         assert len(b) == 8 and not b.missing
-        assert clients == [e["daemon_clients"] for e in t.stats()["shards"]]
     finally:
         t.drop()
 

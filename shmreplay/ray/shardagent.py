@@ -165,6 +165,6 @@ class ShardAgent:
 
     def stats(self) -> dict:
         """The table's stats as the shard's daemon reports them, with the
-        daemon's count of connected clients (``daemon_clients``)."""
+        pids of the daemon's connected clients (``daemon_client_pids``)."""
         got = self._call(lambda t: self.client.stats())
-        return {**got["tables"][self.name], "daemon_clients": got["clients"]}
+        return {**got["tables"][self.name], "daemon_client_pids": [c["pid"] for c in got["client_list"]]}

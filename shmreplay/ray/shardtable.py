@@ -52,7 +52,7 @@ JOIN_S = 5.0  # the longest close() waits for the prefetch thread's draw
 
 
 class ShardedTable:
-    def __init__(self, shards: list, name: str, seed=None, split: str = "mass"):
+    def __init__(self, shards: list, name: str, seed=None, split: str = "mass", _book=None):
         """Open the table ``name`` over ``shards`` (``start_shards`` /
         ``attach_shards``); every shard must hold it with one definition.
         ``seed``: the split's random generator; ``split="in_turn"``: draw
@@ -61,7 +61,7 @@ class ShardedTable:
         if not shards:
             raise ReplayError("a sharded table needs at least one shard")
         self.shards, self.name = list(shards), name
-        self.book = ShardBook(self.shards, name)
+        self.book = _book or ShardBook(self.shards, name)  # create's, whose agents made the table
         try:
             specs = {i: d for i, d in self.book.call("describe").items()}
             bad = {i: d for i, d in specs.items() if isinstance(d, BaseException)}
@@ -100,17 +100,18 @@ class ShardedTable:
 
     @classmethod
     def _made(cls, shards, name, kwargs, queue_, seed):
-        from .shardagent import ShardAgent
         if not shards:
             raise ReplayError("a sharded table needs at least one shard")
-        agents = [ray.remote(ShardAgent).options(num_cpus=0, scheduling_strategy=_on(s.node)).remote(s.socket, name)
-                  for s in shards]
+        book = ShardBook(list(shards), name)  # its agents make the table, then serve it
         try:
-            ray.get([a.create.remote(kwargs, queue_) for a in agents], timeout=120)
-        finally:
-            for a in agents:
-                ray.kill(a)
-        return cls(shards, name, seed)
+            made = book.call("create", kwargs, queue_, timeout=120)
+            failed = {i: r for i, r in made.items() if isinstance(r, BaseException)}
+            if failed:
+                raise next(iter(failed.values()))
+        except BaseException:
+            book.close()
+            raise
+        return cls(shards, name, seed, _book=book)
 
     def __reduce__(self):
         return (ShardedTable, (self.shards, self.name))
@@ -278,11 +279,6 @@ class ShardBatches:
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-
-def _on(node: str):
-    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-    return NodeAffinitySchedulingStrategy(node_id=node, soft=False)
 
 
 def _as_shard_batch(b) -> ShardBatch:

@@ -298,3 +298,40 @@ def test_apex_dqn_runs_with_its_replay_split_over_three_nodes(cluster3, tmp_path
     assert held and held.group(1) == "0" and int(held.group(2)) + int(held.group(3)) > 0, p.stdout[-2000:]
     # its board's daemon (--instance) and its shard daemons (<instance>s<k>) left nothing
     assert not [n for n in os.listdir("/dev/shm") if name in n]
+
+
+def test_shards_attached_to_running_daemons_checkpoint_and_leave_the_daemons_as_they_were(cluster3, tmp_path):
+    """``attach_shards``: the operator's daemons (here a Server on the head
+    and one on remote_node_1, as a service would be), not started or
+    stopped by the shards; each shard checkpoints on its own node."""
+    import shmreplay
+    nodes = cluster3.node_ids()
+
+    @ray.remote(num_cpus=0)
+    class Service:  # a daemon the operator runs on remote_node_1
+        def __init__(self):
+            self.server = shmreplay.Server()
+
+        def socket(self):
+            return self.server.socket
+
+        def stop(self):
+            return self.server.stop()
+
+    with shmreplay.Server() as here:
+        there = Service.options(**on("remote_node_1")).remote()
+        attached = sray.attach_shards([(nodes[0], here.socket), (nodes[1], ray.get(there.socket.remote()))])
+        try:
+            t = sray.ShardedTable.create(attached, "svc", capacity=64, fields=FIELDS)
+            fill(t, [np.ones(5), np.ones(7)], offsets=[0, 100])
+            done = t.checkpoint(str(tmp_path))
+            assert [d[0]["items"] for _, d in sorted(done.items())] == [5, 7]
+            assert all(os.path.exists(d[0]["path"]) for d in done.values())  # one box here: both paths are seen
+            t.close()
+        finally:
+            sray.stop_shards(attached)
+        with here.connect() as c:  # the daemons serve on, with the table: the shards did not own them
+            assert len(c.table("svc")) == 5
+            c.drop_table("svc")
+        assert ray.get(there.stop.remote()) == 0
+        ray.kill(there)

@@ -200,7 +200,11 @@ def test_rows_come_one_array_a_shard_and_in_the_local_and_torch_forms(shards):
         assert np.array_equal(packed["obs"], rows(packed["id"])["obs"]) and set(packed["id"] // 100) == {1}
 
         with t.iterate(32, prefetch=2) as batches:
-            kept = [next(batches) for _ in range(4)]
+            kept = []
+            for _ in range(4):  # updates from this thread while the prefetch thread draws
+                kept.append(next(batches))
+                t.update_priorities(kept[-1].keys, np.full(32, 2.0), kept[-1].shards)
+        t.flush()
         for b in kept:  # each batch is the caller's to keep
             assert len(b) == 32 and np.array_equal(b.data["obs"], rows(b.data["id"])["obs"])
         torch = pytest.importorskip("torch")

@@ -18,12 +18,15 @@ A call to an agent that fails tells the kind of failure apart:
   serves on with the rest;
 * no answer within ``CALL_S``: left out of this batch.
 
-Who calls it: the ``ShardedTable`` that owns it, one thread at a time.
+Who calls it: the ``ShardedTable`` that owns it: draws and reports from
+one thread at a time (the learner's, or its prefetch thread), priority
+updates from the learner's thread meanwhile.
 """
 
 from __future__ import annotations
 
 import math
+import threading
 import time
 
 import numpy as np
@@ -52,6 +55,12 @@ class ShardBook:
         self.local = next((i for i, s in enumerate(self.shards) if s.node == self.here), None)
         self.agents = [ShardAgent(s.socket, name) if i == self.local else self._start_agent(i)
                        for i, s in enumerate(self.shards)]
+        # the local agent's client is one thread's: draws and reports (the
+        # prefetch thread, or the learner's) take it under this lock; the
+        # learner's priority updates go through a client of their own, so
+        # an update never waits for a draw parked in the shard's limiter
+        self.local_lock = threading.Lock()
+        self.local_updates = ShardAgent(self.shards[self.local].socket, name) if self.local is not None else None
         self.pending: list = []  # priority updates sent to remote agents, not yet seen through
         self.updates_lost = 0
 
@@ -70,7 +79,9 @@ class ShardBook:
     def close(self) -> None:
         for i, a in enumerate(self.agents):
             if i == self.local:
-                a.close()
+                with self.local_lock:
+                    a.close()
+                self.local_updates.close()
             elif a is not None:
                 ray.kill(a)
         self.agents = [None] * len(self.shards)
@@ -84,7 +95,8 @@ class ShardBook:
         out = {}
         if self.local in idx:
             try:
-                out[self.local] = getattr(self.agents[self.local], method)(*args)
+                with self.local_lock:
+                    out[self.local] = getattr(self.agents[self.local], method)(*args)
             except ReplayError as exc:
                 out[self.local] = exc
         for i, ref in refs.items():
@@ -143,8 +155,10 @@ class ShardBook:
         answers = {}
         if self.local in live:
             try:
-                mine = self.agents[self.local]
-                answers[self.local] = mine.draw(counts[self.local], beta, wait) if self.local in counts else mine.report()
+                with self.local_lock:
+                    mine = self.agents[self.local]
+                    answers[self.local] = (mine.draw(counts[self.local], beta, wait) if self.local in counts
+                                           else mine.report())
             except ReplayError as exc:
                 answers[self.local] = exc
         for i, ref in calls.items():
@@ -209,7 +223,7 @@ class ShardBook:
             sel = where == i
             if i == self.local:
                 try:
-                    self.agents[i].update(keys[sel], prios[sel])
+                    self.local_updates.update(keys[sel], prios[sel])
                 except DaemonUnavailable:
                     self.updates_lost += int(np.count_nonzero(sel))
             else:

@@ -167,12 +167,13 @@ class ShardedTable:
         lost for good (``lost``: node, why, items it last held), priority
         updates lost with a shard."""
         got = self.book.call("stats")
+        lost = dict(self.book.lost)  # the prefetch thread may add to it meanwhile
         shards = []
         for i, s in enumerate(self.shards):
             r = got.get(i)
             entry = {"node": s.node, "socket": s.socket}
-            if i in self.book.lost:
-                entry["lost"] = self.book.lost[i]
+            if i in lost:
+                entry["lost"] = lost[i]
             elif isinstance(r, BaseException) or r is None:
                 entry["down"] = str(r)
             else:
@@ -182,8 +183,8 @@ class ShardedTable:
         return {"name": self.name, "shards": shards,
                 "size": sum(e["size"] for e in live), "capacity": sum(e["capacity"] for e in live),
                 "inserts": sum(e["inserts"] for e in live), "samples": sum(e["samples"] for e in live),
-                "lost": {i: dict(v) for i, v in self.book.lost.items()},
-                "items_lost": sum(v["items"] for v in self.book.lost.values()),
+                "lost": {i: dict(v) for i, v in lost.items()},
+                "items_lost": sum(v["items"] for v in lost.values()),
                 "updates_lost": self.book.updates_lost}
 
     def checkpoint(self, to: str) -> dict:

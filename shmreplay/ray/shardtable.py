@@ -135,8 +135,10 @@ class ShardedTable:
     def iterate(self, batch_size: int, beta: float = 0.4, prefetch: int = 2, timeout: float | None = None,
                 check_reuse: bool = False, buffers=None):
         """Batches drawn ahead by a thread while the learner trains (each a
-        new one: the caller may keep it).  ``buffers``: as ``Table.iterate``'s
-        (``shmreplay.torch.iterate`` passes tensors)."""
+        new one: the caller may keep it, so ``check_reuse`` has nothing to
+        check and is accepted only for ``Table.iterate``'s callers).
+        ``buffers``: as ``Table.iterate``'s (``shmreplay.torch.iterate``
+        passes tensors)."""
         return ShardBatches(self, batch_size, beta, prefetch, timeout, buffers)
 
     def update_priorities(self, keys, priorities, shards) -> None:

@@ -281,7 +281,7 @@ def test_apex_dqn_runs_with_its_replay_split_over_three_nodes(cluster3, tmp_path
     """Item 7, smoke: clients/apex_dqn.py --ray --shards 3, its actor on
     another node (it writes to its own node's shard), the learner's
     batches drawn over the shards.  (Learning to 475 is a
-    README command: docs/scaling.md gives a run.)"""
+    README command, with three seeds' runs.)"""
     import re
     import subprocess
     import sys

@@ -219,9 +219,9 @@ def test_rows_come_one_array_a_shard_and_in_the_local_and_torch_forms(shards):
 def test_tables_are_made_opened_and_dropped_on_every_shard_and_bad_input_is_refused(shards):
     with pytest.raises(SchemaError):  # refused before any shard has it
         sray.ShardedTable.create(shards, "bad", capacity=30, fields={"x": ("float99", ())})
-    t = sray.ShardedTable.create(shards, "whole", capacity=100, fields=FIELDS)
+    t = sray.ShardedTable.create(shards, "whole", capacity=np.int64(100), fields=FIELDS)
     try:
-        assert t.spec.capacity == 34
+        assert t.spec.capacity == 34  # the whole table's, split (a numpy int too)
         fill(t, [np.ones(5), np.ones(6), np.ones(7)], offsets=[0, 100, 200])
         copy = pickle.loads(pickle.dumps(t))
         st = copy.stats()

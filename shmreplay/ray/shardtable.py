@@ -40,6 +40,7 @@ import math
 import queue
 import threading
 
+import numpy as np
 import ray
 
 from ..errors import ReplayError
@@ -83,7 +84,7 @@ class ShardedTable:
         """Make ``name`` on every shard (``Client.create_table``'s
         arguments; ``capacity``: the whole table's, see the module
         docstring) and open it."""
-        per = math.ceil(capacity / len(shards)) if isinstance(capacity, int) and shards else capacity
+        per = _per_shard(capacity, shards)
         make_spec(name, per, fields, sampler, alpha, **limits)  # refused here, before any shard has it
         return cls._made(shards, name, dict(capacity=per, fields=fields, sampler=sampler, alpha=alpha,
                                             exist_ok=exist_ok, **limits), False, seed)
@@ -93,7 +94,7 @@ class ShardedTable:
                      seed=None) -> "ShardedTable":
         """A queue over the shards (``Client.create_queue`` on each): each
         item delivered to one learner."""
-        per = math.ceil(capacity / len(shards)) if isinstance(capacity, int) and shards else capacity
+        per = _per_shard(capacity, shards)
         make_spec(name, per, fields, "fifo", remover="fifo", max_times_sampled=1, samples_per_insert=1.0,
                   error_buffer=(0.0, float(per)))
         return cls._made(shards, name, dict(capacity=per, fields=fields, exist_ok=exist_ok), True, seed)
@@ -217,6 +218,14 @@ class ShardedTable:
         self.close()
 
 
+def _per_shard(capacity, shards) -> int:
+    """Each shard's capacity: the whole table's over the shards, rounded
+    up (anything else is left for ``make_spec`` to refuse, naming it)."""
+    if isinstance(capacity, (int, np.integer)) and not isinstance(capacity, bool) and shards:
+        return math.ceil(int(capacity) / len(shards))
+    return capacity
+
+
 class ShardBatches:
     """``ShardedTable.iterate``: a thread draws up to ``prefetch`` batches
     ahead into a queue; ``close()`` (or the ``with`` block) stops it."""
@@ -287,5 +296,4 @@ class ShardBatches:
 def _as_shard_batch(b) -> ShardBatch:
     """A plain ``SampleBatch`` (``shmreplay.torch``'s tensors' one) as a
     ShardBatch over the same arrays, with a shards array of its own."""
-    import numpy as np
     return ShardBatch(b.data, b.keys, b.probabilities, b.weights, shards=np.empty(len(b), np.int32))

@@ -24,7 +24,7 @@ import os
 import shmreplay
 
 import dqn  # clients/dqn.py
-from apex_dqn import act
+from apex_actor import act  # clients/apex_actor.py
 
 
 def connect(args) -> None:

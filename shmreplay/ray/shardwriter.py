@@ -112,11 +112,8 @@ class ShardedWriter:
             try:
                 fn(self.writers[shard])
                 break
-            except ChunkRefused as exc:
-                if not self._gone(shard):
-                    raise
-                self.turn.pop(0)
-                del self.writers[shard]
+            except ChunkRefused:
+                self._leave(shard)
                 self.filled = 0
         else:
             raise ReplayError(f"every shard of table {self.name!r} is lost")
@@ -125,9 +122,15 @@ class ShardedWriter:
             self.filled = 0
             self.turn.append(self.turn.pop(0))
 
-    def _gone(self, shard: int) -> bool:
+    def _leave(self, shard: int) -> None:
+        """After ``ChunkRefused`` from a shard's writer: the shard leaves the
+        rotation if its node is gone for good; else the refusal stands
+        (re-raised: call it inside the ``except``)."""
         node = self.shards[shard].node
-        return not any(n["NodeID"] == node and n["Alive"] for n in ray.nodes())
+        if any(n["NodeID"] == node and n["Alive"] for n in ray.nodes()):
+            raise
+        self.turn.remove(shard)
+        del self.writers[shard]
 
     def flush(self) -> None:
         """Every row inserted so far is in its shard's table (confirmed)."""
@@ -137,10 +140,7 @@ class ShardedWriter:
             try:
                 self.writers[shard].flush()
             except ChunkRefused:
-                if not self._gone(shard):
-                    raise
-                self.turn.remove(shard)
-                del self.writers[shard]
+                self._leave(shard)
 
     def close(self) -> None:
         self.flush()

@@ -165,6 +165,22 @@ def test_a_queue_over_shards_delivers_each_item_to_one_learner(shards):
         t.drop()
 
 
+@ray.remote
+def drain(socket: str, table: str) -> int:
+    """Sample ``table`` at the daemon ``socket`` one item at a time until its
+    rate limit holds the next back; returns how many it drew."""
+    import shmreplay
+    got = 0
+    with shmreplay.connect(socket) as c:
+        t = c.table(table)
+        while True:
+            try:
+                t.sample(1, timeout=0.2)
+            except RateLimited:
+                return got
+            got += 1
+
+
 def test_rate_limits_hold_in_each_shard_and_hold_the_batch_back(shards):
     # each shard: at most 2 samples an insert (min_diff 0), inserts never held back here
     t = sray.ShardedTable.create(shards, "limited", capacity=300, fields=FIELDS, sampler="uniform",
@@ -180,9 +196,15 @@ def test_rate_limits_hold_in_each_shard_and_hold_the_batch_back(shards):
         for e in st["shards"]:  # each shard's own limit: samples <= 2 x its inserts
             assert e["inserts"] == 10 and e["samples"] <= 20
         assert 8 <= drawn <= 60  # the first shard out of room held the batch back
+        # every shard to its limit, then a batch that asks each of them: all three time out together
+        ray.get([drain.options(**on(LABELS[s])).remote(shards[s].socket, "limited") for s in range(3)])
+        assert [e["samples"] for e in t.stats()["shards"]] == [20, 20, 20]
+        with pytest.raises(RateLimited):
+            t.sample(30, timeout=1.0)
         fill(t, [np.ones(10)] * 3, offsets=[1000, 1100, 1200])  # more inserts: the batches go on
-        for _ in range(3):
-            t.sample(8, timeout=30.0)
+        for _ in range(3):  # over every shard: a limit's timeout never left one out
+            b = t.sample(8, timeout=30.0)
+            assert b.missing == {} and b.mass_left_out == 0.0
     finally:
         t.drop()
 

@@ -166,7 +166,11 @@ class ShardBook:
         got, failed, fresh = {}, {}, {}
         for i, a in answers.items():
             if isinstance(a, BaseException):
-                fresh[i] = {"down": str(a)}
+                # a limit's timeout or bad input leaves the shard in service:
+                # its last report stands (marking it down would leave it out of
+                # the next batches, and all of them out would stop the table)
+                kept = not isinstance(a, DaemonUnavailable) and bool(self.last[i])
+                fresh[i] = self.last[i] if kept else {"down": str(a)}
                 if i in counts:
                     failed[i] = a
                 continue

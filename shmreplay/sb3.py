@@ -26,7 +26,8 @@ transitions up to ``buffer_size // n_envs``.  What is new goes in
   once (docs/frames.md): ~7.7 KB a transition instead of 56 KB;
 * ``storage_dir=DIR``: a table in a file, for buffers larger than RAM;
 * ``seed=N``: the private daemon's sampler seed, so that a run's draws
-  repeat (with the same adds and samples in the same order);
+  repeat (with the same adds and samples in the same order); refused with
+  ``socket=`` (a shared daemon is seeded by its own config);
 * ``ahead=True`` (the default): each batch is drawn in the daemon while
   SB3 trains on the last one (``Table.sample(..., ahead=True)``,
   docs/guide.md).  A batch lacks the transitions added after it was sent,
@@ -55,6 +56,7 @@ from stable_baselines3.common.buffers import BaseBuffer
 from stable_baselines3.common.type_aliases import DictReplayBufferSamples, ReplayBufferSamples
 
 from .client import Server, connect
+from .client.private_daemon import buffer_options
 from .errors import ReplayError
 
 TABLE = "replay"
@@ -81,7 +83,7 @@ class _TableBuffer(BaseBuffer):
                     remover="fifo", **({"frames": frames} if frames else {}),
                     **({"storage_dir": storage_dir} if storage_dir else {}))
         self._spec, self._owned = spec, socket is None
-        opts = {**({"storage_dirs": [storage_dir]} if storage_dir else {}), **({} if seed is None else {"seed": seed})}
+        opts = buffer_options(socket, storage_dir, seed)  # before anything starts: it may refuse
         self._server = Server(**opts) if socket is None else None
         self._client = self._server.connect() if socket is None else connect(socket)
         self._table = self._client.create_table(exist_ok=True, **spec)

@@ -155,6 +155,9 @@ def test_two_processes_share_one_table(daemon):
                 shared.reset()
         finally:
             shared.close()
+        with pytest.raises(shmreplay.ReplayError, match="leave seed= out"):  # the daemon's own config seeds it
+            srb.ReplayBuffer(10_000, OBS, spaces.Discrete(4), socket=daemon.socket, table="shared", seed=1)
+        assert len(c.table("shared")) == 400
 
 
 def test_reset_empties_a_buffer_that_made_its_table():

@@ -99,6 +99,17 @@ def _group_id(group) -> int:
     return gid
 
 
+def buffer_options(socket: str | None, storage_dir: str | None, seed: int | None) -> dict:
+    """``Server``'s options for an in-process buffer's private daemon (the
+    SB3 and TorchRL buffers): its table's storage folder, its sampler seed.
+    ``seed`` with ``socket`` is refused: a shared daemon's sampler is seeded
+    by its own config, and a buffer that took the seed would not be seeded."""
+    if socket is not None and seed is not None:
+        raise ReplayError("seed= seeds a private daemon; a shared daemon's sampler is seeded by "
+                          "its own config ([daemon] seed): leave seed= out with socket=")
+    return {**({"storage_dirs": [storage_dir]} if storage_dir else {}), **({} if seed is None else {"seed": seed})}
+
+
 def _private_config(doc: dict, group) -> dict:
     """``doc`` (a parsed config) with the access keys it leaves out set:
     this user only, or ``group`` (its members connect and map)."""

@@ -16,6 +16,7 @@ import numpy as np
 import torch
 from tensordict import TensorDictBase
 
+from ..client.private_daemon import buffer_options
 from ..errors import ReplayError
 from ..wire.records import make_keys
 from .tableside import BufferTable
@@ -57,9 +58,6 @@ class ReplayBuffer:
         capacity, self._device = _capacity_device(storage)
         if capacity < 1:
             raise ReplayError(f"storage holds {capacity} items; give at least 1")
-        if socket is not None and seed is not None:
-            raise ReplayError("seed= seeds a private daemon; a shared daemon's sampler is seeded by "
-                              "its own config ([daemon] seed)")
         self._batch_size = None if batch_size is None else int(batch_size)
         self._prefetch = prefetch or 0
         self.priority_key = priority_key
@@ -71,8 +69,7 @@ class ReplayBuffer:
                     **({"frames": {field_name(k): v if isinstance(v, int) else field_name(v)
                                    for k, v in frames.items()}} if frames else {}),
                     **({"storage_dir": storage_dir} if storage_dir else {}))
-        opts = {**({"storage_dirs": [storage_dir]} if storage_dir else {}),
-                **({} if seed is None else {"seed": seed})}
+        opts = buffer_options(socket, storage_dir, seed)
         # the entries to store (None: the first extend's); others are left out
         stored = None if keys is None else [field_name(k) for k in keys]
         if self.prioritized and stored is not None and field_name(priority_key) in stored:

@@ -19,6 +19,7 @@ from items import TABLE, good_row, ids, insert_ids
 from waiting import HANG_S, all_threads_stopped, thread_states, wait_for
 from shmreplay.server.control.config import DAEMON_KEYS, DaemonConfig, load_config, parse_config
 from shmreplay.wire.names import lock_path
+from shmreplay.wire.peer import process_state
 
 
 def test_tables_from_config_exist_at_start(start_daemon):
@@ -217,6 +218,26 @@ def test_second_daemon_on_the_same_socket_is_refused(start_daemon, tmp_path):
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 1 and "another daemon is serving" in out.stderr
     assert not shm_entries(f"shmreplay.test{os.getpid()}second.")
+
+
+def test_a_crashed_daemon_nobody_reaped_leaves_its_tables_to_the_next(start_daemon):
+    """A killed daemon whose parent never waits for it (a container whose
+    init reaps nothing) stays a zombie: it maps and runs nothing, so the
+    next daemon adopts its tables as after any crash."""
+    d = start_daemon(tables=[TABLE], env={"SHMREPLAY_TEST_OWN_CHILD": "1"})  # this process's child
+    with d.connect() as c:
+        for i in range(5):
+            c.table("cfg").insert(**good_row(i))
+        c.flush()
+    old = d.proc
+    os.kill(old.pid, signal.SIGKILL)
+    try:
+        wait_for(lambda: process_state(old.pid)[0] == "Z", "the killed daemon to be a zombie")
+        d.start()
+        with d.connect() as c:
+            assert len(c.table("cfg")) == 5 and not c.stats()["set_aside"]
+    finally:
+        old.wait(HANG_S)
 
 
 def test_client_reattaches_after_fork(start_daemon):

@@ -4,16 +4,19 @@ started again, a learner killed while its draw waits in a shard, a
 shard's node lost for good (last: the node stays gone for the module)."""
 
 import os
+import pickle
 import shutil
 import signal
 import subprocess
 import sys
+import threading
 
 import numpy as np
 import pytest
 
 ray = pytest.importorskip("ray")
 import shmreplay.ray as sray  # noqa: E402
+from shmreplay.errors import ReplayError  # noqa: E402
 from daemons import checkout_env  # noqa: E402
 from rayfixtures import cluster3  # noqa: E402,F401 (a fixture)
 from shardkit import FIELDS, LABELS, held, on, write  # noqa: E402
@@ -38,6 +41,15 @@ def shards(cluster3):
 def fill(t, sizes, priorities, base: int = 0):
     ray.get([write.options(**on(LABELS[s])).remote(t.writer(), base + 100 * s + np.arange(n),
                                                   np.full(n, priorities[s])) for s, n in enumerate(sizes)])
+
+
+def gone(pid: int) -> bool:
+    """The process exited: no /proc entry, or a zombie nothing reaped yet."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
 
 
 def where(shard) -> dict:
@@ -79,6 +91,68 @@ def test_a_shard_whose_daemon_died_is_left_out_until_it_is_back_with_its_items(s
         t.drop()
 
 
+def test_a_shard_whose_daemon_hangs_is_left_out_after_shard_timeout_and_serves_again(shards):
+    t = sray.ShardedTable.create(shards, "hung", capacity=96, fields=FIELDS, alpha=1.0, shard_timeout=2.0)
+    try:
+        assert pickle.loads(pickle.dumps(t)).shard_timeout == 2.0  # a copy waits as long
+        fill(t, (10, 10, 10), (1.0, 2.0, 4.0))
+        assert not t.sample(64).missing
+        pid = where(shards[2])["pid"]
+        os.kill(pid, signal.SIGSTOP)  # alive, answering nothing
+        try:
+            b = t.sample(64)
+            assert list(b.missing) == [2] and "did not answer in time" in b.missing[2]
+            assert set(b.shards.tolist()) <= {0, 1} and b.mass_left_out == 40.0
+            np.testing.assert_allclose(b.probabilities, np.where(b.shards == 0, 1.0, 2.0) / 30.0, rtol=1e-12)
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        b = t.sample(256)  # it stayed in service: the next batch asks it again
+        assert not b.missing and set(b.shards.tolist()) == {0, 1, 2}
+    finally:
+        t.drop()
+    for bad in (0, -1.0, float("nan"), "5"):
+        with pytest.raises(ReplayError, match="shard_timeout"):
+            sray.ShardedTable(shards, "hung", shard_timeout=bad)
+
+
+def test_flush_returns_once_every_shards_daemon_applied_the_updates(shards):
+    """``flush`` waits for the daemons, not only for the calls that carried
+    the updates: with every shard's daemon stopped it cannot return."""
+    t = sray.ShardedTable.create(shards, "flushed", capacity=96, fields=FIELDS, alpha=1.0)
+    try:
+        fill(t, (10, 10, 10), (1.0, 1.0, 1.0))
+        b = t.sample(30)
+        t.update_priorities(b.keys, np.ones(30), b.shards)  # every update path connected
+        t.flush()
+        pids, done, errors = [where(s)["pid"] for s in shards], threading.Event(), []
+
+        def flush():
+            try:
+                t.flush()
+            except BaseException as exc:
+                errors.append(exc)
+            done.set()
+
+        for pid in pids:
+            os.kill(pid, signal.SIGSTOP)
+        try:
+            t.update_priorities(b.keys, np.full(30, 3.0), b.shards)  # into each daemon's command ring
+            waiter = threading.Thread(target=flush)
+            waiter.start()
+            assert not done.wait(1.0)  # no daemon has run since: none has applied them
+        finally:
+            for pid in pids:
+                os.kill(pid, signal.SIGCONT)
+        waiter.join(60)
+        assert done.is_set() and not errors
+        for s in range(3):
+            ids, prios = ray.get(held.options(**on(LABELS[s])).remote(shards[s].socket, "flushed"))
+            sampled = set(b.data["id"][b.shards == s].tolist())
+            assert prios == [3.0 if i in sampled else 1.0 for i in ids], s
+    finally:
+        t.drop()
+
+
 @ray.remote(num_cpus=0)
 class Learner:
     """A learner on another node: its agents are its own (they die with it)."""
@@ -103,14 +177,14 @@ def test_a_learner_killed_mid_batch_leaves_the_shards_serving_and_holding_nothin
         learner = Learner.options(**on("remote_node_1")).remote(t)
         pid = ray.get(learner.pid.remote())
         run = learner.draw_until_held.remote()
-        wait_for(lambda: sum(e["sample_waits"] for e in t.stats()["shards"]) > 0,
+        wait_for(lambda: sum(e.get("sample_waits", 0) for e in t.stats()["shards"]) > 0,
                  "the learner's draw to wait in a shard's limiter")
         assert pid in t.stats()["shards"][1]["daemon_client_pids"]  # its own node's shard, in its process
         ray.kill(learner)
         with pytest.raises(ray.exceptions.RayActorError):
             ray.get(run)
         # its agents went with it: no shard holds a slot for it, nor a client of a dead process
-        wait_for(lambda: all(not e["holders"] and e["held"] == 0
+        wait_for(lambda: all("down" not in e and not e["holders"] and e["held"] == 0
                              and all(os.path.exists(f"/proc/{p}") for p in e["daemon_client_pids"])
                              for e in t.stats()["shards"]), "the dead learner's holds and clients to go")
         fill(t, (20, 20, 20), (1.0, 1.0, 1.0), base=1000)
@@ -130,7 +204,7 @@ def test_a_dead_hosts_daemon_leaves_its_items_to_the_next_start_of_its_instance(
     with sray.ShardedTable.create([first], "kept", capacity=50, fields=FIELDS) as t:
         assert ray.get(write.options(**on("remote_node_1")).remote(t.writer(), np.arange(10))) == 0
     ray.kill(first.host)
-    wait_for(lambda: not os.path.exists(f"/proc/{pid}"), "the dead host's daemon to stop")
+    wait_for(lambda: gone(pid), "the dead host's daemon to stop")
     [again] = sray.start_shards([node], instance=inst)
     try:
         assert ray.get(held.options(**on("remote_node_1")).remote(again.socket, "kept")) == (
@@ -148,6 +222,9 @@ def test_a_shard_whose_node_is_lost_is_named_in_stats_and_the_table_serves_on(cl
         before = t.sample(64)
         assert set(before.shards.tolist()) == {0, 1, 2}
         cluster3.lose_node(2)
+        # Ray's word that the node is dead (the shard is lost, not its agent restarted)
+        wait_for(lambda: not any(n["NodeID"] == shards[2].node and n["Alive"] for n in ray.nodes()),
+                 "Ray to see node 2 dead")
         b = t.sample(64)
         assert list(b.missing) == [2] and "lost" in b.missing[2] and set(b.shards.tolist()) <= {0, 1}
         np.testing.assert_allclose(b.probabilities, 1 / 22, rtol=1e-12)

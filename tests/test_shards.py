@@ -291,6 +291,7 @@ def test_a_shard_that_sends_nonsense_is_left_out_and_the_batch_comes_from_the_re
         ray.kill(t.book.agents[1])
         t.book.agents[1] = ray.remote(Nonsense).options(**on("remote_node_1")).remote(shards[1].socket,
                                                                                       f"bad_{how}", how)
+        ray.get(t.book.agents[1].describe.remote())  # its worker started: the batch's calls get answers
         b = t.sample(64)
         assert list(b.missing) == [1] and set(b.shards.tolist()) == {0, 2}
         assert ("reported mass nan" if how == "report" else "sent") in b.missing[1]

@@ -17,8 +17,10 @@ words in shared memory (no round trip to the daemon): a draw's answer
 carries the report the learner splits its next batch by, so a batch costs
 one call per shard.  A daemon that is gone (killed, restarting) makes the
 report say ``down`` instead of raising, at once: the agent reconnects
-(once, for at most ``CONNECT_S``) at its next call, so a shard whose
-daemon came back serves again from the next batch.
+(once, for at most its ``timeout``) at its next call, so a shard whose
+daemon came back serves again from the next batch.  A daemon that hangs
+is said by a ReplayTimeout after ``timeout`` (the table's
+``shard_timeout``): the learner leaves the shard out of that batch.
 
 Who calls it: the ``ShardedTable`` that made it; its methods run one at a
 time (a Ray actor without concurrency).
@@ -32,19 +34,20 @@ import numpy as np
 
 from ..client.client import connect
 from ..errors import DaemonUnavailable, ReplayError, UnknownTable
+from ..wire.peer import process_state
 
-CONNECT_S = 5.0  # how long an agent waits to reach its daemon per call
+ANSWER_S = 20.0  # by default, how long an agent waits for its daemon's answer (past a draw's own wait)
 KEY, PROB = "_shard_key", "_shard_p"  # the packed row's key and probability
 
 
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
-        return True
     except ProcessLookupError:
         return False
     except PermissionError:  # another user's daemon (a service): it exists
-        return True
+        pass
+    return process_state(pid)[0] not in ("Z", "X", "x")  # a zombie serves nothing
 
 
 def row_dtype(fields: list) -> np.dtype:
@@ -57,13 +60,13 @@ def row_dtype(fields: list) -> np.dtype:
 class ShardAgent:
     """One learner's client of one shard's table (see the module docstring)."""
 
-    def __init__(self, socket: str, table: str):
-        self.socket, self.name = socket, table
+    def __init__(self, socket: str, table: str, timeout: float = ANSWER_S):
+        self.socket, self.name, self.timeout = socket, table, timeout
         self.client = self.table = self.row = None
 
     def _table(self):
         if self.client is None:
-            self.client = connect(self.socket, timeout=CONNECT_S)
+            self.client = connect(self.socket, timeout=self.timeout)
             self.table = None
         if self.table is None:
             self.table = self.client.table(self.name)
@@ -94,7 +97,7 @@ class ShardAgent:
         """Make this shard's table (``Client.create_table``'s or
         ``create_queue``'s arguments); returns ``describe()``."""
         if self.client is None:
-            self.client = connect(self.socket, timeout=CONNECT_S)
+            self.client = connect(self.socket, timeout=self.timeout)
         make = self.client.create_queue if queue else self.client.create_table
         make(self.name, **kwargs)
         return self.describe()
@@ -108,7 +111,7 @@ class ShardAgent:
 
     def drop(self) -> None:
         if self.client is None:
-            self.client = connect(self.socket, timeout=CONNECT_S)
+            self.client = connect(self.socket, timeout=self.timeout)
         try:
             self.client.drop_table(self.name)
         except UnknownTable:
@@ -158,6 +161,11 @@ class ShardAgent:
         """New priorities for keys this shard gave (stale ones are skipped
         and counted by the table, as a local learner's)."""
         self._call(lambda t: t.update_priorities(keys, priorities))
+
+    def flush(self) -> None:
+        """Return once the daemon has applied every update sent so far."""
+        if self.client is not None:
+            self._call(lambda t: self.client.flush())
 
     def checkpoint(self, to: str) -> list:
         """A checkpoint of this shard's table into ``to`` on its node."""

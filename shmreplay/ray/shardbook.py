@@ -16,7 +16,11 @@ A call to an agent that fails tells the kind of failure apart:
 * the agent actor died with its node (Ray says the node is dead): the
   shard is ``lost`` for good, with the items it last reported; the table
   serves on with the rest;
-* no answer within ``CALL_S``: left out of this batch.
+* the agent's daemon does not answer within ``shard_timeout``, or the
+  agent within ``CALL_S`` more: left out of this batch (``lost`` when Ray
+  says its node is dead);
+* a rate limit's timeout, or bad input: the shard stays in service (its
+  last report stands) and the error is the caller's.
 
 Who calls it: the ``ShardedTable`` that owns it: draws and reports from
 one thread at a time (the learner's, or its prefetch thread), priority
@@ -33,8 +37,8 @@ import numpy as np
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from ..errors import DaemonUnavailable, PriorityError, ReplayError
-from .shardagent import KEY, PROB, ShardAgent, row_dtype
+from ..errors import DaemonUnavailable, PriorityError, RateLimited, ReplayError, ReplayTimeout
+from .shardagent import ANSWER_S, KEY, PROB, ShardAgent, row_dtype
 
 class Emptied(ReplayError):
     """A shard the split counted on had nothing to draw when asked (its
@@ -42,26 +46,29 @@ class Emptied(ReplayError):
     its part is drawn from the others; it is not out of service."""
 
 
-CALL_S = 30.0  # the longest a report or a draw's answer is waited for past its own timeout
+CALL_S = 10.0  # how much longer than its agent's own bound an agent's answer is waited for
 
 
 class ShardBook:
-    def __init__(self, shards: list, name: str):
-        self.shards, self.name = list(shards), name
+    def __init__(self, shards: list, name: str, shard_timeout: float = ANSWER_S):
+        self.shards, self.name, self.shard_timeout = list(shards), name, shard_timeout
+        self.call_s = shard_timeout + CALL_S  # a call's answer, past the wait it asked for
         self.row = None  # the packed row (``bind``, once the table's fields are known)
         self.here = ray.get_runtime_context().get_node_id()
         self.lost: dict = {}  # shard -> {"node", "why", "items"}
         self.last: list = [{} for _ in self.shards]  # each shard's last good report
         self.local = next((i for i, s in enumerate(self.shards) if s.node == self.here), None)
-        self.agents = [ShardAgent(s.socket, name) if i == self.local else self._start_agent(i)
+        self.agents = [ShardAgent(s.socket, name, shard_timeout) if i == self.local else self._start_agent(i)
                        for i, s in enumerate(self.shards)]
         # the local agent's client is one thread's: draws and reports (the
         # prefetch thread, or the learner's) take it under this lock; the
         # learner's priority updates go through a client of their own, so
         # an update never waits for a draw parked in the shard's limiter
         self.local_lock = threading.Lock()
-        self.local_updates = ShardAgent(self.shards[self.local].socket, name) if self.local is not None else None
+        self.local_updates = (ShardAgent(self.shards[self.local].socket, name, shard_timeout)
+                              if self.local is not None else None)
         self.pending: list = []  # priority updates sent to remote agents, not yet seen through
+        self.unflushed: set = set()  # shards updated since the last settle
         self.updates_lost = 0
 
     count = property(lambda self: len(self.shards))
@@ -73,8 +80,8 @@ class ShardBook:
     def _start_agent(self, i: int):
         s = self.shards[i]
         return ray.remote(ShardAgent).options(
-            num_cpus=0, max_restarts=0,
-            scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=s.node, soft=False)).remote(s.socket, self.name)
+            num_cpus=0, max_restarts=0, scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=s.node, soft=False)
+        ).remote(s.socket, self.name, self.shard_timeout)
 
     def close(self) -> None:
         for i, a in enumerate(self.agents):
@@ -87,9 +94,12 @@ class ShardBook:
         self.agents = [None] * len(self.shards)
 
     # ---- calls to every shard ----
-    def call(self, method: str, *args, shards=None, timeout: float | None = CALL_S) -> dict:
+    def call(self, method: str, *args, shards=None, timeout: float | None = None) -> dict:
         """``method(*args)`` on each shard in service (or ``shards``): shard ->
-        its answer, or the exception it raised (``ray.get`` unwrapped)."""
+        its answer, or the exception it raised (``ray.get`` unwrapped);
+        ``timeout``: the longest to wait for each (None: ``shard_timeout``
+        and ``CALL_S``)."""
+        timeout = self.call_s if timeout is None else timeout
         idx = [i for i in (range(self.count) if shards is None else shards) if i not in self.lost]
         refs = {i: getattr(self.agents[i], method).remote(*args) for i in idx if i != self.local}
         out = {}
@@ -108,6 +118,8 @@ class ShardBook:
             return ray.get(ref, timeout=timeout)
         except ray.exceptions.GetTimeoutError:
             ray.cancel(ref)
+            if not self._node_alive(i):  # an agent on a node that died before Ray told its callers
+                return self._agent_died(i, DaemonUnavailable("no answer"))
             return DaemonUnavailable(f"shard {i} (node {self.shards[i].node[:12]}) did not answer within {timeout} s")
         except ray.exceptions.RayTaskError as exc:
             cause = exc.cause if isinstance(exc.cause, BaseException) else exc
@@ -115,10 +127,12 @@ class ShardBook:
         except ray.exceptions.RayActorError as exc:
             return self._agent_died(i, exc)
 
+    def _node_alive(self, i: int) -> bool:
+        return any(n["NodeID"] == self.shards[i].node and n["Alive"] for n in ray.nodes())
+
     def _agent_died(self, i: int, exc) -> DaemonUnavailable:
         node = self.shards[i].node
-        alive = {n["NodeID"]: n["Alive"] for n in ray.nodes()}
-        if not alive.get(node, False):
+        if not self._node_alive(i):
             self.lost[i] = {"node": node, "why": f"its node is gone: {type(exc).__name__}",
                             "items": self.last[i].get("size", 0)}
             self.agents[i] = None
@@ -162,7 +176,7 @@ class ShardBook:
             except ReplayError as exc:
                 answers[self.local] = exc
         for i, ref in calls.items():
-            answers[i] = self._get(i, ref, None if wait is None else wait + CALL_S)
+            answers[i] = self._get(i, ref, None if wait is None else wait + self.call_s)
         got, failed, fresh = {}, {}, {}
         for i, a in answers.items():
             if isinstance(a, BaseException):
@@ -171,8 +185,9 @@ class ShardBook:
                 # the next batches, and all of them out would stop the table)
                 kept = not isinstance(a, DaemonUnavailable) and bool(self.last[i])
                 fresh[i] = self.last[i] if kept else {"down": str(a)}
-                if i in counts:
-                    failed[i] = a
+                if i in counts:  # a daemon too slow to answer: this batch goes on without it
+                    slow = isinstance(a, ReplayTimeout) and not isinstance(a, RateLimited)
+                    failed[i] = DaemonUnavailable(f"shard {i} did not answer in time: {a}") if slow else a
                 continue
             report, rows = a if i in counts else (a, None)
             fresh[i] = self._checked(i, report)
@@ -232,10 +247,29 @@ class ShardBook:
                     self.updates_lost += int(np.count_nonzero(sel))
             else:
                 self.pending.append((i, int(np.count_nonzero(sel)), self.agents[i].update.remote(keys[sel], prios[sel])))
+            self.unflushed.add(i)
 
-    def settle(self, timeout: float = CALL_S) -> None:
-        """Wait for every update sent so far (``ShardedTable.flush``)."""
+    def settle(self, timeout: float | None = None) -> None:
+        """Return once every update sent so far is applied by its shard's
+        daemon (``ShardedTable.flush``): each agent's calls seen through,
+        then a flush of each shard updated since the last settle (an
+        agent's calls run in order: its flush runs after its updates)."""
+        timeout = self.call_s if timeout is None else timeout
+        shards, self.unflushed = sorted(self.unflushed - set(self.lost)), set()
+        refs = {i: self.agents[i].flush.remote() for i in shards if i != self.local}
         self._settle(timeout)
+        if self.pending:
+            raise ReplayTimeout(f"priority updates to shards {sorted({i for i, _, _ in self.pending})} were not "
+                                f"applied within {timeout} s; flush() again to wait longer")
+        if self.local in shards:
+            try:
+                self.local_updates.flush()
+            except DaemonUnavailable:
+                pass  # its updates are lost with the daemon, as a local table's
+        for i, ref in refs.items():
+            r = self._get(i, ref, timeout)
+            if isinstance(r, BaseException) and not isinstance(r, DaemonUnavailable):
+                raise r
 
     def _settle(self, timeout: float) -> None:
         keep = []

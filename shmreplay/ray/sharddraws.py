@@ -127,7 +127,8 @@ class ShardDraws:
                                           + (f" (left out: {missing})" if missing else ""))
                     time.sleep(wait)  # every shard empty: as a local table's sample, wait for items
                     wait = min(2 * wait, POLL_S[1])
-                    self.reports, usable = self.book.reports(exclude=missing), None
+                    # the missing keep their last answer: the next batch says them missing too
+                    self.reports, usable = {**self.reports, **self.book.reports(exclude=missing)}, None
                     continue
             counts = self._counts(usable, n - rows)
             got, failed, fresh = self.book.exchange(counts, beta, deadline)

@@ -25,9 +25,12 @@ their union (sharddraws.py).
   not dropped: they start the next batch.
 * Shards out of service are left out of a batch and said so in it
   (``ShardBatch.missing``, ``mass_left_out``); ``stats()["lost"]`` names
-  shards whose node is gone for good and what they held.
+  shards whose node is gone for good and what they held.  So is a shard
+  whose daemon does not answer a call within ``shard_timeout`` seconds
+  (20 by default; past a draw's own wait for items and limits): a hung
+  box costs a batch that long, once, then the batch comes from the rest.
 
-A ``ShardedTable`` pickles as its shards and name: a copy opens the table
+A ``ShardedTable`` pickles as its shards, name and ``shard_timeout``: a copy opens the table
 anew wherever it is unpickled, with agents of its own.
 
 Who calls it: one thread of a learner (``iterate``'s prefetch thread then
@@ -46,6 +49,7 @@ import ray
 from ..errors import ReplayError
 from ..schema import make_spec, spec_from_wire
 from .sharddraws import ShardBatch, ShardDraws
+from .shardagent import ANSWER_S
 from .shardbook import ShardBook
 from .shardwriter import ShardedWriter
 
@@ -53,16 +57,18 @@ JOIN_S = 5.0  # the longest close() waits for the prefetch thread's draw
 
 
 class ShardedTable:
-    def __init__(self, shards: list, name: str, seed=None, split: str = "mass", _book=None):
+    def __init__(self, shards: list, name: str, seed=None, split: str = "mass",
+                 shard_timeout: float = ANSWER_S, _book=None):
         """Open the table ``name`` over ``shards`` (``start_shards`` /
         ``attach_shards``); every shard must hold it with one definition.
         ``seed``: the split's random generator; ``split="in_turn"``: draw
         each shard's equal share instead, as Reverb's client does (for
-        comparisons only: sharddraws.py)."""
+        comparisons only: sharddraws.py); ``shard_timeout``: see the
+        module docstring."""
         if not shards:
             raise ReplayError("a sharded table needs at least one shard")
-        self.shards, self.name = list(shards), name
-        self.book = _book or ShardBook(self.shards, name)  # create's, whose agents made the table
+        self.shards, self.name, self.shard_timeout = list(shards), name, _checked_timeout(shard_timeout)
+        self.book = _book or ShardBook(self.shards, name, self.shard_timeout)  # create's: its agents made it
         try:
             specs = {i: d for i, d in self.book.call("describe").items()}
             bad = {i: d for i, d in specs.items() if isinstance(d, BaseException)}
@@ -77,33 +83,36 @@ class ShardedTable:
         self.spec = good[0]
         self.book.bind(self.spec.fields)
         self.draws = ShardDraws(self.book, self.spec.fields, self.spec.sampler in ("fifo", "lifo"), seed, split)
+        self.drawing = threading.Lock()  # ShardDraws is one thread's at a time
 
     @classmethod
     def create(cls, shards: list, name: str, capacity: int, fields, sampler: str = "prioritized",
-               alpha: float = 0.6, exist_ok: bool = False, seed=None, **limits) -> "ShardedTable":
+               alpha: float = 0.6, exist_ok: bool = False, seed=None, shard_timeout: float = ANSWER_S,
+               **limits) -> "ShardedTable":
         """Make ``name`` on every shard (``Client.create_table``'s
         arguments; ``capacity``: the whole table's, see the module
         docstring) and open it."""
         per = _per_shard(capacity, shards)
         make_spec(name, per, fields, sampler, alpha, **limits)  # refused here, before any shard has it
         return cls._made(shards, name, dict(capacity=per, fields=fields, sampler=sampler, alpha=alpha,
-                                            exist_ok=exist_ok, **limits), False, seed)
+                                            exist_ok=exist_ok, **limits), False, seed, shard_timeout)
 
     @classmethod
     def create_queue(cls, shards: list, name: str, capacity: int, fields, exist_ok: bool = False,
-                     seed=None) -> "ShardedTable":
+                     seed=None, shard_timeout: float = ANSWER_S) -> "ShardedTable":
         """A queue over the shards (``Client.create_queue`` on each): each
         item delivered to one learner."""
         per = _per_shard(capacity, shards)
         make_spec(name, per, fields, "fifo", remover="fifo", max_times_sampled=1, samples_per_insert=1.0,
                   error_buffer=(0.0, float(per)))
-        return cls._made(shards, name, dict(capacity=per, fields=fields, exist_ok=exist_ok), True, seed)
+        return cls._made(shards, name, dict(capacity=per, fields=fields, exist_ok=exist_ok), True, seed,
+                         shard_timeout)
 
     @classmethod
-    def _made(cls, shards, name, kwargs, queue_, seed):
+    def _made(cls, shards, name, kwargs, queue_, seed, shard_timeout):
         if not shards:
             raise ReplayError("a sharded table needs at least one shard")
-        book = ShardBook(list(shards), name)  # its agents make the table, then serve it
+        book = ShardBook(list(shards), name, _checked_timeout(shard_timeout))  # its agents make it, then serve it
         try:
             made = book.call("create", kwargs, queue_, timeout=120)
             failed = {i: r for i, r in made.items() if isinstance(r, BaseException)}
@@ -112,10 +121,10 @@ class ShardedTable:
         except BaseException:
             book.close()
             raise
-        return cls(shards, name, seed, _book=book)
+        return cls(shards, name, seed, shard_timeout=shard_timeout, _book=book)
 
     def __reduce__(self):
-        return (ShardedTable, (self.shards, self.name))
+        return (ShardedTable, (self.shards, self.name, None, "mass", self.shard_timeout))
 
     def __repr__(self) -> str:
         return f"<shmreplay.ray.ShardedTable {self.name!r} over {len(self.shards)} shards>"
@@ -127,9 +136,10 @@ class ShardedTable:
         (sharddraws.py); ``out``: an earlier batch of the same size to fill
         again; ``timeout``: the longest to wait for items and the shards'
         limits (None: as long as it takes)."""
-        if out is None or isinstance(out, ShardBatch):
-            return self.draws.sample(batch_size, beta, out, timeout)
-        got = self.draws.sample(batch_size, beta, _as_shard_batch(out), timeout)
+        with self.drawing:  # after an iterate's close, its thread may still finish a draw
+            if out is None or isinstance(out, ShardBatch):
+                return self.draws.sample(batch_size, beta, out, timeout)
+            got = self.draws.sample(batch_size, beta, _as_shard_batch(out), timeout)
         out.shards, out.missing, out.mass_left_out = got.shards, got.missing, got.mass_left_out
         return out
 
@@ -216,6 +226,12 @@ class ShardedTable:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _checked_timeout(t) -> float:
+    if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t <= 0:
+        raise ReplayError(f"shard_timeout must be a number of seconds > 0, got {t!r}")
+    return float(t)
 
 
 def _per_shard(capacity, shards) -> int:

@@ -33,6 +33,8 @@ from ..client.client import connect
 from ..errors import ReplayError
 from .writer import ChunkRefused, RemoteWriter
 
+INGEST_S = 60.0  # the longest a writer waits for a shard host to hand it the shard's ingest
+
 
 class ShardedWriter:
     def __init__(self, shards: list, name: str, chunk: int = 64, in_flight: int = 2):
@@ -66,9 +68,14 @@ class ShardedWriter:
             refs = {i: s.host.ingest.remote(self.name) for i, s in enumerate(self.shards)}
             for i, ref in refs.items():
                 try:
-                    self.writers[i] = RemoteWriter(ray.get(ref, timeout=60), self.chunk, self.in_flight)
-                except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+                    self.writers[i] = RemoteWriter(ray.get(ref, timeout=INGEST_S), self.chunk, self.in_flight)
+                except ray.exceptions.RayActorError:
                     pass  # that shard's host (node) is gone
+                except ray.exceptions.GetTimeoutError:
+                    if any(n["NodeID"] == self.shards[i].node and n["Alive"] for n in ray.nodes()):
+                        raise ReplayError(f"shard {i}'s host (node {self.shards[i].node[:12]}, alive) gave no "
+                                          f"ingest for table {self.name!r} within {INGEST_S} s: is its node "
+                                          "overloaded? write again to retry") from None
             if not self.writers:
                 raise ReplayError(f"no shard of table {self.name!r} can be reached to write to")
             self.turn = list(self.writers)

@@ -10,13 +10,15 @@ stranger (``client/link.py``).
 
 ``process_start`` names a process across pid reuse: with its pid, the
 start time the kernel records in /proc tells the process that leased slots
-or serves a table from a later one that got the same pid.
+or serves a table from a later one that got the same pid;
+``process_alive`` says whether that process still runs (a zombie does not).
 
 Pure decoding around one ``getsockopt`` or /proc read each; any thread.
 """
 
 from __future__ import annotations
 
+import os
 import socket
 import struct
 
@@ -39,21 +41,37 @@ def groups(sock: socket.socket, most: int = 1024) -> set[int]:
     return set(struct.unpack(f"{n}I", raw[:n * _GID]))
 
 
+PID_MAX = 1 << 22  # the kernel's largest pid_max
+
+
+def process_state(pid: int) -> tuple[str, int]:
+    """(state letter, start time in clock ticks since boot) of process
+    ``pid``; ("", 0) when there is none."""
+    if not 0 < pid < PID_MAX:
+        return "", 0
+    try:
+        fd = os.open(f"/proc/{pid}/stat", os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            stat = os.read(fd, 4096)
+        finally:
+            os.close(fd)
+        rest = stat[stat.rindex(b")") + 2:].split()
+        return rest[0].decode(), int(rest[19])
+    except (OSError, ValueError, IndexError):
+        return "", 0
+
+
 def process_start(pid: int) -> int:
     """The process's start time in clock ticks since boot (0 if it is gone):
     with the pid it names one process even after the pid is reused."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read()
-        return int(stat[stat.rindex(b")") + 2:].split()[19])
-    except (OSError, ValueError, IndexError):
-        return 0
+    return process_state(pid)[1]
 
 
 def process_alive(pid: int, start: int = 0) -> bool:
     """Is ``pid`` a live process (and, when ``start`` is known, the same one
-    that had that start time)?"""
-    if pid <= 0:
-        return False
-    now = process_start(pid)
-    return now != 0 and (start == 0 or now == start)
+    that had that start time)?  A zombie (exited, not yet reaped) is not:
+    it maps no memory, holds no lock and runs no more code, and where the
+    parent or init reaps nothing (a container without one) it stays a
+    zombie for good, which must not keep its slots or tables held."""
+    state, now = process_state(pid)
+    return now != 0 and state not in ("Z", "X", "x") and (start == 0 or now == start)

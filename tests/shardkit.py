@@ -60,3 +60,19 @@ def held(socket: str, table: str) -> tuple[list, list]:
     with shmreplay.connect(socket) as c:
         data, prios = committed(c.table(table))
         return data["id"].tolist(), prios.tolist()
+
+
+@ray.remote
+def drain(socket: str, table: str) -> int:
+    """Sample ``table`` at the daemon ``socket`` one item at a time until its
+    rate limit holds the next back; returns how many it drew."""
+    import shmreplay
+    got = 0
+    with shmreplay.connect(socket) as c:
+        t = c.table(table)
+        while True:
+            try:
+                t.sample(1, timeout=0.2)
+            except shmreplay.RateLimited:
+                return got
+            got += 1

@@ -16,10 +16,10 @@ import pytest
 
 ray = pytest.importorskip("ray")
 import shmreplay.ray as sray  # noqa: E402
-from shmreplay.errors import ReplayError  # noqa: E402
+from shmreplay.errors import RateLimited, ReplayError  # noqa: E402
 from daemons import checkout_env  # noqa: E402
 from rayfixtures import cluster3  # noqa: E402,F401 (a fixture)
-from shardkit import FIELDS, LABELS, held, on, write  # noqa: E402
+from shardkit import FIELDS, LABELS, drain, held, on, rows, write  # noqa: E402
 from waiting import wait_for  # noqa: E402
 
 pytestmark = pytest.mark.xdist_group("ray")
@@ -50,6 +50,19 @@ def gone(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] == "Z"
     except FileNotFoundError:
         return True
+
+
+def test_an_agent_takes_a_zombie_daemon_for_gone():
+    """A daemon its parent never reaped answers signals but serves nothing:
+    the agent's liveness look (once a ZOMBIE_S) says gone."""
+    from shmreplay.ray.shardagent import _alive
+    p = subprocess.Popen(["true"])
+    try:
+        wait_for(lambda: gone(p.pid), "the child to be a zombie")  # not reaped: its /proc entry stays
+        assert _alive(p.pid, zombie_check=False) and not _alive(p.pid, zombie_check=True)
+        assert _alive(os.getpid(), zombie_check=True)
+    finally:
+        p.wait()
 
 
 def where(shard) -> dict:
@@ -149,6 +162,30 @@ def test_flush_returns_once_every_shards_daemon_applied_the_updates(shards):
             ids, prios = ray.get(held.options(**on(LABELS[s])).remote(shards[s].socket, "flushed"))
             sampled = set(b.data["id"][b.shards == s].tolist())
             assert prios == [3.0 if i in sampled else 1.0 for i in ids], s
+    finally:
+        t.drop()
+
+
+def test_rows_a_failed_batch_drew_start_the_next_even_into_the_same_out(shards):
+    """The learner's own shard draws straight into the batch; rows it drew
+    for a batch that then failed (other shards' limits) are kept apart
+    from ``out``, so the next batch into the same ``out`` starts with them."""
+    from shmreplay.ray.sharddraws import new_batch
+    t = sray.ShardedTable.create(shards, "carried", capacity=300, fields=FIELDS, sampler="uniform",
+                                 samples_per_insert=2.0, error_buffer=(0.0, 100.0))
+    try:
+        fill(t, (10, 10, 10), (1.0, 1.0, 1.0))
+        ray.get([drain.options(**on(LABELS[s])).remote(shards[s].socket, "carried") for s in (1, 2)])
+        out = new_batch(t.spec.fields, 30)
+        out.data["id"][:] = -1
+        with pytest.raises(RateLimited):  # shard 0 (the head's: this process) drew; 1 and 2 are held back
+            t.sample(30, out=out, timeout=1.0)
+        drawn = sorted(out.data["id"][out.data["id"] >= 0].tolist())
+        assert drawn and all(i < 100 for i in drawn)  # what shard 0 gave, in place
+        fill(t, (10, 10, 10), (1.0, 1.0, 1.0), base=1000)
+        b = t.sample(30, out=out, timeout=60.0)
+        assert sorted(b.data["id"][:len(drawn)].tolist()) == drawn  # they start it, whole
+        assert np.array_equal(b.data["obs"], rows(b.data["id"])["obs"])
     finally:
         t.drop()
 

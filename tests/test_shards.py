@@ -14,7 +14,7 @@ import pytest
 ray = pytest.importorskip("ray")
 import shmreplay.ray as sray  # noqa: E402
 from rayfixtures import cluster3  # noqa: E402,F401 (a fixture)
-from shardkit import FIELDS, LABELS, chi2, chi2_bound, held, on, rows, write  # noqa: E402
+from shardkit import FIELDS, LABELS, chi2, chi2_bound, drain, held, on, rows, write  # noqa: E402
 from shmreplay.errors import PriorityError, RateLimited, ReplayError, SchemaError  # noqa: E402
 from shmreplay.ray.shardagent import KEY, PROB, ShardAgent  # noqa: E402
 
@@ -165,22 +165,6 @@ def test_a_queue_over_shards_delivers_each_item_to_one_learner(shards):
         t.drop()
 
 
-@ray.remote
-def drain(socket: str, table: str) -> int:
-    """Sample ``table`` at the daemon ``socket`` one item at a time until its
-    rate limit holds the next back; returns how many it drew."""
-    import shmreplay
-    got = 0
-    with shmreplay.connect(socket) as c:
-        t = c.table(table)
-        while True:
-            try:
-                t.sample(1, timeout=0.2)
-            except RateLimited:
-                return got
-            got += 1
-
-
 def test_rate_limits_hold_in_each_shard_and_hold_the_batch_back(shards):
     # each shard: at most 2 samples an insert (min_diff 0), inserts never held back here
     t = sray.ShardedTable.create(shards, "limited", capacity=300, fields=FIELDS, sampler="uniform",
@@ -274,8 +258,8 @@ class Nonsense(ShardAgent):
         super().__init__(socket, table)
         self.how = how
 
-    def report(self):
-        got = super().report()
+    def report(self, answered=False):
+        got = super().report(answered)
         return {**got, "mass": float("nan")} if self.how == "report" else got
 
     def draw(self, k, beta, timeout):

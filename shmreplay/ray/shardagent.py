@@ -29,6 +29,7 @@ time (a Ray actor without concurrency).
 from __future__ import annotations
 
 import os
+import time
 
 import numpy as np
 
@@ -38,16 +39,19 @@ from ..wire.peer import process_state
 
 ANSWER_S = 20.0  # by default, how long an agent waits for its daemon's answer (past a draw's own wait)
 KEY, PROB = "_shard_key", "_shard_p"  # the packed row's key and probability
+ZOMBIE_S = 1.0  # how often a report looks whether the daemon is a zombie
 
 
-def _alive(pid: int) -> bool:
+def _alive(pid: int, zombie_check: bool) -> bool:
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:  # another user's daemon (a service): it exists
         pass
-    return process_state(pid)[0] not in ("Z", "X", "x")  # a zombie serves nothing
+    # a zombie serves nothing (its parent never reaped it); /proc costs
+    # ~20 us, a tenth of a local batch, so it is read once a ZOMBIE_S
+    return not zombie_check or process_state(pid)[0] not in ("Z", "X", "x")
 
 
 def row_dtype(fields: list) -> np.dtype:
@@ -63,6 +67,15 @@ class ShardAgent:
     def __init__(self, socket: str, table: str, timeout: float = ANSWER_S):
         self.socket, self.name, self.timeout = socket, table, timeout
         self.client = self.table = self.row = None
+        self.zombie_checked = -ZOMBIE_S  # when a report last looked (monotonic)
+
+    def _zombie_check(self) -> bool:
+        """Whether this report looks for a zombie daemon (once a ZOMBIE_S)."""
+        now = time.monotonic()
+        if now - self.zombie_checked < ZOMBIE_S:
+            return False
+        self.zombie_checked = now
+        return True
 
     def _table(self):
         if self.client is None:
@@ -119,11 +132,13 @@ class ShardAgent:
         self.table = None
 
     # ---- a learner's calls ----
-    def report(self) -> dict:
+    def report(self, answered: bool = False) -> dict:
         """The shard's mass (sum of p^alpha of its sampleable items; their
         count on a uniform or order sampler), its smallest one (``least``),
         its size and counters: read from the table's live words (no round
-        trip to the daemon); ``{"down": why}`` when the daemon is gone."""
+        trip to the daemon); ``{"down": why}`` when the daemon is gone.
+        ``answered``: the daemon answered a draw just now (its process is
+        not looked up in /proc again)."""
         try:
             t = self._table()
         except DaemonUnavailable as exc:
@@ -133,7 +148,7 @@ class ShardAgent:
             self._lose_client()
             return {"down": f"the daemon has no table {self.name!r} (dropped, or not adopted after a restart)"}
         pid = self.client.daemon_pid
-        if not _alive(pid):  # its words stay mapped after it died: they say nothing now
+        if not answered and not _alive(pid, self._zombie_check()):  # its words stay mapped after it died
             self._lose_client()
             return {"down": f"its daemon (pid {pid}) is gone"}
         w = t.mapped.words
@@ -155,7 +170,17 @@ class ShardAgent:
             out[name] = b.data[name]
         out[KEY] = b.keys
         out[PROB] = b.probabilities
-        return self.report(), out
+        return self.report(answered=True), out
+
+    def draw_into(self, out, beta: float, timeout: float | None) -> tuple:
+        """``draw`` for the learner's own shard, in the learner's process:
+        ``len(out)`` rows gathered straight into ``out`` (a ``SampleBatch``
+        of views of the batch's rows), nothing packed; returns (the report,
+        ``out``), or (the report, None) as ``draw``."""
+        if "down" in (before := self.report()) or before["mass"] <= 0:
+            return before, None
+        self._call(lambda t: t.sample(len(out), beta=beta, out=out, timeout=timeout))
+        return self.report(answered=True), out
 
     def update(self, keys: np.ndarray, priorities: np.ndarray) -> None:
         """New priorities for keys this shard gave (stale ones are skipped

@@ -85,6 +85,8 @@ class ShardBook:
 
     def close(self) -> None:
         for i, a in enumerate(self.agents):
+            if a is None:  # closed already, or lost
+                continue
             if i == self.local:
                 with self.local_lock:
                     a.close()
@@ -158,10 +160,12 @@ class ShardBook:
         seen = [r["least"] for r in self.last if r.get("least", 0) > 0]
         return min(seen) if seen else 1.0
 
-    def exchange(self, counts: dict, beta: float, deadline: float | None) -> tuple[dict, dict, dict]:
+    def exchange(self, counts: dict, beta: float, deadline: float | None, place) -> tuple[dict, dict, dict]:
         """One call to each shard in service: a draw of its count where it
-        has one, a report elsewhere.  Returns ({shard: (data, keys, p within
-        the shard)}, {shard: why its draw failed}, {shard: its report})."""
+        has one, a report elsewhere; ``place(k)``: the batch's rows the
+        local shard's k rows are gathered into (views).  Returns ({shard:
+        (data, keys, p within the shard)}, {shard: why its draw failed},
+        {shard: its report})."""
         wait = None if deadline is None else max(0.0, deadline - time.monotonic())
         live = [i for i in range(self.count) if i not in self.lost]
         calls = {i: self.agents[i].draw.remote(counts[i], beta, wait) if i in counts else self.agents[i].report.remote()
@@ -171,8 +175,8 @@ class ShardBook:
             try:
                 with self.local_lock:
                     mine = self.agents[self.local]
-                    answers[self.local] = (mine.draw(counts[self.local], beta, wait) if self.local in counts
-                                           else mine.report())
+                    answers[self.local] = (mine.draw_into(place(counts[self.local]), beta, wait)
+                                           if self.local in counts else mine.report())
             except ReplayError as exc:
                 answers[self.local] = exc
         for i, ref in calls.items():
@@ -197,6 +201,8 @@ class ShardBook:
                 failed[i] = DaemonUnavailable(fresh[i]["down"])
             elif rows is None:
                 failed[i] = Emptied(f"shard {i} had nothing to draw (emptied since its last report)")
+            elif i == self.local:  # drawn in place by this process's own client
+                got[i] = (rows.data, rows.keys, rows.probabilities)
             elif bad := _bad_part(rows, counts[i], self.row):
                 failed[i] = DaemonUnavailable(f"shard {i} sent {bad}: left out")
             else:

@@ -65,16 +65,26 @@ class ShardBatch(SampleBatch):
 @dataclasses.dataclass
 class Part:
     """Rows one shard gave: field -> rows, their keys, their p^alpha
-    (P_s(i) x M_s; None on an order sampler) and the split's total mass M."""
+    (P_s(i) x M_s; None on an order sampler) and the split's total mass M;
+    ``at``: where in the batch its rows already are (the learner's own
+    shard draws straight into the batch's tail), None: to be copied in."""
 
     shard: int
     data: dict
     keys: np.ndarray
     p_alpha: np.ndarray | None
     total: float
+    at: int | None = None
 
     def __len__(self) -> int:
         return self.keys.shape[0]
+
+    def detached(self) -> "Part":
+        """The part with rows of its own (kept past its batch: carried)."""
+        if self.at is None:
+            return self
+        return Part(self.shard, {f: a.copy() for f, a in self.data.items()}, self.keys.copy(),
+                    None if self.p_alpha is None else self.p_alpha.copy(), self.total)
 
     def cut(self, k: int) -> tuple["Part", "Part"]:
         """The first k rows, and the rest."""
@@ -106,6 +116,7 @@ class ShardDraws:
             raise ReplayError(f"out= holds {len(out)} rows, the batch asks for {n}")
         deadline = None if timeout is None else time.monotonic() + timeout
         parts, missing, left_out = self._carried(n), {}, {}
+        tail = n  # the local shard's rows go straight into out, from its end back
         rows, least, wait, usable, drawn = sum(map(len, parts)), np.inf, POLL_S[0], None, []
         if not self.reports:
             self.reports = self.book.reports()  # the first batch: a round of reports to split by
@@ -116,13 +127,13 @@ class ShardDraws:
                         missing[i], left_out[i] = r["down"], self.book.last_mass(i)
                 if len(missing) >= self.book.count:
                     self.reports = {}  # ask every shard again next time
-                    self.carry = parts + self.carry
+                    self.carry = [p.detached() for p in parts] + self.carry
                     raise DaemonUnavailable(f"every shard of the table is out of service: {missing}")
                 usable = {i: r for i, r in self.reports.items() if i not in missing and r["mass"] > 0}
                 split = dict(usable)
                 if not usable:
                     if deadline is not None and time.monotonic() + wait > deadline:
-                        self.carry = parts + self.carry
+                        self.carry = [p.detached() for p in parts] + self.carry
                         raise RateLimited(f"no shard of the table held an item to draw within {timeout} s"
                                           + (f" (left out: {missing})" if missing else ""))
                     time.sleep(wait)  # every shard empty: as a local table's sample, wait for items
@@ -131,10 +142,13 @@ class ShardDraws:
                     self.reports, usable = {**self.reports, **self.book.reports(exclude=missing)}, None
                     continue
             counts = self._counts(usable, n - rows)
-            got, failed, fresh = self.book.exchange(counts, beta, deadline)
+            got, failed, fresh = self.book.exchange(counts, beta, deadline, lambda k: _rows_of(out, tail - k, tail))
             self.reports = {**self.reports, **fresh}  # the next batch's split
             for shard, (data, keys, p_local) in got.items():
-                part = Part(shard, data, keys, None if self.ordered else p_local * usable[shard]["mass"], 0.0)
+                at = None
+                if shard == self.book.local:  # drawn into out[tail - k:tail]
+                    at = tail = tail - keys.shape[0]
+                part = Part(shard, data, keys, None if self.ordered else p_local * usable[shard]["mass"], 0.0, at)
                 parts.append(part)
                 drawn.append(part)
                 rows += keys.shape[0]
@@ -143,7 +157,7 @@ class ShardDraws:
                     missing[shard], left_out[shard] = str(why), usable[shard]["mass"]
                 elif not isinstance(why, Emptied):  # a limit's timeout, bad input: keep what came
                     _settle(drawn, usable, split)
-                    self.carry = parts + self.carry
+                    self.carry = [p.detached() for p in parts] + self.carry
                     raise why
                 del usable[shard]  # its part is drawn again from the rest (rejection: the rest's distribution)
             if not usable or rows == n:
@@ -174,6 +188,8 @@ class ShardDraws:
         sampler's by ready items, none over what a shard holds unless the
         shards hold fewer than n in all (then the largest waits for more)."""
         ids = sorted(usable)
+        if len(ids) == 1:  # the whole batch, whatever the rule (no random draw needed)
+            return {ids[0]: n}
         if self.split == "in_turn":
             counts = shardmath.in_turn(n, len(ids))
         else:
@@ -198,10 +214,15 @@ class ShardDraws:
             least = self.book.last_least()
         at = 0
         for part in parts:
-            k, sl = len(part), slice(at, at + len(part))
-            for f in self.fields:
-                out.data[f.name][sl] = part.data[f.name]
-            out.keys[sl] = part.keys
+            k = len(part)
+            if part.at is not None:  # its rows and keys are in place
+                sl = slice(part.at, part.at + k)
+            else:
+                sl = slice(at, at + k)
+                at += k
+                for f in self.fields:
+                    out.data[f.name][sl] = part.data[f.name]
+                out.keys[sl] = part.keys
             out.shards[sl] = part.shard
             if part.p_alpha is None:
                 out.probabilities[sl] = 1.0
@@ -209,7 +230,6 @@ class ShardDraws:
             else:
                 out.probabilities[sl] = shardmath.probabilities(part.p_alpha, part.total)
                 out.weights[sl] = shardmath.weights(part.p_alpha, part.total, least, beta)
-            at += k
         out.redraws = 0
 
 
@@ -231,6 +251,13 @@ def _least_share(now: dict, split: dict) -> float:
     reports, the shard's smallest mass itself."""
     r = now if "down" not in now and now.get("mass", 0) > 0 else split
     return r["least"] / r["mass"] * split["mass"]
+
+
+def _rows_of(out: ShardBatch, lo: int, hi: int) -> SampleBatch:
+    """Rows lo..hi of ``out`` as a batch of views (what the local shard's
+    draw gathers into)."""
+    return SampleBatch({f: a[lo:hi] for f, a in out.data.items()}, out.keys[lo:hi], out.probabilities[lo:hi],
+                       out.weights[lo:hi])
 
 
 def new_batch(fields, n: int) -> ShardBatch:

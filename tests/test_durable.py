@@ -210,8 +210,9 @@ def test_no_slot_listed_on_disk_is_written_before_the_next_sync(start_daemon, tm
         # itself until the retired slots reach the headroom) and a batch
         # reserved and not yet committed.  The fresh-clone suite under load
         # saw 32 (on b4635de): the bound of 64 - HEADROOM - 8 held only when
-        # the copy missed those moments
-        assert len(ids) >= 64 - HEADROOM - 2 * 8 and ids[-1] >= last - 8 - HEADROOM, ids
+        # the copy missed those moments.  The newest item listed lags the
+        # last written by as much (a loaded run saw 143 of 167, on f7fa4d9)
+        assert len(ids) >= 64 - HEADROOM - 2 * 8 and ids[-1] >= last - 2 * 8 - HEADROOM, ids
 
 
 def test_sync_from_the_command_line_and_what_status_shows(start_daemon, tmp_path):

@@ -115,6 +115,8 @@ class Trainer(threading.Thread):
                         state = {k: v.detach().clone() for k, v in learner.online.state_dict().items()}
                         with self.lock:
                             self.weights = state
+                    if args.max_batches is not None and self.batches >= args.max_batches:
+                        break  # exactly --max-batches: the env loop may look only rounds later
                 it.close()
         except BaseException as exc:  # reported by the inference loop
             self.error = exc

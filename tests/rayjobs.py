@@ -14,6 +14,12 @@ MemberCluster.job), and prints one JSON line of what it saw.
   namespace, and runs a task that tries the daemon's admin operations on
   TABLE and inserts one row at priority 1e200.  Prints what each gave.
 
+* ``sharded SOCKET TABLE``: a learner of a sharded table whose one shard
+  is the daemon at SOCKET, attached as the operator's service
+  (``attach_shards``): it samples 8 rows, sets their priorities to 2,
+  then tries the table's drop and checkpoint.  Prints the ids it drew
+  and what each call gave.
+
 Who calls it: the test, as a subprocess; one thread."""
 
 import json
@@ -77,5 +83,23 @@ def intruder(socket: str, table: str, name: str) -> None:
     ray.shutdown()
 
 
+def sharded(socket: str, table: str) -> None:
+    import shmreplay.ray as sray
+    ray.init(logging_level="ERROR", log_to_driver=False)
+    shards = sray.attach_shards([(ray.get_runtime_context().get_node_id(), socket)])
+    try:
+        t = sray.ShardedTable(shards, table)
+        b = t.sample(8)
+        seen = {"uid": os.getuid(), "ids": sorted(set(b.data["id"].tolist())),
+                "update": outcome(lambda: (t.update_priorities(b.keys, np.full(8, 2.0), b.shards), t.flush())),
+                "drop": outcome(t.drop), "checkpoint": outcome(lambda: t.checkpoint("/tmp")),
+                "size": len(t)}
+        t.close()
+    finally:
+        sray.stop_shards(shards)  # attached: the daemon serves on, with the table
+    print(json.dumps(seen), flush=True)
+    ray.shutdown()
+
+
 if __name__ == "__main__":
-    {"learner": learner, "intruder": intruder}[sys.argv[1]](*sys.argv[2:])
+    {"learner": learner, "intruder": intruder, "sharded": sharded}[sys.argv[1]](*sys.argv[2:])

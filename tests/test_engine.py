@@ -239,14 +239,16 @@ def test_no_learner_spin_takes_a_core_a_runnable_thread_waits_for():
             assert time.monotonic() < deadline, "busy processes never showed as runnable"
             time.sleep(0.01)
         rings, calls = [ch.requests], Calls()
+        # the spins start at pinned times: a preemption of this thread (the
+        # machine is crowded on purpose) cannot turn them into other spins
         now = time.perf_counter()
         idler.sampled(now - 0.001)
         idler.sampled(now)                                       # a learner every 1 ms
-        assert not idler.spin(rings, calls)
+        assert not idler.spin(rings, calls, start=now)
         assert idler.stats["learner_spins"] == 1
         assert idler.stats["crowded_spins"] == 1 and idler.stats["contended_spins"] == 0
-        idler.sampled(time.perf_counter() + 0.004)              # every 4 ms: a watched spin
-        assert not idler.spin(rings, calls)
+        idler.sampled(now + 0.004)                               # every 4 ms: a watched spin
+        assert not idler.spin(rings, calls, start=now + 0.004)
         assert idler.stats["watched_learner_spins"] == 1
         assert idler.stats["crowded_spins"] == 2 and idler.stats["contended_spins"] == 1
     finally:

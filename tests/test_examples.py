@@ -39,7 +39,7 @@ def run(program, tmp_path, name, *args):
                      r"after ([\d,]+) env steps, ([\d,]+) batches", p.stdout, re.M)
     assert done, p.stdout[-2000:]
     steps, batches = (int(g.replace(",", "")) for g in done.groups())
-    # the training thread of seed_learner may finish a batch or two more
+    # a learner checks the count after each batch (seed_learner's training thread too)
     assert steps > 0 and BATCHES <= batches <= BATCHES + 4, p.stdout[-2000:]
     with open(tmp_path / f"{stem}.csv", newline="") as f:
         reader = csv.DictReader(f)

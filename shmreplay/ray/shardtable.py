@@ -46,7 +46,7 @@ import threading
 import numpy as np
 import ray
 
-from ..errors import ReplayError
+from ..errors import PermissionDenied, ReplayError
 from ..schema import make_spec, spec_from_wire
 from .sharddraws import ShardBatch, ShardDraws
 from .shardagent import ANSWER_S
@@ -202,13 +202,32 @@ class ShardedTable:
 
     def checkpoint(self, to: str) -> dict:
         """A checkpoint of each shard's table into ``to`` on its own node:
-        shard -> what its daemon wrote (or the error)."""
-        return {i: (str(r) if isinstance(r, BaseException) else r)
-                for i, r in self.book.call("checkpoint", to).items()}
+        shard -> what its daemon wrote (or why it could not: a shard out of
+        service).  PermissionDenied when a shard's daemon refuses this user
+        (a checkpoint is its admins')."""
+        got = self.book.call("checkpoint", to)
+        denied = [r for _, r in sorted(got.items()) if isinstance(r, PermissionDenied)]
+        if denied:
+            raise denied[0]
+        return {i: (str(r) if isinstance(r, BaseException) else r) for i, r in got.items()}
 
     def drop(self) -> None:
-        """Drop the table on every shard in service and stop their ingests."""
-        self.book.call("drop")
+        """Drop the table on every shard in service and stop their ingests.
+        A shard that refuses (PermissionDenied: a drop is its daemon's
+        admins') or cannot (out of service) raises, saying which shards
+        dropped it; the table stays open, to drop again."""
+        got = self.book.call("drop")
+        failed = sorted((i, r) for i, r in got.items() if isinstance(r, BaseException))
+        if failed:
+            i, exc = failed[0]
+            done = sorted(set(got) - {j for j, _ in failed})
+            why = (f"drop of table {self.name!r}: shard {i} refused: {exc} (dropped on shards {done}; "
+                   "drop again once every shard serves you)")
+            try:
+                again = type(exc)(why)
+            except Exception:
+                again = ReplayError(why)
+            raise again from exc
         for i, s in enumerate(self.shards):
             if i not in self.book.lost:
                 try:

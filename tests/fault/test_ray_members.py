@@ -11,7 +11,10 @@ namespace and feeds the table; a second job's task tries to drop the
 table, checkpoint it and shut the daemon down (each ``PermissionDenied``),
 inserts a row at priority 1e200 (a member's right, documented), and looks
 for the ingest by name (not found from its namespace; Ray's listing of
-every namespace still shows the name: a namespace is no secret).  At the
+every namespace still shows the name: a namespace is no secret).  A third
+job opens the table as a sharded table of one shard on the service
+(``attach_shards``): it samples and updates priorities, and its drop and
+checkpoint are refused (issue 39: a shard's box keeps its access rules).  At the
 end the cluster's processes, its folder and the users are gone."""
 
 import json
@@ -51,6 +54,11 @@ def test_a_second_job_on_a_member_run_cluster_can_neither_drop_tables_nor_find_a
         assert ready, cluster.log("learner")[-3000:]
         ready = json.loads(ready)
         assert ready["confirmed"] == 2  # the ingest, run as the member, fed the table
+        sharded = cluster.job("sharded", script, "sharded", d.socket, "replay")  # the table as one shard
+        jobs.append(sharded)
+        out, _ = sharded.communicate(timeout=10 * HANG_S)
+        assert sharded.returncode == 0, cluster.log("sharded")[-3000:]
+        shard_seen = json.loads(out)
         intruder = cluster.job("intruder", script, "intruder", d.socket, "replay", "ingest")
         jobs.append(intruder)
         out, _ = intruder.communicate(timeout=10 * HANG_S)
@@ -70,11 +78,18 @@ def test_a_second_job_on_a_member_run_cluster_can_neither_drop_tables_nor_find_a
     assert seen["by_name"].startswith("ValueError:"), seen["by_name"]  # not from another namespace
     assert seen["listed"] == [{"name": "ingest", "namespace": ready["namespace"]}]  # but listed: no secret
     assert seen["insert_1e200"] == "ok"  # a member's right (section 13)
+    # a sharded table over the service keeps its access rules: a member samples and
+    # updates priorities; the drop and the checkpoint are the daemon's admins'
+    assert shard_seen["uid"] == users[MEMBER][0] and shard_seen["size"] == 16
+    assert shard_seen["update"] == "ok" and set(shard_seen["ids"]) <= set(range(16))
+    for op in ("drop", "checkpoint"):
+        assert shard_seen[op].startswith("PermissionDenied:") and "admin" in shard_seen[op], (op, shard_seen[op])
     with d.connect() as c:
         assert c.list_tables() == ["replay"]
         got, prios = committed(c.table("replay"))
         assert sorted(got["id"].tolist()) == [-1, *range(16)]
         assert prios[got["id"] == -1].tolist() == [1e200]
+        assert {i for i, p in zip(got["id"].tolist(), prios.tolist()) if p == 2.0} == set(shard_seen["ids"])
     assert d.proc.poll() is None
     # nothing of the cluster is left: processes (the member's, any), its folder, Ray state elsewhere
     assert not cluster.leftovers()

@@ -184,13 +184,16 @@ class Idler:
         self.backoff_until = now + BACKOFF_S
         self.stats["contended_spins"] += 1
 
-    def spin(self, rings: list, calls, worked: bool = False, waiting: bool = False) -> bool:
+    def spin(self, rings: list, calls, worked: bool = False, waiting: bool = False,
+             start: float | None = None) -> bool:
         """Re-check the rings (and the call queue) for up to the spin
         budget (``worked``: the last pass did work); True if something
-        arrived that wants serving now (``wanted``)."""
+        arrived that wants serving now (``wanted``).  ``start``: the
+        perf_counter time the spin counts from (now; a test pins it, so
+        which spin it is does not depend on how long it was descheduled)."""
         if not rings:
             return False
-        start = time.perf_counter()
+        start = time.perf_counter() if start is None else start
         deadline = start + max(self.spin_s, self.burst_s if worked else 0.0) if self.spin_max > 0 else start
         plain = deadline
         until, watched = self.learner_until(start)  # a learner samples often: stay up for it

@@ -6,7 +6,9 @@
 Stands in for a training step: gathers a batch (zero-copy indices from the
 daemon, rows read straight from shared memory), computes fake TD errors
 from the rows, and sends them back as new priorities.  Prints one JSON line
-of totals when it stops.
+of totals when it stops.  Its --seconds count from its first batch (it
+waits up to FIRST_BATCH_S for the actors' first items): a learner started
+before its actors have inserted anything still samples that long.
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ import time
 import numpy as np
 
 import shmreplay
+
+FIRST_BATCH_S = 120.0  # the longest it waits for the first batch it can draw
 
 
 def main(argv=None) -> int:
@@ -37,19 +41,23 @@ def main(argv=None) -> int:
     with shmreplay.connect(args.socket) as client:
         table = client.table(args.table)
         batches = redraws = 0
-        batch = None
-        t0 = time.monotonic()
-        while not stop and time.monotonic() - t0 < args.seconds:
+        batch = t0 = None
+        start = time.monotonic()
+        while not stop:
+            now = time.monotonic()
+            if (now - t0 >= args.seconds) if t0 is not None else (now - start >= FIRST_BATCH_S):
+                break
             try:
                 batch = table.sample(args.batch, beta=args.beta, out=batch, timeout=0.5)
             except shmreplay.RateLimited:
                 continue  # actors have not inserted enough yet
+            t0 = now if t0 is None else t0
             redraws += batch.redraws
             # a stand-in for |TD error|: anything cheap that depends on the rows
             td = np.abs(batch.data["reward"]) + 0.01
             table.update_priorities(batch.keys, td)
             batches += 1
-        dt = time.monotonic() - t0
+        dt = time.monotonic() - (t0 if t0 is not None else start)
     print(json.dumps({"role": "learner", "batches": batches, "batch_size": args.batch,
                       "seconds": round(dt, 2), "batches_per_s": round(batches / dt, 1),
                       "redrawn_rows": redraws}))

@@ -297,7 +297,8 @@ def test_an_error_reply_waiting_is_raised_by_the_next_insert(start_daemon, monke
     and the one after inserts into a new lease."""
     fields = {"obs": ("float32", (4,)), "action": ("int64", ())}
     table = {"capacity": 4096, "fields": fields, "sampler": "fifo", "max_times_sampled": 1}
-    d = start_daemon(tables=[dict(table, name="t"), dict(table, name="warm")], reservation_timeout_s=0.5)
+    # 2 s: a stall of the test between its two inserts below must not void the lease first
+    d = start_daemon(tables=[dict(table, name="t"), dict(table, name="warm")], reservation_timeout_s=2.0)
     calls = _answers(monkeypatch)
     with d.connect() as c:
         c.lazy_commits = False  # every COMMIT wakes the daemon: its refusal comes without a flush

@@ -16,7 +16,7 @@ import numpy as np
 
 from shmreplay.client import pipe as pipemod
 from shmreplay.client.lease import SlotLease
-from waiting import all_threads_stopped, wait_for
+from waiting import stop_asleep, wait_for
 
 
 def test_single_inserts_ask_for_the_next_lease_without_waking_a_sleeping_daemon(start_daemon, monkeypatch):
@@ -32,10 +32,8 @@ def test_single_inserts_ask_for_the_next_lease_without_waking_a_sleeping_daemon(
         obs = np.zeros(4, np.float32)
         t.insert(obs=obs, action=0)  # leases 39 slots (no flush: it would hand the rest back)
         ring = c._session.pipe.req
-        wait_for(lambda: int(ring.ctl[ring.sleeping_w]) != 0, "the daemon to sleep")
-        os.kill(d.pid, signal.SIGSTOP)
+        stop_asleep(d.pid, lambda: int(ring.ctl[ring.sleeping_w]) != 0)
         try:
-            wait_for(lambda: all_threads_stopped(d.pid), "the daemon to stop")
             bells, asking = [], []
             real_ring, real_ask = pipemod.ring_bell, SlotLease._ask_ahead
 
@@ -78,10 +76,8 @@ def test_a_reply_already_there_is_collected_without_waking_the_daemon(start_daem
         pipe = c._session.pipe
         wait_for(pipe.resp.has_pending, "the SAMPLE's reply")
         ring = pipe.req
-        wait_for(lambda: int(ring.ctl[ring.sleeping_w]) != 0, "the daemon to sleep")
-        os.kill(d.pid, signal.SIGSTOP)
+        stop_asleep(d.pid, lambda: int(ring.ctl[ring.sleeping_w]) != 0)
         try:
-            wait_for(lambda: all_threads_stopped(d.pid), "the daemon to stop")
             bells = []
             real_ring = pipemod.ring_bell
             monkeypatch.setattr(pipemod, "ring_bell", lambda fd: (bells.append(fd), real_ring(fd)))

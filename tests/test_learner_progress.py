@@ -13,7 +13,7 @@ import numpy as np
 import shmreplay
 from shmreplay.client import gather
 from idrows import FIELDS, rows, torn
-from waiting import HANG_S, reap, wait_for, worker_context
+from waiting import HANG_S, reap, stop_asleep, wait_for, worker_context
 
 CAPACITY, BATCH, BATCHES = 64, 16, 5
 
@@ -144,8 +144,7 @@ def test_a_learners_sample_is_served_before_other_writers_queued_commits(start_d
         learner.flush()
         tl.sample(1)  # the daemon knows it for a sampler now (and applied A's and B's commits)
         ring = learner._session.pipe.req  # the daemon announces its sleep in every ring
-        wait_for(lambda: int(ring.ctl[CTL_DAEMON_SLEEPING]) != 0, "the daemon to sleep")
-        os.kill(d.pid, signal.SIGSTOP)
+        stop_asleep(d.pid, lambda: int(ring.ctl[CTL_DAEMON_SLEEPING]) != 0)
         try:
             for i in range(1, 5):
                 ta.insert(id=i)

@@ -11,6 +11,7 @@ to exit 0 (stopping at once when one failed), and ending what is left.
 from __future__ import annotations
 
 import os
+import signal
 import time
 
 HANG_S = 60.0  # how long a wait may take before it counts as a hang
@@ -120,6 +121,21 @@ def thread_states(pid: int) -> dict[str, tuple[str, str]]:
         except OSError:  # a thread that just ended
             pass
     return out
+
+
+def stop_asleep(pid: int, sleeping, tries: int = 20) -> None:
+    """SIGSTOP the daemon ``pid`` while it sleeps: ``sleeping()`` (its
+    sleeping word in a ring) is still set once every thread is stopped.
+    Its monitor's once-a-second look may wake it between the look and the
+    stop: then it runs on and is stopped again once it sleeps."""
+    for _ in range(tries):
+        wait_for(sleeping, "the daemon to sleep")
+        os.kill(pid, signal.SIGSTOP)
+        wait_for(lambda: all_threads_stopped(pid), "the daemon to stop")
+        if sleeping():
+            return
+        os.kill(pid, signal.SIGCONT)
+    raise AssertionError(f"the daemon was never stopped asleep in {tries} tries")
 
 
 def all_threads_stopped(pid: int) -> bool:

@@ -273,10 +273,14 @@ def running(start, t0: float, seconds: float) -> bool:
 
 # ------------------------------------------------------------------ shared
 
+FIRST_ITEM_S = 60.0  # the longest run_mp waits for the actors' first item
+
+
 def run_mp(procs, start, out, seconds, sample_update, size) -> dict:
     """Start the actors; once every one has reported ready (None on `out`:
-    attached, its rows built, its library imported), start the clock, run
-    the learner loop for `seconds`, and collect each actor's item count."""
+    attached, its rows built, its library imported), let them go, start
+    the clock at the table's first item, run the learner loop for
+    `seconds`, and collect each actor's item count."""
     for p in procs:
         p.start()
     deadline, ready = time.perf_counter() + 300, 0
@@ -287,10 +291,15 @@ def run_mp(procs, start, out, seconds, sample_update, size) -> dict:
             if time.perf_counter() > deadline or not all(p.is_alive() for p in procs):
                 raise RuntimeError("actor processes did not get ready") from None
     start.set()
-    t0 = time.perf_counter()
     try:
-        while size() == 0 and time.perf_counter() - t0 < seconds:
+        # the clock starts at the first item: on a loaded box the actors'
+        # first commits may take longer than a short cell's whole run
+        guard = time.perf_counter() + FIRST_ITEM_S
+        while size() == 0:
+            if time.perf_counter() > guard:
+                raise RuntimeError(f"no actor's item reached the table within {FIRST_ITEM_S:g} s")
             time.sleep(0.001)
+        t0 = time.perf_counter()
         batches = 0
         while time.perf_counter() - t0 < seconds:
             sample_update()

@@ -37,10 +37,10 @@ def reporting(body):
     return run
 
 
-def full_table(start_daemon, table: dict, data: dict, hold_timeout_s: float):
+def full_table(start_daemon, table: dict, data: dict, hold_timeout_s: float, **daemon_opts):
     """A daemon serving one table whose items are sampled once, filled with
     ``data``: (daemon, admin client, table handle)."""
-    d = start_daemon(tables=[{"max_times_sampled": 1, **table}], hold_timeout_s=hold_timeout_s)
+    d = start_daemon(tables=[{"max_times_sampled": 1, **table}], hold_timeout_s=hold_timeout_s, **daemon_opts)
     admin = d.connect(timeout=30)
     t = admin.table(table["name"])
     t.insert_batch(data)

@@ -96,7 +96,7 @@ def test_a_writer_without_timeout_waits_out_a_hung_learner_and_one_with_a_timeou
     d, admin, s = full_table(start_daemon, {"name": "s", "capacity": cap, "sampler": "uniform",
                                             "fields": SEQ_FIELDS},
                              {"obs": np.zeros((cap, 3, 8), np.uint8), "length": np.full(cap, 3, np.int32)},
-                             hold_timeout_s=3600.0)
+                             hold_timeout_s=3600.0, reservation_timeout_s=3600.0)
     assert s.lease_size == 0
     out, learner_out = CTX.SimpleQueue(), CTX.SimpleQueue()
     learner = writer = None

@@ -98,7 +98,7 @@ def test_a_writer_stalled_past_the_deadline_loses_only_its_own_items(start_daemo
     slots, its late copy tears no committed row, and its commit is refused:
     its next flush says so, then it inserts as before."""
     d = start_daemon(tables=[{"name": "t", "capacity": 256, "fields": FIELDS}],
-                     reservation_timeout_s=0.5)
+                     reservation_timeout_s=3.0)  # a loaded box may stall a writer 0.5 s
     with d.connect() as slow, d.connect() as other:
         s = slow.table("t")
         rid, _, slots = reserve(s, 16)
@@ -133,7 +133,7 @@ def test_an_insert_after_a_stall_reports_the_loss_once_and_then_inserts(start_da
     reported by the next flush, once; the lease is handed back, and the
     next inserts go into a new reservation."""
     d = start_daemon(tables=[{"name": "t", "capacity": 4096, "fields": FIELDS}],
-                     reservation_timeout_s=0.5)
+                     reservation_timeout_s=3.0)  # a loaded box may stall a writer 0.5 s
     with d.connect() as c:
         t = c.table("t")
         t.insert_batch(rows(np.arange(3)))  # leases 16 slots, 3 of them used

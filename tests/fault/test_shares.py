@@ -224,7 +224,7 @@ def test_a_member_who_fills_the_storage_filesystem_stops_no_durable_sync(start_d
         assert os.statvfs(store).f_bavail == 0
         for lo in range(0, 64 + 4 * 64, 16):
             ids = np.arange(lo, lo + 16)
-            t.insert_batch(rows(ids), priorities=prio(ids), timeout=10)
+            t.insert_batch(rows(ids), priorities=prio(ids), timeout=120)  # each waits for a sync: a hang guard
         c.flush()
         synced = c.sync("f")[0]["items"]
         st = c.stats()["tables"]["f"]

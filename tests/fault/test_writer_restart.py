@@ -75,7 +75,7 @@ def presence_problems(what: str, confirmed: dict, data: dict, torn: np.ndarray, 
 
 
 def test_writers_ride_out_a_daemon_restart(start_daemon, capsys):
-    d = start_daemon(tables=TABLES)
+    d = start_daemon(tables=TABLES, reservation_timeout_s=3600.0)  # writers left idle for many rounds
     seg = {t: d.segment(t) for t in CAPACITY}
     crew = None
     failures: list[str] = []   # torn rows first, then lost items, then errors

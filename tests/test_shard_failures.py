@@ -17,6 +17,8 @@ import pytest
 ray = pytest.importorskip("ray")
 import shmreplay.ray as sray  # noqa: E402
 from shmreplay.errors import RateLimited, ReplayError  # noqa: E402
+from shmreplay.ray.shardhost import node_alive  # noqa: E402
+from shmreplay.wire.peer import EXITED, process_alive, process_state  # noqa: E402
 from daemons import checkout_env  # noqa: E402
 from rayfixtures import cluster3  # noqa: E402,F401 (a fixture)
 from shardkit import FIELDS, LABELS, drain, held, on, rows, write  # noqa: E402
@@ -43,22 +45,13 @@ def fill(t, sizes, priorities, base: int = 0):
                                                   np.full(n, priorities[s])) for s, n in enumerate(sizes)])
 
 
-def gone(pid: int) -> bool:
-    """The process exited: no /proc entry, or a zombie nothing reaped yet."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
-    except FileNotFoundError:
-        return True
-
-
 def test_an_agent_takes_a_zombie_daemon_for_gone():
     """A daemon its parent never reaped answers signals but serves nothing:
     the agent's liveness look (once a ZOMBIE_S) says gone."""
     from shmreplay.ray.shardagent import _alive
     p = subprocess.Popen(["true"])
     try:
-        wait_for(lambda: gone(p.pid), "the child to be a zombie")  # not reaped: its /proc entry stays
+        wait_for(lambda: process_state(p.pid)[0] in EXITED, "the child to be a zombie")  # not reaped yet
         assert _alive(p.pid, zombie_check=False) and not _alive(p.pid, zombie_check=True)
         assert _alive(os.getpid(), zombie_check=True)
     finally:
@@ -245,7 +238,7 @@ def test_a_dead_hosts_daemon_leaves_its_items_to_the_next_start_of_its_instance(
     with sray.ShardedTable.create([first], "kept", capacity=50, fields=FIELDS) as t:
         assert ray.get(write.options(**on("remote_node_1")).remote(t.writer(), np.arange(10))) == 0
     ray.kill(first.host)
-    wait_for(lambda: gone(pid), "the dead host's daemon to stop")
+    wait_for(lambda: not process_alive(pid), "the dead host's daemon to stop")  # exited (a zombie too)
     [again] = sray.start_shards([node], instance=inst)
     try:
         assert ray.get(held.options(**on("remote_node_1")).remote(again.socket, "kept")) == (
@@ -264,8 +257,7 @@ def test_a_shard_whose_node_is_lost_is_named_in_stats_and_the_table_serves_on(cl
         assert set(before.shards.tolist()) == {0, 1, 2}
         cluster3.lose_node(2)
         # Ray's word that the node is dead (the shard is lost, not its agent restarted)
-        wait_for(lambda: not any(n["NodeID"] == shards[2].node and n["Alive"] for n in ray.nodes()),
-                 "Ray to see node 2 dead")
+        wait_for(lambda: not node_alive(shards[2].node), "Ray to see node 2 dead")
         b = t.sample(64)
         assert list(b.missing) == [2] and "lost" in b.missing[2] and set(b.shards.tolist()) <= {0, 1}
         np.testing.assert_allclose(b.probabilities, 1 / 22, rtol=1e-12)

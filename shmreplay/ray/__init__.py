@@ -109,7 +109,8 @@ node for remote actors).
 Sharded tables (one table over several nodes' daemons, sampled as one
 table of their union; docs/scaling.md): ``shardtable.py``
 (``ShardedTable``) with ``shardbook.py`` (a learner's agents and what each
-shard last reported), ``sharddraws.py`` (one batch over the shards) and
+shard last reported), ``shardupdates.py`` (priority updates routed to
+their shards), ``sharddraws.py`` (one batch over the shards) and
 ``shardmath.py`` (how a batch splits by priority mass, and the weights
 against the global minimum); ``shardagent.py`` (a learner's client of one
 shard, on its node); ``shardhost.py`` (a node's shard daemon and ingests:

@@ -35,7 +35,7 @@ import numpy as np
 
 from ..client.client import connect
 from ..errors import DaemonUnavailable, ReplayError, UnknownTable
-from ..wire.peer import process_state
+from ..wire.peer import EXITED, process_state
 
 ANSWER_S = 20.0  # by default, how long an agent waits for its daemon's answer (past a draw's own wait)
 KEY, PROB = "_shard_key", "_shard_p"  # the packed row's key and probability
@@ -51,7 +51,7 @@ def _alive(pid: int, zombie_check: bool) -> bool:
         pass
     # a zombie serves nothing (its parent never reaped it); /proc costs
     # ~20 us, a tenth of a local batch, so it is read once a ZOMBIE_S
-    return not zombie_check or process_state(pid)[0] not in ("Z", "X", "x")
+    return not zombie_check or process_state(pid)[0] not in EXITED
 
 
 def row_dtype(fields: list) -> np.dtype:

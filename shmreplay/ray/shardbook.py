@@ -23,8 +23,9 @@ A call to an agent that fails tells the kind of failure apart:
   last report stands) and the error is the caller's.
 
 Who calls it: the ``ShardedTable`` that owns it: draws and reports from
-one thread at a time (the learner's, or its prefetch thread), priority
-updates from the learner's thread meanwhile.
+one thread at a time (the learner's, or its prefetch thread); its
+``ShardUpdates`` (priority updates, the learner's thread) calls ``get``
+meanwhile.
 """
 
 from __future__ import annotations
@@ -37,8 +38,9 @@ import numpy as np
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from ..errors import DaemonUnavailable, PriorityError, RateLimited, ReplayError, ReplayTimeout
+from ..errors import DaemonUnavailable, RateLimited, ReplayError, ReplayTimeout
 from .shardagent import ANSWER_S, KEY, PROB, ShardAgent, row_dtype
+from .shardhost import node_alive
 
 class Emptied(ReplayError):
     """A shard the split counted on had nothing to draw when asked (its
@@ -61,15 +63,9 @@ class ShardBook:
         self.agents = [ShardAgent(s.socket, name, shard_timeout) if i == self.local else self._start_agent(i)
                        for i, s in enumerate(self.shards)]
         # the local agent's client is one thread's: draws and reports (the
-        # prefetch thread, or the learner's) take it under this lock; the
-        # learner's priority updates go through a client of their own, so
-        # an update never waits for a draw parked in the shard's limiter
+        # prefetch thread, or the learner's) take it under this lock (the
+        # learner's priority updates have a client of their own: shardupdates.py)
         self.local_lock = threading.Lock()
-        self.local_updates = (ShardAgent(self.shards[self.local].socket, name, shard_timeout)
-                              if self.local is not None else None)
-        self.pending: list = []  # priority updates sent to remote agents, not yet seen through
-        self.unflushed: set = set()  # shards updated since the last settle
-        self.updates_lost = 0
 
     count = property(lambda self: len(self.shards))
 
@@ -90,8 +86,7 @@ class ShardBook:
             if i == self.local:
                 with self.local_lock:
                     a.close()
-                self.local_updates.close()
-            elif a is not None:
+            else:
                 ray.kill(a)
         self.agents = [None] * len(self.shards)
 
@@ -112,15 +107,19 @@ class ShardBook:
             except ReplayError as exc:
                 out[self.local] = exc
         for i, ref in refs.items():
-            out[i] = self._get(i, ref, timeout)
+            out[i] = self.get(i, ref, timeout)
         return out
 
-    def _get(self, i: int, ref, timeout):
+    def get(self, i: int, ref, timeout):
+        """The answer of a call ``ref`` to shard i's agent, or the failure
+        as a value: the exception it raised (unwrapped), DaemonUnavailable
+        for no answer within ``timeout`` or an agent that died (the shard
+        lost when its node did)."""
         try:
             return ray.get(ref, timeout=timeout)
         except ray.exceptions.GetTimeoutError:
             ray.cancel(ref)
-            if not self._node_alive(i):  # an agent on a node that died before Ray told its callers
+            if not node_alive(self.shards[i].node):  # an agent on a node that died before Ray told its callers
                 return self._agent_died(i, DaemonUnavailable("no answer"))
             return DaemonUnavailable(f"shard {i} (node {self.shards[i].node[:12]}) did not answer within {timeout} s")
         except ray.exceptions.RayTaskError as exc:
@@ -129,12 +128,9 @@ class ShardBook:
         except ray.exceptions.RayActorError as exc:
             return self._agent_died(i, exc)
 
-    def _node_alive(self, i: int) -> bool:
-        return any(n["NodeID"] == self.shards[i].node and n["Alive"] for n in ray.nodes())
-
     def _agent_died(self, i: int, exc) -> DaemonUnavailable:
         node = self.shards[i].node
-        if not self._node_alive(i):
+        if not node_alive(node):
             self.lost[i] = {"node": node, "why": f"its node is gone: {type(exc).__name__}",
                             "items": self.last[i].get("size", 0)}
             self.agents[i] = None
@@ -180,7 +176,7 @@ class ShardBook:
             except ReplayError as exc:
                 answers[self.local] = exc
         for i, ref in calls.items():
-            answers[i] = self._get(i, ref, None if wait is None else wait + self.call_s)
+            answers[i] = self.get(i, ref, None if wait is None else wait + self.call_s)
         got, failed, fresh = {}, {}, {}
         for i, a in answers.items():
             if isinstance(a, BaseException):
@@ -223,74 +219,6 @@ class ShardBook:
             return {"down": f"shard {i} reported {bad}: left out"}
         self.last[i] = r
         return r
-
-    # ---- priority updates ----
-    def update(self, keys, priorities, shards) -> None:
-        """New priorities to the shards the keys came from; what earlier
-        updates to remote shards raised comes up here (bad priorities), a
-        shard out of service drops them (counted: ``updates_lost``)."""
-        keys = np.ascontiguousarray(keys, np.uint64)
-        prios = np.ascontiguousarray(priorities, np.float64)
-        where = np.ascontiguousarray(shards, np.int64)
-        if not keys.shape == prios.shape == where.shape or keys.ndim != 1:
-            raise PriorityError(f"keys, priorities and shards must be 1-d and as long: got {keys.shape}, "
-                                f"{prios.shape}, {where.shape}")
-        if not np.all(np.isfinite(prios)) or np.any(prios < 0):
-            raise PriorityError("priorities must be finite and >= 0 (no NaN, no inf)")
-        if where.size and (where.min() < 0 or where.max() >= self.count):
-            raise PriorityError(f"shards must be 0..{self.count - 1} (a batch's ``shards``), got {where.max()}")
-        self._settle(0)
-        for i in np.unique(where):
-            i = int(i)
-            if i in self.lost:
-                self.updates_lost += int(np.count_nonzero(where == i))
-                continue
-            sel = where == i
-            if i == self.local:
-                try:
-                    self.local_updates.update(keys[sel], prios[sel])
-                except DaemonUnavailable:
-                    self.updates_lost += int(np.count_nonzero(sel))
-            else:
-                self.pending.append((i, int(np.count_nonzero(sel)), self.agents[i].update.remote(keys[sel], prios[sel])))
-            self.unflushed.add(i)
-
-    def settle(self, timeout: float | None = None) -> None:
-        """Return once every update sent so far is applied by its shard's
-        daemon (``ShardedTable.flush``): each agent's calls seen through,
-        then a flush of each shard updated since the last settle (an
-        agent's calls run in order: its flush runs after its updates)."""
-        timeout = self.call_s if timeout is None else timeout
-        shards, self.unflushed = sorted(self.unflushed - set(self.lost)), set()
-        refs = {i: self.agents[i].flush.remote() for i in shards if i != self.local}
-        self._settle(timeout)
-        if self.pending:
-            raise ReplayTimeout(f"priority updates to shards {sorted({i for i, _, _ in self.pending})} were not "
-                                f"applied within {timeout} s; flush() again to wait longer")
-        if self.local in shards:
-            try:
-                self.local_updates.flush()
-            except DaemonUnavailable:
-                pass  # its updates are lost with the daemon, as a local table's
-        for i, ref in refs.items():
-            r = self._get(i, ref, timeout)
-            if isinstance(r, BaseException) and not isinstance(r, DaemonUnavailable):
-                raise r
-
-    def _settle(self, timeout: float) -> None:
-        keep = []
-        for i, n, ref in self.pending:
-            ready, _ = ray.wait([ref], timeout=timeout)
-            if not ready:
-                keep.append((i, n, ref))
-                continue
-            r = self._get(i, ref, 0)
-            if isinstance(r, DaemonUnavailable):
-                self.updates_lost += n
-            elif isinstance(r, BaseException):
-                self.pending = keep
-                raise r
-        self.pending = keep
 
 
 def _bad_report(r) -> str | None:

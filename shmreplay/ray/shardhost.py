@@ -207,6 +207,12 @@ def start_shards(nodes: list[str] | None = None, auto_restart: bool = True, inst
     return _hosts([(node, None) for node in nodes], options, auto_restart)
 
 
+def node_alive(node: str) -> bool:
+    """Whether Ray counts the node ``node`` alive (a shard's node lost for
+    good is not)."""
+    return any(n["NodeID"] == node and n["Alive"] for n in ray.nodes())
+
+
 def attach_shards(sockets) -> list[Shard]:
     """Shards on daemons the operator runs (a systemd service on each box):
     ``sockets``, (Ray node id, that daemon's socket path there) pairs, or a

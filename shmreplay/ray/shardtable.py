@@ -51,6 +51,7 @@ from ..schema import make_spec, spec_from_wire
 from .sharddraws import ShardBatch, ShardDraws
 from .shardagent import ANSWER_S
 from .shardbook import ShardBook
+from .shardupdates import ShardUpdates
 from .shardwriter import ShardedWriter
 
 JOIN_S = 5.0  # the longest close() waits for the prefetch thread's draw
@@ -83,6 +84,7 @@ class ShardedTable:
         self.spec = good[0]
         self.book.bind(self.spec.fields)
         self.draws = ShardDraws(self.book, self.spec.fields, self.spec.sampler in ("fifo", "lifo"), seed, split)
+        self.updates = ShardUpdates(self.book)
         self.drawing = threading.Lock()  # ShardDraws is one thread's at a time
 
     @classmethod
@@ -155,11 +157,11 @@ class ShardedTable:
     def update_priorities(self, keys, priorities, shards) -> None:
         """New priorities for sampled keys, each to the shard it came from
         (``shards``: the batch's); keys replaced since are skipped."""
-        self.book.update(keys, priorities, shards)
+        self.updates.update(keys, priorities, shards)
 
     def flush(self) -> None:
         """Wait until every priority update sent so far is applied."""
-        self.book.settle()
+        self.updates.settle()
 
     def writer(self, chunk: int = 64, in_flight: int = 2) -> ShardedWriter:
         """A writer for one producer (shardwriter.py says where rows go)."""
@@ -198,7 +200,7 @@ class ShardedTable:
                 "inserts": sum(e["inserts"] for e in live), "samples": sum(e["samples"] for e in live),
                 "lost": {i: dict(v) for i, v in lost.items()},
                 "items_lost": sum(v["items"] for v in lost.values()),
-                "updates_lost": self.book.updates_lost}
+                "updates_lost": self.updates.lost}
 
     def checkpoint(self, to: str) -> dict:
         """A checkpoint of each shard's table into ``to`` on its own node:
@@ -238,6 +240,7 @@ class ShardedTable:
 
     def close(self) -> None:
         """Stop this learner's agents (the tables stay)."""
+        self.updates.close()
         self.book.close()
 
     def __enter__(self) -> "ShardedTable":

@@ -31,6 +31,7 @@ import ray
 
 from ..client.client import connect
 from ..errors import ReplayError
+from .shardhost import node_alive
 from .writer import ChunkRefused, RemoteWriter
 
 INGEST_S = 60.0  # the longest a writer waits for a shard host to hand it the shard's ingest
@@ -72,7 +73,7 @@ class ShardedWriter:
                 except ray.exceptions.RayActorError:
                     pass  # that shard's host (node) is gone
                 except ray.exceptions.GetTimeoutError:
-                    if any(n["NodeID"] == self.shards[i].node and n["Alive"] for n in ray.nodes()):
+                    if node_alive(self.shards[i].node):
                         raise ReplayError(f"shard {i}'s host (node {self.shards[i].node[:12]}, alive) gave no "
                                           f"ingest for table {self.name!r} within {INGEST_S} s: is its node "
                                           "overloaded? write again to retry") from None
@@ -133,8 +134,7 @@ class ShardedWriter:
         """After ``ChunkRefused`` from a shard's writer: the shard leaves the
         rotation if its node is gone for good; else the refusal stands
         (re-raised: call it inside the ``except``)."""
-        node = self.shards[shard].node
-        if any(n["NodeID"] == node and n["Alive"] for n in ray.nodes()):
+        if node_alive(self.shards[shard].node):
             raise
         self.turn.remove(shard)
         del self.writers[shard]

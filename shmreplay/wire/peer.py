@@ -42,6 +42,7 @@ def groups(sock: socket.socket, most: int = 1024) -> set[int]:
 
 
 PID_MAX = 1 << 22  # the kernel's largest pid_max
+EXITED = ("Z", "X", "x")  # /proc states of a process that runs no more: a zombie, dead
 
 
 def process_state(pid: int) -> tuple[str, int]:
@@ -74,4 +75,4 @@ def process_alive(pid: int, start: int = 0) -> bool:
     parent or init reaps nothing (a container without one) it stays a
     zombie for good, which must not keep its slots or tables held."""
     state, now = process_state(pid)
-    return now != 0 and state not in ("Z", "X", "x") and (start == 0 or now == start)
+    return now != 0 and state not in EXITED and (start == 0 or now == start)
